@@ -1,0 +1,8 @@
+"""edgespec: speculative decoding for language models on the devices people own."""
+__version__ = "0.1.0"
+
+from edgespec.runtime.engine import GenerationConfig  # noqa: E402
+from edgespec.runtime.errors import EdgespecError  # noqa: E402
+from edgespec.runtime.pipeline import Pipeline, load  # noqa: E402
+
+__all__ = ["__version__", "EdgespecError", "GenerationConfig", "Pipeline", "load"]

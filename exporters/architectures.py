@@ -1,0 +1,47 @@
+"""Which graph builder serves which Hugging Face architecture. Each overrides only what differs."""
+from __future__ import annotations
+
+from edgespec.runtime.errors import ExportError, UnsupportedArchitectureError
+
+from .llama import LlamaBuilder
+
+
+class Qwen2Builder(LlamaBuilder):
+    architecture = "qwen2"
+    qkv_bias = True  # Qwen2 adds a bias to its q, k and v projections
+
+
+class MistralBuilder(LlamaBuilder):
+    architecture = "mistral"
+
+    def sliding_window(self, cfg) -> int | None:
+        window = getattr(cfg, "sliding_window", None)
+        # Attention beyond the window would need a banded mask; until then the context stays inside it.
+        if window is not None and self_context_exceeds(window, self._requested_context):
+            raise ExportError(f"this Mistral model attends within a sliding window of {window} tokens; "
+                              f"export it with --context {window} or less")
+        return window
+
+    def __init__(self, model, max_context: int):
+        self._requested_context = max_context
+        super().__init__(model, max_context)
+
+
+def self_context_exceeds(window: int, context: int) -> bool:
+    return context > window
+
+
+BUILDERS = {
+    "LlamaForCausalLM": LlamaBuilder,
+    "Qwen2ForCausalLM": Qwen2Builder,
+    "MistralForCausalLM": MistralBuilder,
+}
+
+
+def builder_for(model, max_context: int) -> LlamaBuilder:
+    names = list(getattr(model.config, "architectures", None) or [type(model).__name__])
+    for name in names:
+        if name in BUILDERS:
+            return BUILDERS[name](model, max_context)
+    raise UnsupportedArchitectureError(
+        f"architecture {', '.join(names)} is not supported; edgespec exports {', '.join(sorted(BUILDERS))}")

@@ -1,0 +1,102 @@
+"""Writes a bundle: graphs, weights, tokenizer, manifest, checksums — into a temporary folder that is
+moved into place only when complete, so a failed export leaves nothing half-written."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+
+from edgespec import __version__
+from edgespec.runtime.bundle import MANIFEST, SCHEMA_VERSION, sha256_file
+from edgespec.runtime.errors import ExportError
+from edgespec.runtime.tree import Topology
+from edgespec.targets.profiles import DeviceProfile
+
+from .llama import LlamaBuilder
+from .weights import write_weights
+
+
+def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str) -> dict:
+    """Writes `role`.onnx and `role`.weights; returns the manifest entry."""
+    graph = builder.build(f"edgespec_{role}")
+    weights_file = f"{role}.weights"
+    refs = write_weights(folder / weights_file, graph.weights)
+    model = graph.to_model(refs)
+    onnx.save_model(model, folder / f"{role}.onnx")
+    onnx.checker.check_model(str(folder / f"{role}.onnx"))
+    return {
+        "facts": builder.facts.to_dict(),
+        "source": source,
+        "graph": {
+            "file": f"{role}.onnx",
+            "weights": [weights_file],
+            "inputs": {i.name: _shape(i) for i in model.graph.input},
+            "outputs": {o.name: _shape(o) for o in model.graph.output},
+            "quantization": {"scheme": "fp32"},
+        },
+    }
+
+
+def _shape(value: onnx.ValueInfoProto) -> dict:
+    dims = [d.dim_param if d.dim_param else d.dim_value for d in value.type.tensor_type.shape.dim]
+    return {"dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name, "shape": dims}
+
+
+def write_tokenizer(folder: Path, tokenizer, model) -> dict:
+    tokenizer.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one serves chat
+        template = template.get("default")
+    if template:
+        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    eos = set()
+    for source in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
+                   tokenizer.eos_token_id):
+        if source is not None:
+            eos.update(source if isinstance(source, (list, tuple)) else [source])
+    # Whether the tokenizer itself prepends a BOS is read off its behaviour, not its config flags.
+    probe_plain = tokenizer("a", add_special_tokens=False).input_ids
+    probe_full = tokenizer("a").input_ids
+    add_bos = bool(tokenizer.bos_token_id is not None and probe_full[:1] == [tokenizer.bos_token_id]
+                   and probe_plain[:1] != [tokenizer.bos_token_id])
+    return {"file": "tokenizer.json", "chat_template": "chat_template.jinja" if template else None,
+            "bos_token": tokenizer.bos_token, "eos_token_ids": sorted(int(e) for e in eos), "add_bos_token": add_bos}
+
+
+def check_compatible(target_tok, draft_tok) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ExportError("the draft's tokenizer differs from the target's: a draft must share the target's vocabulary")
+
+
+def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Topology, prefill_chunk: int) -> Path:
+    """`fill(tmp_folder)` writes graphs and tokenizer into a temporary folder and returns the manifest's
+    model sections; this function adds the manifest and checksums and moves the folder into place."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        sections = fill(tmp)
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "edgespec_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "profile": profile.to_dict(),
+            "tree": tree.to_dict(),
+            "steps": {"prefill_chunk": prefill_chunk},
+            **sections,
+        }
+        manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,74 @@
+"""`edgespec export`: target (+ draft) model -> device bundle."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgespec.runtime.errors import ExportError
+from edgespec.runtime.tree import parse_tree_spec
+from edgespec.targets.profiles import get_profile
+
+from .architectures import builder_for
+from .bundle_writer import check_compatible, write_bundle, write_model, write_tokenizer
+from .sources import resolve_source
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    model: str
+    draft: str  # a model spec, or "ngram"
+    out: Path
+    tree: str = "chain:4"
+    context: int = 2048
+    profile: str = "cpu"
+    prefill_chunk: int = 64
+    force: bool = False
+    cache_dir: Path = Path.home() / ".cache" / "edgespec"
+
+
+def _say(message: str, started: float) -> None:
+    print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def export(config: ExportConfig) -> Path:
+    started = time.perf_counter()
+    try:
+        topology = parse_tree_spec(config.tree)
+    except ValueError as err:
+        raise ExportError(str(err)) from err
+    if config.context < topology.size + 2:
+        raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes")
+    if config.prefill_chunk < 2:
+        raise ExportError("the prefill chunk must be at least 2 tokens")
+    profile = get_profile(config.profile)
+    target_source = resolve_source(config.model, config.cache_dir)
+    draft_source = None if config.draft == "ngram" else resolve_source(config.draft, config.cache_dir)
+
+    def fill(folder: Path) -> dict:
+        _say(f"loading target: {target_source.description}", started)
+        target, tokenizer = target_source.load()
+        target_builder = builder_for(target, config.context)
+        sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
+        _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
+             f"{sum(v.size for v in target_builder.state.values()) / 1e6:.0f}M parameters)", started)
+        sections["target"] = write_model(folder, "target", target_builder, target_source.description)
+        if draft_source is None:
+            sections["draft"] = {"kind": "ngram"}
+        else:
+            _say(f"loading draft: {draft_source.description}", started)
+            draft, draft_tokenizer = draft_source.load()
+            check_compatible(tokenizer, draft_tokenizer)
+            draft_builder = builder_for(draft, config.context)
+            if draft_builder.facts.vocab_size != target_builder.facts.vocab_size:
+                raise ExportError(f"the draft's vocabulary ({draft_builder.facts.vocab_size}) differs from the "
+                                  f"target's ({target_builder.facts.vocab_size})")
+            _say("writing draft graph", started)
+            sections["draft"] = {"kind": "model", **write_model(folder, "draft", draft_builder, draft_source.description)}
+        _say("writing manifest and checksums", started)
+        return sections
+
+    out = write_bundle(config.out, config.force, fill, profile, topology, config.prefill_chunk)
+    _say(f"bundle written to {out}", started)
+    return out

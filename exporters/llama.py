@@ -1,0 +1,175 @@
+"""ONNX graphs for Llama-family decoders, built node by node from the checkpoint's weights.
+
+One builder writes every graph of a model: a graph takes N new tokens (N static, or symbolic for
+CPU profiles), their position ids, the [past + N] attention mask and the past keys/values, and
+returns logits and the keys/values of the N new tokens only. The runtime owns the cache.
+
+    inputs:  input_ids [1, N] int64, position_ids [1, N] int64,
+             attention_mask [N, P + N] bool (True = may attend),
+             past_key_{l}, past_value_{l} [P, kv_heads, head_dim] float32   (token-major)
+             logit_rows [R] int64       (which of the N rows need logits: the last for prefill)
+    outputs: logits [1, R, V], new_kv [layers, 2, N, kv_heads, head_dim] float32
+
+Token-major caches make the valid prefix of a preallocated cache a contiguous slice, so the runtime
+hands ORT exactly the P valid rows without copying.
+
+Subclasses override only what differs from Llama (see `qwen2.py`, `mistral.py`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edgespec.runtime.facts import ModelFacts
+
+from .onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
+
+
+class LlamaBuilder:
+    architecture = "llama"
+    qkv_bias = False
+
+    def __init__(self, model, max_context: int):
+        """`model` is a transformers *ForCausalLM in float32."""
+        self.model = model
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        self.facts = ModelFacts(
+            architecture=self.architecture,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            max_context=max_context,
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            sliding_window=self.sliding_window(cfg),
+        )
+        self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+    # --- what subclasses may override -------------------------------------------------------
+    def sliding_window(self, cfg) -> int | None:
+        return None
+
+    def rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [max_context, head_dim], computed by the model's own rotary module so that every
+        rope variant transformers knows (llama3, yarn, linear, ...) is reproduced exactly."""
+        import torch
+
+        positions = torch.arange(self.facts.max_context).unsqueeze(0)
+        probe = torch.zeros(1, 1, self.facts.head_dim)
+        with torch.no_grad():
+            cos, sin = self.model.model.rotary_emb(probe, positions)
+        return cos[0].float().numpy(), sin[0].float().numpy()
+
+    def layer_weights(self, i: int) -> dict[str, np.ndarray]:
+        s, p = self.state, f"model.layers.{i}."
+        qkv = np.concatenate([s[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0).T
+        out = {
+            "input_norm": s[p + "input_layernorm.weight"],
+            "qkv": qkv,
+            "o": s[p + "self_attn.o_proj.weight"].T,
+            "post_norm": s[p + "post_attention_layernorm.weight"],
+            "gate_up": np.concatenate([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]], axis=0).T,
+            "down": s[p + "mlp.down_proj.weight"].T,
+        }
+        if self.qkv_bias:
+            out["qkv_bias"] = np.concatenate([s[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        return out
+
+    # --- the graph ---------------------------------------------------------------------------
+    def build(self, name: str, nodes: int | str = "nodes") -> GraphBuilder:
+        f = self.facts
+        g = GraphBuilder(name)
+        ids = g.input("input_ids", INT64, [1, nodes])
+        pos = g.input("position_ids", INT64, [1, nodes])
+        mask = g.input("attention_mask", BOOL, [nodes, "total"])
+        past = [
+            (g.input(f"past_key_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]),
+             g.input(f"past_value_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]))
+            for l in range(f.num_layers)
+        ]
+        logit_rows = g.input("logit_rows", INT64, ["rows"])
+
+        embed = g.weight("embed_tokens", self.state["model.embed_tokens.weight"])
+        x = g.op("Gather", [embed, ids], "embed", axis=0)  # [1, N, H]
+        cos_table, sin_table = self.rope_tables()
+        half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half
+        rope = (g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half]), pos)
+        keep = g.op("Unsqueeze", [mask, g.const([0, 1])])  # [1, 1, N, P+N]
+
+        new_kv = []
+        for l in range(f.num_layers):
+            w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
+            h = self.rms_norm(g, x, w["input_norm"])
+            attn, k_new, v_new = self.attention(g, h, w, rope, keep, past[l])
+            x = g.op("Add", [x, attn], "resid")
+            h = self.rms_norm(g, x, w["post_norm"])
+            x = g.op("Add", [x, self.mlp(g, h, w)], "resid")
+            new_kv += [k_new, v_new]
+
+        x = self.rms_norm(g, x, g.weight("final_norm", self.state["model.norm.weight"]))
+        x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
+        logits = self.lm_head(g, x)
+        g.output(logits, "logits", FLOAT, [1, "rows", f.vocab_size])
+        stacked = g.op("Concat", new_kv, axis=0)  # [layers * 2 * N, kvH, D]
+        stacked = g.op("Reshape", [stacked, g.const([f.num_layers, 2, -1, f.num_kv_heads, f.head_dim])])
+        g.output(stacked, "new_kv", FLOAT, [f.num_layers, 2, nodes, f.num_kv_heads, f.head_dim])
+        return g
+
+    def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
+        # Written out so onnxruntime fuses it into SimplifiedLayerNormalization.
+        var = g.op("ReduceMean", [g.op("Pow", [x, g.const(2.0, np.float32)]), g.const([-1])], keepdims=1)
+        std = g.op("Sqrt", [g.op("Add", [var, g.const(self.facts.rms_norm_eps, np.float32)])])
+        return g.op("Mul", [g.op("Div", [x, std]), weight], "norm")
+
+    def rotate(self, g: GraphBuilder, x: str, rope: tuple[str, str, str], heads: int) -> str:
+        """HF's x * cos + rotate_half(x) * sin on [1, N, heads * D], as one fused kernel."""
+        cos, sin, pos = rope
+        return g.op("RotaryEmbedding", [x, pos, cos, sin], "rope", domain="com.microsoft", num_heads=heads)
+
+    def attention(self, g, h, w, rope, keep, past):
+        f = self.facts
+        heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
+        group = heads // kv_heads
+        qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
+        if "qkv_bias" in w:
+            qkv = g.op("Add", [qkv, w["qkv_bias"]], "qkv")
+        q, k, v = g.op("Split", [qkv, g.const([heads * d, kv_heads * d, kv_heads * d])], n_out=3, axis=-1)
+        q = self.rotate(g, q, rope, heads)
+        k_new = g.op("Reshape", [self.rotate(g, k, rope, kv_heads), g.const([-1, kv_heads, d])])  # [N, kvH, D]
+        v_new = g.op("Reshape", [v, g.const([-1, kv_heads, d])])
+
+        # Query heads h = kv * group + j share kv head `kv` (HF's repeat_kv order).
+        q = g.op("Reshape", [q, g.const([-1, kv_heads, group, d])])
+        q = g.op("Transpose", [q], perm=[1, 2, 0, 3])  # [kvH, group, N, D]
+        q = g.op("Mul", [q, g.const(d ** -0.5, np.float32)])
+        keys = g.op("Concat", [past[0], k_new], axis=0)  # [P+N, kvH, D]
+        values = g.op("Concat", [past[1], v_new], axis=0)
+        keys_t = g.op("Unsqueeze", [g.op("Transpose", [keys], perm=[1, 2, 0]), g.const([1])])  # [kvH, 1, D, P+N]
+        values = g.op("Unsqueeze", [g.op("Transpose", [values], perm=[1, 0, 2]), g.const([1])])  # [kvH, 1, P+N, D]
+        scores = g.op("MatMul", [q, keys_t], "scores")  # [kvH, group, N, P+N]
+        scores = g.op("Where", [keep, scores, g.const(-np.inf, np.float32)])
+        probs = g.op("Softmax", [scores], axis=-1)
+        out = g.op("MatMul", [probs, values], "attn")  # [kvH, group, N, D]
+        out = g.op("Transpose", [out], perm=[2, 0, 1, 3])  # [N, kvH, group, D]
+        out = g.op("Reshape", [out, g.const([1, -1, heads * d])])
+        return g.op("MatMul", [out, w["o"]], "o_proj"), k_new, v_new
+
+    def mlp(self, g, h, w):
+        gate_up = g.op("MatMul", [h, w["gate_up"]], "gate_up")
+        size = self.facts.intermediate_size
+        gate, up = g.op("Split", [gate_up, g.const([size, size])], n_out=2, axis=-1)
+        act = g.op("Mul", [gate, g.op("Sigmoid", [gate])], "silu")
+        return g.op("MatMul", [g.op("Mul", [act, up]), w["down"]], "down")
+
+    def lm_head(self, g, x):
+        f = self.facts
+        name = "embed_tokens" if f.tie_word_embeddings else g.weight("lm_head", self.state["lm_head.weight"])
+        flat = g.op("Reshape", [x, g.const([-1, f.hidden_size])])
+        logits = g.op("Gemm", [flat, name], transB=1)
+        return g.op("Reshape", [logits, g.const([1, -1, f.vocab_size])])

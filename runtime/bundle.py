@@ -1,0 +1,127 @@
+"""Loading a bundle: the manifest is the only description of the graphs the runtime trusts.
+
+Every file's sha256 is checked before a byte of it is used; an unknown schema version is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BundleError
+from .facts import ModelFacts
+from .tokenizer import TokenizerSpec
+from .tree import Topology
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    file: str
+    weights: tuple[str, ...]
+    inputs: dict
+    outputs: dict
+    quantization: dict
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GraphSpec":
+        return cls(file=data["file"], weights=tuple(data.get("weights", ())), inputs=data["inputs"],
+                   outputs=data["outputs"], quantization=data.get("quantization", {"scheme": "fp32"}))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """The target, or a draft model."""
+
+    facts: ModelFacts
+    graph: GraphSpec
+    source: str
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelEntry":
+        return cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
+                   source=data.get("source", ""))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    raw: dict
+    target: ModelEntry
+    draft: ModelEntry | None  # None: a training-free drafter
+    drafter: str  # "model" or "ngram"
+    tree: Topology
+    prefill_chunk: int
+    tokenizer: TokenizerSpec
+    profile: str
+    files: dict[str, str]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise BundleError(f"unknown bundle schema version {version!r}: this edgespec reads version "
+                              f"{SCHEMA_VERSION}; re-export the bundle or upgrade edgespec")
+        try:
+            draft = data.get("draft")
+            return cls(
+                raw=data,
+                target=ModelEntry.from_dict(data["target"]),
+                draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
+                drafter=draft["kind"] if draft else "ngram",
+                tree=Topology(tuple(data["tree"]["parents"])),
+                prefill_chunk=int(data["steps"]["prefill_chunk"]),
+                tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
+                profile=data["profile"]["name"],
+                files=dict(data["files"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise BundleError(f"the manifest is malformed: {err!r}") from err
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(folder: Path) -> Manifest:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise BundleError(f"no bundle at {folder}: expected a folder holding {MANIFEST}")
+    path = folder / MANIFEST
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BundleError(f"{folder} is not a bundle: it has no {MANIFEST}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BundleError(f"cannot read {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise BundleError(f"{path} does not hold a JSON object")
+    return Manifest.from_dict(data)
+
+
+def verify_files(folder: Path, manifest: Manifest) -> None:
+    """Checks that every file the manifest names is present and has its recorded sha256."""
+    for name, expected in manifest.files.items():
+        path = Path(folder) / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise BundleError(f"the manifest names a file outside the bundle: {name}")
+        if not path.is_file():
+            raise BundleError(f"the bundle is incomplete: {name} is missing")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise BundleError(f"checksum mismatch for {name}: the file is corrupted or was modified "
+                              f"(expected sha256 {expected[:12]}..., found {actual[:12]}...)")
+
+
+def open_bundle(folder) -> Manifest:
+    """Reads and verifies a bundle; nothing is loaded before this returns."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    verify_files(folder, manifest)
+    return manifest

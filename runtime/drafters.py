@@ -1,0 +1,157 @@
+"""Drafters propose a token tree; the target verifies it. One small protocol, several proposers.
+
+State ownership: the engine owns the committed token list and passes it in; a draft-model drafter
+owns its draft KV cache, whose `length` is how many committed tokens it has already consumed
+(tree rows it adds while drafting are rolled back before `propose` returns).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .kvcache import KVCache
+from .model import ModelRunner, prefill
+from .tree import Topology, Tree
+
+
+class Drafter(Protocol):
+    def propose(self, committed: list[int]) -> Tree:
+        """A tree whose root is committed[-1], shaped as (a subset closed under parents of) the topology."""
+
+    def observe(self, accepted: list[int]) -> None:
+        """The tokens committed by the last step (accepted drafts and the bonus token)."""
+
+    def rewind(self, length: int) -> None:
+        """Forget every committed token from index `length` on (a new turn edited the context)."""
+
+
+class NoDrafter:
+    """Plain decoding: the tree is the root alone."""
+
+    def propose(self, committed: list[int]) -> Tree:
+        return Tree.from_parents((-1,), [committed[-1]])
+
+    def observe(self, accepted: list[int]) -> None:
+        pass
+
+    def rewind(self, length: int) -> None:
+        pass
+
+
+def grow_tree(topology: Topology, root: int, candidates) -> Tree:
+    """Fills the topology level by level: node i's children take the first len(children) tokens of
+    candidates(path tokens from root to i). Children without a candidate are dropped with their
+    subtrees, so the tree shrinks when the drafter has nothing to say."""
+    parents, tokens, kept = [-1], [root], {0: 0}
+    for level in topology.levels[1:]:
+        by_parent: dict[int, list[int]] = {}
+        for node in level:
+            by_parent.setdefault(topology.parents[node], []).append(node)
+        for parent, kids in by_parent.items():
+            if parent not in kept:
+                continue
+            path = [tokens[i] for i in _path(parents, kept[parent])]
+            for node, token in zip(kids, candidates(path, len(kids))):
+                kept[node] = len(tokens)
+                parents.append(kept[parent])
+                tokens.append(token)
+    return Tree.from_parents(tuple(parents), tokens)
+
+
+def _path(parents, node):
+    out = []
+    while node != -1:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the current suffix the way it continued earlier in the context.
+
+    An index from every n-gram (n = min_n..max_n) to the positions that followed it keeps each
+    lookup O(1); siblings are the distinct continuations, most recent first.
+    """
+
+    def __init__(self, topology: Topology, max_n: int = 3, min_n: int = 1):
+        self.topology = topology
+        self.max_n, self.min_n = max_n, min_n
+        self.context: list[int] = []
+        self.index: dict[tuple[int, ...], list[int]] = {}
+
+    def _index_upto(self, committed: list[int]) -> None:
+        # positions p whose token context[p] follows the n-gram ending at p - 1
+        for p in range(len(self.context), len(committed)):
+            self.context.append(committed[p])
+            for n in range(self.min_n, self.max_n + 1):
+                if p - n >= 0:
+                    self.index.setdefault(tuple(self.context[p - n : p]), []).append(p)
+
+    def candidates(self, path: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed (committed context + path) before; path starts at the root."""
+        seq_tail = (self.context[-self.max_n :] + list(path))[-self.max_n :]
+        found: list[int] = []
+        for n in range(min(self.max_n, len(seq_tail)), self.min_n - 1, -1):
+            for p in reversed(self.index.get(tuple(seq_tail[-n:]), ())):
+                token = self.context[p]
+                if token not in found:
+                    found.append(token)
+                    if len(found) == k:
+                        return found
+        return found
+
+    def propose(self, committed: list[int]) -> Tree:
+        # The root itself is not indexed yet: its continuation is what we are guessing.
+        self._index_upto(committed[:-1])
+        return grow_tree(self.topology, committed[-1], self.candidates)
+
+    def observe(self, accepted: list[int]) -> None:
+        pass
+
+    def rewind(self, length: int) -> None:
+        if length < len(self.context):
+            self.context, self.index = [], {}  # rebuilt lazily by the next propose
+
+
+class ModelDrafter:
+    """A draft model proposes the top-k tokens of its own distribution at every node."""
+
+    def __init__(self, runner: ModelRunner, cache: KVCache, topology: Topology, prefill_chunk: int):
+        self.runner, self.cache, self.topology, self.chunk = runner, cache, topology, prefill_chunk
+
+    def propose(self, committed: list[int]) -> Tree:
+        cache, topo = self.cache, self.topology
+        # 1. catch up on committed tokens the draft has not seen (prompt, accepted tokens, bonus)
+        logits = prefill(self.runner, cache, committed[cache.length :], self.chunk)
+        committed_len = cache.length
+        # 2. expand level by level; tree rows live in the cache only until we return
+        tokens = np.zeros(topo.size, dtype=np.int64)
+        tokens[0] = committed[-1]
+        node_logits = {0: logits}
+        fed: list[int] = []  # tree nodes whose rows are in the cache, in row order
+        for depth, level in enumerate(topo.levels[1:], start=1):
+            for parent in {topo.parents[n] for n in level}:
+                kids = topo.children[parent]
+                top = np.argpartition(-node_logits[parent], len(kids))[: len(kids)]
+                top = top[np.argsort(-node_logits[parent][top], kind="stable")]
+                tokens[list(kids)] = top
+            if depth == topo.max_depth:
+                break
+            level = list(level)
+            anc = topo.ancestor_mask
+            past_mask = np.concatenate([np.ones((len(level), committed_len), bool),
+                                        anc[np.ix_(level, fed)]], axis=1)
+            out = self.runner.forward(cache, tokens[level], committed_len + topo.depths[level],
+                                      anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask)
+            cache.append(out.new_kv, range(len(level)))
+            fed += level
+            node_logits.update(zip(level, out.logits))
+        cache.trim(committed_len)
+        return Tree(topo, tokens)
+
+    def observe(self, accepted: list[int]) -> None:
+        pass
+
+    def rewind(self, length: int) -> None:
+        self.cache.trim(min(self.cache.length, length))

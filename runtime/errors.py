@@ -1,0 +1,21 @@
+"""The errors edgespec raises on bad input. Each names what was wrong and what to do about it."""
+
+
+class EdgespecError(Exception):
+    """Base class: every error a user can cause is one of these, with a message meant for them."""
+
+
+class BundleError(EdgespecError):
+    """The bundle is missing, unreadable, corrupted or of an unknown schema."""
+
+
+class ExportError(EdgespecError):
+    """The exporter cannot produce a bundle from the given model(s) or arguments."""
+
+
+class UnsupportedArchitectureError(ExportError):
+    """The model's architecture has no graph builder."""
+
+
+class ContextOverflowError(EdgespecError):
+    """The prompt (or prompt + generation) does not fit the bundle's context."""

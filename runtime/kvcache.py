@@ -1,0 +1,52 @@
+"""A caller-owned KV cache: one preallocated array per model, rollback is a pointer move.
+
+Layout [layers, 2 (key/value), capacity, kv_heads, head_dim], token-major inside each layer, so the
+valid prefix `data[l, 0, :length]` is one contiguous block that onnxruntime reads without a copy.
+The cache owns exactly one number, `length`: how many rows (tokens) are valid.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ContextOverflowError
+from .facts import ModelFacts
+
+
+class KVCache:
+    def __init__(self, facts: ModelFacts, capacity: int):
+        self.capacity = capacity
+        # np.zeros maps untouched pages lazily: only rows that are written become resident.
+        self.data = np.zeros((facts.num_layers, 2, capacity, facts.num_kv_heads, facts.head_dim), np.float32)
+        self.length = 0
+
+    def past(self) -> dict[str, np.ndarray]:
+        """The graph inputs for the valid prefix."""
+        feed = {}
+        for layer in range(self.data.shape[0]):
+            feed[f"past_key_{layer}"] = self.data[layer, 0, : self.length]
+            feed[f"past_value_{layer}"] = self.data[layer, 1, : self.length]
+        return feed
+
+    def room(self) -> int:
+        return self.capacity - self.length
+
+    def append(self, new_kv: np.ndarray, rows) -> None:
+        """Keeps rows `rows` (indices into new_kv's token axis) of a pass's new keys/values, in order.
+
+        After a tree pass, `rows` is the accepted path: the cache is compacted to it.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        end = self.length + len(rows)
+        if end > self.capacity:
+            raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {end} were needed")
+        if len(rows) and rows[0] == 0 and np.all(np.diff(rows) == 1):
+            self.data[:, :, self.length : end] = new_kv[:, :, : len(rows)]  # a chain prefix: one slice copy
+        else:
+            self.data[:, :, self.length : end] = new_kv[:, :, rows]
+        self.length = end
+
+    def trim(self, length: int) -> None:
+        """Forgets every row from `length` on."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot trim a cache of {self.length} rows to {length}")
+        self.length = length

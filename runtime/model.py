@@ -1,0 +1,67 @@
+"""One model's graph behind a stateless call: the caller passes tokens, positions, mask and cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from .facts import ModelFacts
+from .kvcache import KVCache
+
+# onnxruntime's CPU matmul takes a separate single-row (GEMV) path whose rounding differs from the
+# multi-row kernel (measured: up to ~8e-5 in SmolLM2's logits). Every pass therefore carries at
+# least two rows — a one-token step gets one masked padding row — so that a token's logits are the
+# same bits whether it is computed alone, in a prefill chunk or inside a verified tree.
+MIN_ROWS = 2
+
+
+@dataclass
+class Pass:
+    logits: np.ndarray  # [R, V] for the requested rows
+    new_kv: np.ndarray  # [layers, 2, n, kv_heads, head_dim] for the n real rows
+
+
+class ModelRunner:
+    def __init__(self, session: ort.InferenceSession, facts: ModelFacts):
+        self.session = session
+        self.facts = facts
+
+    def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
+                past_mask: np.ndarray | None = None) -> Pass:
+        """Runs n new tokens after the cache's valid rows (which it does not modify).
+
+        tree_mask [n, n]: which new tokens each new token may see (itself included);
+        past_mask [n, cache.length]: which cached rows it may see (default: all).
+        """
+        n = len(tokens)
+        past_len = cache.length
+        rows = max(n, MIN_ROWS)
+        mask = np.zeros((rows, past_len + rows), dtype=bool)
+        mask[:n, :past_len] = True if past_mask is None else past_mask
+        mask[:n, past_len : past_len + n] = tree_mask
+        ids = np.zeros((1, rows), dtype=np.int64)
+        ids[0, :n] = tokens
+        pos = np.zeros((1, rows), dtype=np.int64)
+        pos[0, :n] = positions
+        for pad in range(n, rows):
+            mask[pad, past_len + pad] = True  # padding rows see only themselves
+            pos[0, pad] = positions[-1]
+        feed = cache.past()
+        feed.update(input_ids=ids, position_ids=pos, attention_mask=mask,
+                    logit_rows=np.asarray(logit_rows, dtype=np.int64))
+        logits, new_kv = self.session.run(None, feed)
+        return Pass(logits=logits[0], new_kv=new_kv[:, :, :n])
+
+
+def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int) -> np.ndarray:
+    """Appends `tokens` to the cache in causal chunks; returns the last token's logits [V]."""
+    logits = None
+    for start in range(0, len(tokens), chunk):
+        part = list(tokens[start : start + chunk])
+        n = len(part)
+        out = runner.forward(cache, part, range(cache.length, cache.length + n),
+                             np.tril(np.ones((n, n), dtype=bool)), [n - 1])
+        cache.append(out.new_kv, range(n))
+        logits = out.logits[0]
+    return logits

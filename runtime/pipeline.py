@@ -1,0 +1,72 @@
+"""The front of the runtime: open a bundle, make sessions per role, generate text."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from edgespec.targets.profiles import get_profile
+
+from .bundle import Manifest, open_bundle
+from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from .engine import GenerationConfig, Result, Session, generate
+from .errors import BundleError
+from .kvcache import KVCache
+from .model import ModelRunner
+from .sessions import make_session
+from .tokenizer import TextCodec
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+class Pipeline:
+    """A loaded bundle. `generate` is the whole job; `new_session` keeps a conversation's caches."""
+
+    def __init__(self, folder, threads: int | None = None):
+        self.folder = Path(folder)
+        self.manifest: Manifest = open_bundle(self.folder)
+        self.threads = threads or default_threads()
+        profile = get_profile(self.manifest.profile)
+        m = self.manifest
+        self.codec = TextCodec(self.folder, m.tokenizer)
+        self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
+                                               self.threads), m.target.facts)
+        self.draft = None
+        if m.drafter == "model":
+            if m.draft is None:
+                raise BundleError("the manifest names a draft model but no draft graph")
+            self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
+                                                  self.threads), m.draft.facts)
+
+    @property
+    def context(self) -> int:
+        return self.manifest.target.facts.max_context
+
+    def new_session(self) -> Session:
+        return Session(cache=KVCache(self.manifest.target.facts, self.context))
+
+    def make_drafter(self, speculate: bool) -> Drafter:
+        m = self.manifest
+        if not speculate:
+            return NoDrafter()
+        if self.draft is None:
+            return NgramDrafter(m.tree)
+        return ModelDrafter(self.draft, KVCache(m.draft.facts, self.context), m.tree, m.prefill_chunk)
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give either a prompt or chat messages")
+        return self.codec.encode_chat(messages) if messages is not None else self.codec.encode(prompt)
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 config: GenerationConfig = GenerationConfig(), speculate: bool = True,
+                 session: Session | None = None, drafter: Drafter | None = None, on_text=None) -> Result:
+        ids = self.encode(prompt, messages)
+        session = session or self.new_session()
+        drafter = drafter or self.make_drafter(speculate)
+        return generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk, on_text)
+
+
+def load(folder, threads: int | None = None) -> Pipeline:
+    return Pipeline(folder, threads)

@@ -1,0 +1,16 @@
+"""onnxruntime sessions, one per role, placed by the device profile."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+
+from edgespec.targets.profiles import usable_providers
+
+
+def make_session(path: Path, providers: tuple[str, ...], threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=usable_providers(providers))

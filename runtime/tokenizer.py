@@ -1,0 +1,77 @@
+"""Text in and out: the bundle's tokenizer.json, its chat template, and streaming detokenization."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """The manifest's tokenizer section."""
+
+    file: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token_ids: tuple[int, ...]
+    add_bos_token: bool
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TokenizerSpec":
+        return cls(file=data["file"], chat_template=data.get("chat_template"), bos_token=data.get("bos_token"),
+                   eos_token_ids=tuple(data.get("eos_token_ids", ())), add_bos_token=bool(data.get("add_bos_token")))
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class TextCodec:
+    def __init__(self, folder: Path, spec: TokenizerSpec):
+        self.spec = spec
+        self.tokenizer = Tokenizer.from_file(str(folder / spec.file))
+        self._template = None
+        if spec.chat_template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+            self._template = env.from_string((folder / spec.chat_template).read_text(encoding="utf-8"))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text: the tokenizer's own special tokens are not added; a BOS only if the model wants one."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.spec.add_bos_token and self.spec.bos_token:
+            ids = [self.tokenizer.token_to_id(self.spec.bos_token)] + ids
+        return ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template supplies every special token itself (no extra BOS)."""
+        if self._template is None:
+            raise ValueError("this bundle's tokenizer has no chat template; use a plain prompt")
+        text = self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.spec.bos_token or "")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def stream(self) -> "TextStream":
+        return TextStream(self.tokenizer)
+
+
+class TextStream:
+    """Turns token ids into text pieces as they arrive, never splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        return self._decoder.step(self._tokenizer, int(token_id)) or ""

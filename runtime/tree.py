@@ -1,0 +1,133 @@
+"""Token trees: explicit data, and the static topologies a bundle is exported with.
+
+A tree has N nodes in topological order (a parent always precedes its children); node 0 is the last
+committed token and has parent -1. Children of one parent are ordered by sibling rank: the drafter
+puts its most likely token first. A *topology* (the parents array) is fixed at export; a `Tree`
+carries the tokens of one step on that topology.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """A static tree shape: `parents[i]` is the parent of node i (-1 for the root)."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.parents or self.parents[0] != -1:
+            raise ValueError("a tree topology starts with the root: parents[0] must be -1")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"parents[{i}]={p}: a parent must be an earlier node")
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> np.ndarray:
+        depths = np.zeros(self.size, dtype=np.int64)
+        for i, p in enumerate(self.parents[1:], start=1):
+            depths[i] = depths[p] + 1
+        return depths
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    @cached_property
+    def ancestor_mask(self) -> np.ndarray:
+        """[N, N] bool: node i may attend to node j iff j is i or one of its ancestors."""
+        mask = np.eye(self.size, dtype=bool)
+        for i, p in enumerate(self.parents[1:], start=1):
+            mask[i] |= mask[p]
+        return mask
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def levels(self) -> tuple[tuple[int, ...], ...]:
+        """Nodes grouped by depth, depth 0 first."""
+        return tuple(tuple(int(i) for i in np.flatnonzero(self.depths == d)) for d in range(self.max_depth + 1))
+
+    @property
+    def max_width(self) -> int:
+        return max(len(level) for level in self.levels)
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root to `node`, both included."""
+        path = []
+        while node != -1:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def spec(self) -> str:
+        return "parents:" + ",".join(str(p) for p in self.parents)
+
+    def to_dict(self) -> dict:
+        return {"parents": list(self.parents), "size": self.size, "depth": self.max_depth}
+
+
+@dataclass(frozen=True, eq=False)
+class Tree:
+    """One step's candidate tokens laid on a topology."""
+
+    topology: Topology
+    tokens: np.ndarray  # [N] int64; tokens[0] is the last committed token
+
+    @classmethod
+    def from_parents(cls, parents: tuple[int, ...], tokens) -> "Tree":
+        return cls(Topology(tuple(parents)), np.asarray(tokens, dtype=np.int64))
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        return self.topology.parents
+
+    @property
+    def size(self) -> int:
+        return self.topology.size
+
+
+_SPEC = re.compile(r"^(chain):(\d+)$|^(topk):(\d+)x(\d+)$|^(parents):(-1(?:,\d+)*)$")
+
+
+def parse_tree_spec(spec: str) -> Topology:
+    """`chain:K` (K draft tokens after the root), `topk:BxD` (every node branches B ways, D levels
+    deep) or `parents:-1,0,0,1,...` (an explicit parents array)."""
+    match = _SPEC.match(spec.strip())
+    if not match:
+        raise ValueError(f"unknown tree spec {spec!r}: use chain:K, topk:BxD or parents:-1,0,...")
+    if match.group(1):
+        length = int(match.group(2))
+        if length < 1:
+            raise ValueError("chain:K needs K >= 1")
+        return Topology(tuple(range(-1, length)))
+    if match.group(3):
+        branch, depth = int(match.group(4)), int(match.group(5))
+        if branch < 1 or depth < 1:
+            raise ValueError("topk:BxD needs B >= 1 and D >= 1")
+        parents, frontier = [-1], [0]
+        for _ in range(depth):
+            next_frontier = []
+            for node in frontier:
+                for _ in range(branch):
+                    parents.append(node)
+                    next_frontier.append(len(parents) - 1)
+            frontier = next_frontier
+        if len(parents) > 256:
+            raise ValueError(f"tree {spec} has {len(parents)} nodes; at most 256 are supported")
+        return Topology(tuple(parents))
+    return Topology(tuple(int(p) for p in match.group(7).split(",")))
