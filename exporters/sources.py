@@ -45,7 +45,7 @@ class ModelSource:
         if getattr(model.config, "quantization_config", None) is not None and self.kind != "gguf":
             raise ExportError(f"{self.description} is quantized ({model.config.quantization_config}); "
                               "export from float weights")
-        return model.float().eval(), tokenizer
+        return model.eval(), tokenizer
 
 
 def resolve_source(spec: str, cache_dir: Path) -> ModelSource:

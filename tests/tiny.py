@@ -52,8 +52,9 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 2
     extra = {"sliding_window": 512} if arch == "mistral" else {}
     torch.manual_seed(seed)
     model = cls(config(**common, **extra)).eval()
-    with torch.no_grad():  # larger logits than the default init, so argmax ties never happen by accident
-        model.lm_head.weight.mul_(8.0) if not tie else model.model.embed_tokens.weight.mul_(8.0)
+    with torch.no_grad():  # random weights large enough that outputs vary and argmax ties never occur
+        for param in model.parameters():
+            param.normal_(0, 0.3) if param.dim() > 1 else None
         if arch == "qwen2":
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

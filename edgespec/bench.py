@@ -1,0 +1,77 @@
+"""`edgespec bench`: plain and speculative decoding of one bundle, same prompts, same threads, one run."""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from importlib import resources
+from pathlib import Path
+
+from edgespec.runtime.engine import GenerationConfig, Stats
+from edgespec.runtime.pipeline import Pipeline
+
+
+def load_prompts(path: Path | None) -> list[dict]:
+    text = Path(path).read_text(encoding="utf-8") if path else \
+        resources.files("edgespec").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from err
+        if not isinstance(item, dict) or not (isinstance(item.get("messages"), list) or isinstance(item.get("prompt"), str)):
+            raise ValueError(f"{path}:{number}: each line needs a 'messages' list or a 'prompt' string")
+        prompts.append(item)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _summary(stats: list[Stats]) -> dict:
+    tokens = sum(s.new_tokens for s in stats)
+    decode_s = sum(s.decode_s for s in stats)
+    passes = sum(s.target_passes for s in stats)
+    accepted = sum(s.accepted_drafts for s in stats)
+    return {"tokens": tokens, "tokens_per_s": round(tokens / decode_s, 2) if decode_s else 0.0,
+            "mean_accepted_per_pass": round((accepted + passes) / passes, 3) if passes else 0.0,
+            "time_to_first_token_s": round(sum(s.first_token_s for s in stats) / len(stats), 4),
+            "target_passes": passes}
+
+
+def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int) -> dict:
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8))  # warm-up: first-run allocations
+    runs = {"plain": [], "speculative": []}
+    identical = True
+    for item in prompts:
+        ask = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+        outputs = {}
+        for mode in runs:  # alternate per prompt so machine noise falls on both modes alike
+            result = pipeline.generate(**ask, config=config, speculate=(mode == "speculative"))
+            runs[mode].append(result.stats)
+            outputs[mode] = result.token_ids
+        identical &= outputs["plain"] == outputs["speculative"]
+    report = {mode: _summary(stats) for mode, stats in runs.items()}
+    plain_tps = report["plain"]["tokens_per_s"]
+    report.update(
+        speedup=round(report["speculative"]["tokens_per_s"] / plain_tps, 3) if plain_tps else 0.0,
+        identical_greedy=identical,
+        prompts=len(prompts), max_new_tokens=max_new_tokens, threads=pipeline.threads,
+        drafter=pipeline.manifest.drafter, tree=pipeline.manifest.tree.spec(),
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    )
+    return report
+
+
+def print_report(report: dict, out=sys.stdout) -> None:
+    p, s = report["plain"], report["speculative"]
+    print(f"prompts: {report['prompts']} x {report['max_new_tokens']} new tokens, {report['threads']} threads, "
+          f"drafter: {report['drafter']}, tree: {report['tree']}", file=out)
+    print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms", file=out)
+    print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
+          f"{s['mean_accepted_per_pass']:.2f} tokens per target pass", file=out)
+    print(f"speedup {report['speedup']:.2f}x   identical greedy output: {report['identical_greedy']}   "
+          f"peak RSS {report['peak_rss_mb']:.0f} MB", file=out)

@@ -1,0 +1,221 @@
+"""The `edgespec` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from edgespec.runtime.errors import EdgespecError
+
+DEMO_QUESTION = "What are three good habits for writing clear code? Answer briefly."
+
+
+def _stats_line(stats) -> str:
+    return (f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, "
+            f"{stats.mean_accepted_per_pass:.2f} accepted tokens per target pass, "
+            f"first token {stats.first_token_s * 1000:.0f} ms]")
+
+
+def _pipeline(spec: str, threads: int | None):
+    from edgespec.defaults import resolve_bundle
+    from edgespec.runtime.pipeline import Pipeline
+
+    return Pipeline(resolve_bundle(spec), threads)
+
+
+def _stream(pipeline, config, speculate, **ask):
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = pipeline.generate(**ask, config=config, speculate=speculate, on_text=write)
+    sys.stdout.write("\n")
+    print(_stats_line(result.stats), file=sys.stderr)
+    return result
+
+
+def cmd_export(args) -> None:
+    from edgespec.defaults import cache_dir
+    from edgespec.exporters.export import ExportConfig, export
+
+    export(ExportConfig(model=args.model, draft=args.draft, out=Path(args.out), tree=args.tree,
+                        context=args.context, profile=args.profile, prefill_chunk=args.prefill_chunk,
+                        force=args.force, cache_dir=cache_dir()))
+
+
+def _generation_config(args):
+    from edgespec.runtime.engine import GenerationConfig
+
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be at least 1")
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()))
+
+
+def cmd_generate(args) -> None:
+    pipeline = _pipeline(args.bundle, args.threads)
+    config = _generation_config(args)
+    ask = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    if args.json:
+        result = pipeline.generate(**ask, config=config, speculate=not args.no_speculate)
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+                          "stats": result.stats.to_dict()}))
+    else:
+        _stream(pipeline, config, not args.no_speculate, **ask)
+
+
+def cmd_chat(args) -> None:
+    pipeline = _pipeline(args.bundle, args.threads)
+    config = _generation_config(args)
+    session = pipeline.new_session()
+    drafter = pipeline.make_drafter(not args.no_speculate)
+    messages = []
+    print("edgespec chat — an empty line or Ctrl-D ends it.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        result = pipeline.generate(messages=messages, config=config, session=session, drafter=drafter,
+                                   on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        sys.stdout.write("\n")
+        print(_stats_line(result.stats), file=sys.stderr)
+        messages.append({"role": "assistant", "content": result.text})
+
+
+def cmd_bench(args) -> None:
+    from edgespec.bench import load_prompts, print_report, run_bench
+
+    prompts = load_prompts(Path(args.prompts) if args.prompts else None)
+    report = run_bench(_pipeline(args.bundle, args.threads), prompts, args.max_new_tokens)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+
+
+def cmd_inspect(args) -> None:
+    from edgespec.defaults import resolve_bundle
+    from edgespec.runtime.bundle import open_bundle
+
+    folder = resolve_bundle(args.bundle)
+    manifest = open_bundle(folder)
+    raw = manifest.raw
+    print(f"bundle {folder}")
+    print(f"  schema version {raw['schema_version']}, written by edgespec {raw.get('edgespec_version')} "
+          f"on {raw.get('created')}, device profile {manifest.profile}")
+    for role, entry in (("target", manifest.target), ("draft", manifest.draft)):
+        if entry is None:
+            continue
+        f = entry.facts
+        print(f"  {role}: {entry.source}")
+        print(f"    {f.architecture}, {f.num_layers} layers, hidden {f.hidden_size}, heads {f.num_heads}/"
+              f"{f.num_kv_heads} kv, head dim {f.head_dim}, vocab {f.vocab_size}, context {f.max_context}")
+        print(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, "
+              f"quantization {entry.graph.quantization.get('scheme')}")
+        for name, spec in entry.graph.inputs.items():
+            if not name.startswith("past_"):
+                print(f"      in  {name:16s} {spec['dtype']:8s} {spec['shape']}")
+        layers = sum(1 for n in entry.graph.inputs if n.startswith("past_key_"))
+        print(f"      in  past_key/value_0..{layers - 1} (token-major KV cache, valid rows only)")
+        for name, spec in entry.graph.outputs.items():
+            print(f"      out {name:16s} {spec['dtype']:8s} {spec['shape']}")
+    if manifest.draft is None:
+        print(f"  drafter: {manifest.drafter} (training-free)")
+    tree = manifest.tree
+    print(f"  tree: {tree.size} nodes, depth {tree.max_depth}, parents {list(tree.parents)}")
+    print(f"  prefill chunk: {manifest.prefill_chunk} tokens")
+    tok = manifest.tokenizer
+    print(f"  tokenizer: {tok.file}, chat template: {tok.chat_template or 'none'}, eos ids {list(tok.eos_token_ids)}, "
+          f"add BOS: {tok.add_bos_token}")
+    total = sum((folder / name).stat().st_size for name in manifest.files)
+    print(f"  files ({total / 1e6:.1f} MB), sha256 verified:")
+    for name, digest in manifest.files.items():
+        print(f"    {name:24s} {(folder / name).stat().st_size / 1e6:10.2f} MB  {digest[:16]}")
+
+
+def cmd_demo(args) -> None:
+    from edgespec.runtime.engine import GenerationConfig
+
+    pipeline = _pipeline("default", args.threads)
+    print(f"> {DEMO_QUESTION}", file=sys.stderr)
+    _stream(pipeline, GenerationConfig(max_new_tokens=args.max_new_tokens), True,
+            messages=[{"role": "user", "content": DEMO_QUESTION}])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def bundle_arg(p, optional=False):
+        if optional:
+            p.add_argument("bundle", nargs="?", default="default", help="bundle folder, or 'default'")
+        else:
+            p.add_argument("bundle", help="bundle folder, or 'default'")
+        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+    def generation_args(p, max_new=128):
+        p.add_argument("--max-new-tokens", type=int, default=max_new)
+        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        p.add_argument("--no-speculate", action="store_true", help="plain decoding of the same bundle")
+
+    p = sub.add_parser("export", help="export a target (+ draft) model to a device bundle")
+    p.add_argument("model", help="Hugging Face folder, GGUF file, hub id, or 'default'")
+    p.add_argument("--draft", required=True, help="draft model (same forms as MODEL) or 'ngram'")
+    p.add_argument("--out", required=True, help="bundle folder to write")
+    p.add_argument("--tree", default="chain:4", help="chain:K, topk:BxD or parents:-1,0,...")
+    p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")
+    p.add_argument("--profile", default="cpu", help="device profile (targets/)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill pass")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("generate", help="generate text, streamed")
+    bundle_arg(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    generation_args(p)
+    p.set_defaults(run=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat")
+    bundle_arg(p, optional=True)
+    generation_args(p, max_new=256)
+    p.set_defaults(run=cmd_chat)
+
+    p = sub.add_parser("bench", help="plain vs speculative decoding in one run")
+    bundle_arg(p)
+    p.add_argument("--prompts", help="JSONL file: one object per line with 'messages' or 'prompt'")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("inspect", help="print a bundle's manifest and verify its checksums")
+    p.add_argument("bundle", help="bundle folder, or 'default'")
+    p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser("demo", help="a short chat reply from the default bundle")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (EdgespecError, ValueError) as err:
+        print(f"edgespec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nedgespec: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The built-in default bundle: SmolLM2-135M-Instruct, built once into the cache folder on first use."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_TREE = "chain:6"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EDGESPEC_CACHE", Path.home() / ".cache" / "edgespec"))
+
+
+def default_bundle_path() -> Path:
+    from edgespec import __version__
+
+    return cache_dir() / "bundles" / f"default-{__version__}"
+
+
+def ensure_default_bundle() -> Path:
+    """Returns the default bundle's folder, exporting it first if it is not there yet."""
+    path = default_bundle_path()
+    if (path / "manifest.json").is_file():
+        return path
+    try:
+        from edgespec.exporters.export import ExportConfig, export
+    except ImportError as err:
+        raise SystemExit(f"edgespec: building the default bundle needs the export extra "
+                         f"(pip install 'edgespec[export]'): {err}") from err
+    print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct, n-gram drafter) into {path}; "
+          "this takes about a minute and is reused afterwards.", file=sys.stderr)
+    started = time.perf_counter()
+    export(ExportConfig(model="default", draft="ngram", out=path, tree=DEFAULT_TREE, context=2048,
+                        cache_dir=cache_dir()))
+    print(f"edgespec: default bundle ready in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    return path
+
+
+def resolve_bundle(spec: str) -> Path:
+    return ensure_default_bundle() if spec == "default" else Path(spec)
