@@ -142,7 +142,8 @@ class ModelDrafter:
             anc = topo.ancestor_mask
             past_mask = np.concatenate([np.ones((len(level), committed_len), bool),
                                         anc[np.ix_(level, fed)]], axis=1)
-            out = self.runner.forward(cache, tokens[level], committed_len + topo.depths[level],
+            root_position = committed_len - 1
+            out = self.runner.forward(cache, tokens[level], root_position + topo.depths[level],
                                       anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask)
             cache.append(out.new_kv, range(len(level)))
             fed += level

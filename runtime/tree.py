@@ -101,6 +101,7 @@ class Tree:
         return self.topology.size
 
 
+MAX_NODES = 256
 _SPEC = re.compile(r"^(chain):(\d+)$|^(topk):(\d+)x(\d+)$|^(parents):(-1(?:,\d+)*)$")
 
 
@@ -112,13 +113,16 @@ def parse_tree_spec(spec: str) -> Topology:
         raise ValueError(f"unknown tree spec {spec!r}: use chain:K, topk:BxD or parents:-1,0,...")
     if match.group(1):
         length = int(match.group(2))
-        if length < 1:
-            raise ValueError("chain:K needs K >= 1")
+        if not 1 <= length < MAX_NODES:
+            raise ValueError(f"chain:K needs 1 <= K < {MAX_NODES}")
         return Topology(tuple(range(-1, length)))
     if match.group(3):
         branch, depth = int(match.group(4)), int(match.group(5))
         if branch < 1 or depth < 1:
             raise ValueError("topk:BxD needs B >= 1 and D >= 1")
+        size = sum(branch ** d for d in range(depth + 1))
+        if size > MAX_NODES:
+            raise ValueError(f"tree {spec} has {size} nodes; at most {MAX_NODES} are supported")
         parents, frontier = [-1], [0]
         for _ in range(depth):
             next_frontier = []
@@ -127,7 +131,8 @@ def parse_tree_spec(spec: str) -> Topology:
                     parents.append(node)
                     next_frontier.append(len(parents) - 1)
             frontier = next_frontier
-        if len(parents) > 256:
-            raise ValueError(f"tree {spec} has {len(parents)} nodes; at most 256 are supported")
         return Topology(tuple(parents))
-    return Topology(tuple(int(p) for p in match.group(7).split(",")))
+    parents = tuple(int(p) for p in match.group(7).split(","))
+    if len(parents) > MAX_NODES:
+        raise ValueError(f"the tree has {len(parents)} nodes; at most {MAX_NODES} are supported")
+    return Topology(parents)

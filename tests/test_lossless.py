@@ -1,0 +1,83 @@
+"""Greedy speculative output equals plain greedy output of the same bundle, token for token."""
+import numpy as np
+import pytest
+
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.model import ModelRunner, prefill
+from edgespec.runtime.pipeline import Pipeline
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens", "{\"name\": \"edge"]
+CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
+
+
+def both(pipeline, **ask):
+    plain = pipeline.generate(**ask, config=CONFIG, speculate=False)
+    spec = pipeline.generate(**ask, config=CONFIG, speculate=True)
+    return plain, spec
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "topk:2x2", "parents:-1,0,0,1,1,3"])
+def test_self_draft_accepts_every_draft_token(tree, models, bundle_factory):
+    """The draft is the target itself: every drafted top-1 token must be accepted."""
+    pipeline = Pipeline(bundle_factory(draft="target", tree=tree))
+    depth = pipeline.manifest.tree.max_depth
+    for prompt in PROMPTS:
+        plain, spec = both(pipeline, prompt=prompt)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.accepted_drafts == depth * spec.stats.target_passes
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "topk:2x2", "topk:3x1"])
+def test_unrelated_draft(tree, bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft="draft", tree=tree))
+    accepted = []
+    for prompt in PROMPTS:
+        plain, spec = both(pipeline, prompt=prompt)
+        assert spec.token_ids == plain.token_ids
+        accepted.append(spec.stats.mean_accepted_per_pass)
+    assert np.mean(accepted) < 1.5  # a random draft is almost never right
+
+
+@pytest.mark.parametrize("tree", ["chain:6", "topk:2x3"])
+def test_ngram_drafter(tree, bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft="ngram", tree=tree))
+    for prompt in PROMPTS:
+        plain, spec = both(pipeline, prompt=prompt)
+        assert spec.token_ids == plain.token_ids
+    # a prompt that repeats itself gives the n-gram drafter something to find
+    plain, spec = both(pipeline, prompt="a b c d e f a b c d e f a b c d e f a b c")
+    assert spec.token_ids == plain.token_ids
+
+
+def test_chat_prompts_and_multi_turn_session(bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
+    session, drafter = pipeline.new_session(), pipeline.make_drafter(True)
+    messages = [{"role": "user", "content": "hello fox"}]
+    first = pipeline.generate(messages=messages, config=CONFIG, session=session, drafter=drafter)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and the dog?"}]
+    second = pipeline.generate(messages=messages, config=CONFIG, session=session, drafter=drafter)
+    fresh = pipeline.generate(messages=messages, config=CONFIG, speculate=False)
+    assert first.token_ids == pipeline.generate(messages=messages[:1], config=CONFIG, speculate=False).token_ids
+    assert second.token_ids == fresh.token_ids
+
+
+def test_a_token_computed_alone_or_inside_a_tree_has_the_same_bits(bundle_factory):
+    """The reason greedy equality holds: per-row results do not depend on the pass's shape
+    (see MIN_ROWS in runtime/model.py)."""
+    pipeline = Pipeline(bundle_factory(draft="ngram", tree="chain:4"))
+    runner: ModelRunner = pipeline.target
+    facts = pipeline.manifest.target.facts
+    ids = list(np.random.default_rng(5).integers(3, facts.vocab_size, 40))
+    alone = KVCache(facts, 64)
+    one_by_one = []
+    for token in ids:
+        out = runner.forward(alone, [token], [alone.length], np.ones((1, 1), bool), [0])
+        alone.append(out.new_kv, [0])
+        one_by_one.append(out.logits[0])
+    together = KVCache(facts, 64)
+    prefill(runner, together, ids[:30], chunk=16)
+    n = 10
+    out = runner.forward(together, ids[30:], range(30, 40), np.tril(np.ones((n, n), bool)), range(n))
+    assert np.array_equal(out.logits, np.array(one_by_one[30:]))
+    assert np.array_equal(together.data[:, :, :30], alone.data[:, :, :30])
