@@ -1,0 +1,72 @@
+import json
+import subprocess
+import sys
+
+from edgespec.cli import main
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
+
+
+def test_runtime_imports_neither_torch_nor_transformers():
+    code = ("import sys, edgespec, edgespec.runtime.pipeline, edgespec.bench, edgespec.cli, edgespec.defaults; "
+            "heavy = [m for m in ('torch', 'transformers', 'optimum', 'onnx') if m in sys.modules]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generate_json(bundle_factory, capsys):
+    bundle = bundle_factory(draft="draft", tree="topk:2x2")
+    assert main(["generate", str(bundle), "--prompt", "def add", "--max-new-tokens", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 12 or out["stop_reason"] == "eos"
+    assert out["stats"]["target_passes"] >= 1 and isinstance(out["text"], str)
+
+
+def test_generate_streams_text_and_stats(bundle_factory, capsys):
+    assert main(["generate", str(bundle_factory()), "--prompt", "The quick", "--chat", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "tokens/s" in captured.err and "accepted tokens per target pass" in captured.err
+
+
+def test_inspect_prints_manifest_and_verifies(bundle_factory, capsys):
+    assert main(["inspect", str(bundle_factory(draft="draft"))]) == 0
+    out = capsys.readouterr().out
+    assert "schema version 1" in out and "sha256 verified" in out and "draft:" in out
+
+
+def test_bench_json_keys(bundle_factory, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert main(["bench", str(bundle_factory()), "--prompts", str(prompts), "--max-new-tokens", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical_greedy"] is True
+    assert {"tokens_per_s", "time_to_first_token_s"} <= set(report["plain"])
+    assert {"tokens_per_s", "mean_accepted_per_pass"} <= set(report["speculative"])
+    assert report["speedup"] > 0 and report["peak_rss_mb"] > 0
+
+
+def test_bad_prompts_file(bundle_factory, tmp_path, capsys):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"text": "no"}\n')
+    assert main(["bench", str(bundle_factory()), "--prompts", str(prompts)]) == 2
+    assert "needs a 'messages' list or a 'prompt' string" in capsys.readouterr().err
+
+
+def test_chat_reads_turns_from_stdin(bundle_factory, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nand again\n\n"))
+    assert main(["chat", str(bundle_factory(draft="draft")), "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().err.count("tokens/s") == 2
+
+
+def test_stop_strings_cut_the_text(bundle_factory):
+    pipeline = Pipeline(bundle_factory())
+    full = pipeline.generate("The quick", config=GenerationConfig(max_new_tokens=30, stop_at_eos=False))
+    start = next(i for i in range(len(full.text) // 2, len(full.text)) if not full.text[i].isspace())
+    stop = full.text[start : start + 2]
+    cut = pipeline.generate("The quick", config=GenerationConfig(max_new_tokens=30, stop_at_eos=False,
+                                                                  stop_strings=(stop,)))
+    assert cut.stop_reason == "stop_string" and stop not in cut.text
+    assert full.text.startswith(cut.text) and len(cut.text) < len(full.text)

@@ -1,0 +1,45 @@
+"""On the reference model (SmolLM2-135M-Instruct, the default bundle): greedy speculative == plain."""
+import pytest
+
+from edgespec.bench import load_prompts
+from edgespec.defaults import ensure_default_bundle
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
+
+pytestmark = pytest.mark.reference
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    return Pipeline(ensure_default_bundle())
+
+
+def test_default_bundle_is_smollm2(pipeline):
+    facts = pipeline.manifest.target.facts
+    assert (facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.vocab_size) == (30, 9, 3, 49152)
+    assert 2 in pipeline.manifest.tokenizer.eos_token_ids  # <|im_end|> ends a chat turn
+    assert not pipeline.manifest.tokenizer.add_bos_token  # the chat template supplies <|im_start|>
+
+
+def test_chat_template_and_tokenizer_round_trip(pipeline):
+    ids = pipeline.encode(messages=[{"role": "user", "content": "Hi"}])
+    assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> first; system and user turns closed
+    text = "Héllo wörld, naïve café 😀"
+    assert pipeline.codec.decode(pipeline.codec.encode(text)) == text
+
+
+def test_ngram_speculation_is_lossless_on_the_reference_model(pipeline):
+    config = GenerationConfig(max_new_tokens=64, stop_at_eos=False)  # 64 tokens each, past any EOS
+    prompts = load_prompts(None)[:5] + [{"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"}]
+    for item in prompts:
+        ask = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+        plain = pipeline.generate(**ask, config=config, speculate=False)
+        spec = pipeline.generate(**ask, config=config, speculate=True)
+        assert spec.token_ids == plain.token_ids, ask
+        assert len(plain.token_ids) == 64
+
+
+def test_reply_is_coherent_english(pipeline):
+    result = pipeline.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                               config=GenerationConfig(max_new_tokens=24))
+    assert "Paris" in result.text
