@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_TREE = "chain:6"
+DEFAULT_TREE = "chain:4"
 
 
 def cache_dir() -> Path:
