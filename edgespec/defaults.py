@@ -1,12 +1,14 @@
 """The built-in default bundle: SmolLM2-135M-Instruct, built once into the cache folder on first use."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_TREE = "chain:4"
+DEFAULT_RECIPE = {"model": "default", "draft": "ngram", "tree": "chain:4", "context": 2048}
 
 
 def cache_dir() -> Path:
@@ -14,9 +16,11 @@ def cache_dir() -> Path:
 
 
 def default_bundle_path() -> Path:
+    """Named by edgespec's version and the recipe, so a changed recipe builds a new bundle."""
     from edgespec import __version__
 
-    return cache_dir() / "bundles" / f"default-{__version__}"
+    recipe = hashlib.sha256(json.dumps(DEFAULT_RECIPE, sort_keys=True).encode()).hexdigest()[:8]
+    return cache_dir() / "bundles" / f"default-{__version__}-{recipe}"
 
 
 def ensure_default_bundle() -> Path:
@@ -32,8 +36,7 @@ def ensure_default_bundle() -> Path:
     print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct, n-gram drafter) into {path}; "
           "this takes about a minute and is reused afterwards.", file=sys.stderr)
     started = time.perf_counter()
-    export(ExportConfig(model="default", draft="ngram", out=path, tree=DEFAULT_TREE, context=2048,
-                        cache_dir=cache_dir()))
+    export(ExportConfig(**DEFAULT_RECIPE, out=path, cache_dir=cache_dir()))
     print(f"edgespec: default bundle ready in {time.perf_counter() - started:.0f}s", file=sys.stderr)
     return path
 

@@ -52,7 +52,7 @@ def export(config: ExportConfig) -> Path:
         target_builder = builder_for(target, config.context)
         sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
-             f"{sum(v.size for v in target_builder.state.values()) / 1e6:.0f}M parameters)", started)
+             f"{target_builder.parameter_count() / 1e6:.0f}M parameters)", started)
         sections["target"] = write_model(folder, "target", target_builder, target_source.description)
         if draft_source is None:
             sections["draft"] = {"kind": "ngram"}

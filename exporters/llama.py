@@ -51,6 +51,10 @@ class LlamaBuilder:
         )
         self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
+    def parameter_count(self) -> int:
+        tied = self.facts.tie_word_embeddings
+        return sum(v.size for k, v in self.state.items() if not (tied and k == "lm_head.weight"))
+
     # --- what subclasses may override -------------------------------------------------------
     def sliding_window(self, cfg) -> int | None:
         return None

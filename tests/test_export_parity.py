@@ -51,3 +51,26 @@ def test_branching_tree_logits_match_torch_on_every_path(arch, models, bundle_fa
         sequence = past + [int(tokens[i]) for i in topo.path_to(node)]
         expected = torch_logits(model, sequence)[-1]
         assert np.abs(out.logits[node] - expected).max() <= TOLERANCE, f"node {node}"
+
+
+def test_static_node_count_graph_matches_the_dynamic_one(models, tmp_path):
+    """Static-shape profiles get graphs with a fixed N; they compute the same bits as the dynamic graph."""
+    import onnx
+
+    from edgespec.exporters.architectures import builder_for
+    from edgespec.exporters.weights import write_weights
+    from edgespec.runtime.facts import ModelFacts
+
+    model = AutoModelForCausalLM.from_pretrained(models["target"]).eval()
+    builder = builder_for(model, 64)
+    outputs = []
+    for nodes in ("nodes", 5):
+        graph = builder.build("g", nodes)
+        refs = write_weights(tmp_path / f"w{nodes}.bin", graph.weights)
+        onnx.save_model(graph.to_model(refs), tmp_path / f"g{nodes}.onnx")
+        runner = ModelRunner(make_session(tmp_path / f"g{nodes}.onnx", ("CPUExecutionProvider",), 1),
+                             ModelFacts.from_dict(builder.facts.to_dict()))
+        ids = [5, 9, 11, 13, 17]
+        out = runner.forward(KVCache(runner.facts, 16), ids, range(5), np.tril(np.ones((5, 5), bool)), range(5))
+        outputs.append(out.logits)
+    assert np.array_equal(outputs[0], outputs[1])
