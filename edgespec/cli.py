@@ -41,6 +41,9 @@ def cmd_export(args) -> None:
 
     export(ExportConfig(model=args.model, draft=args.draft, out=Path(args.out), tree=args.tree,
                         context=args.context, profile=args.profile, prefill_chunk=args.prefill_chunk,
+                        quant=args.quant, draft_quant=args.draft_quant, block=args.block,
+                        symmetric=not args.asymmetric, accuracy_level=args.accuracy_level,
+                        quant_policy=Path(args.quant_policy) if args.quant_policy else None,
                         force=args.force, cache_dir=cache_dir()))
 
 
@@ -170,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")
     p.add_argument("--profile", default="cpu", help="device profile (targets/)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill pass")
+    p.add_argument("--quant", default="fp32", help="weights: fp32, fp16, int8 or int4 (block-wise)")
+    p.add_argument("--draft-quant", default=None, help="the draft's scheme (default: as --quant)")
+    p.add_argument("--block", type=int, default=32, help="int4/int8 block size: 16, 32, 64, 128 or 256")
+    p.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points (NPUs need symmetric)")
+    p.add_argument("--accuracy-level", type=int, default=4,
+                   help="MatMulNBits activations: 4 = int8 (fast), 1 = fp32")
+    p.add_argument("--quant-policy", default=None,
+                   help='JSON {"tensors": {"embed_tokens": "int8", "layers.0.*": "fp32"}} for the target')
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.set_defaults(run=cmd_export)
 

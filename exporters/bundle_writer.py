@@ -13,19 +13,21 @@ import onnx
 from edgespec import __version__
 from edgespec.runtime.bundle import MANIFEST, SCHEMA_VERSION, sha256_file
 from edgespec.runtime.errors import ExportError
+from edgespec.quant.apply import quantize_model
+from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.tree import Topology
 from edgespec.targets.profiles import DeviceProfile
 
 from .llama import LlamaBuilder
-from .weights import write_weights
+from .weights import externalize
 
 
-def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str) -> dict:
-    """Writes `role`.onnx and `role`.weights; returns the manifest entry."""
-    graph = builder.build(f"edgespec_{role}")
+def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy) -> dict:
+    """Writes `role`.onnx and `role`.weights, quantized by `policy`; returns the manifest entry."""
+    model = builder.build(f"edgespec_{role}").to_model()
+    applied = quantize_model(model, policy)
     weights_file = f"{role}.weights"
-    refs = write_weights(folder / weights_file, graph.weights)
-    model = graph.to_model(refs)
+    externalize(model, folder / weights_file)
     onnx.save_model(model, folder / f"{role}.onnx")
     onnx.checker.check_model(str(folder / f"{role}.onnx"))
     return {
@@ -36,7 +38,7 @@ def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str) -> 
             "weights": [weights_file],
             "inputs": {i.name: _shape(i) for i in model.graph.input},
             "outputs": {o.name: _shape(o) for o in model.graph.output},
-            "quantization": {"scheme": "fp32"},
+            "quantization": {**policy.default.to_dict(), "tensors": applied},
         },
     }
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.tree import parse_tree_spec
 from edgespec.targets.profiles import get_profile
@@ -24,6 +25,12 @@ class ExportConfig:
     context: int = 2048
     profile: str = "cpu"
     prefill_chunk: int = 64
+    quant: str = "fp32"
+    draft_quant: str | None = None  # None: the same as the target's
+    block: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4
+    quant_policy: Path | None = None  # applies to the target
     force: bool = False
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
 
@@ -43,6 +50,12 @@ def export(config: ExportConfig) -> Path:
     if config.prefill_chunk < 2:
         raise ExportError("the prefill chunk must be at least 2 tokens")
     profile = get_profile(config.profile)
+    try:
+        target_scheme = QuantScheme(config.quant, config.block, config.symmetric, config.accuracy_level)
+        draft_scheme = replace(target_scheme, name=config.draft_quant or config.quant)
+        target_policy = QuantPolicy.load(config.quant_policy, target_scheme)
+    except ValueError as err:
+        raise ExportError(str(err)) from err
     target_source = resolve_source(config.model, config.cache_dir)
     draft_source = None if config.draft == "ngram" else resolve_source(config.draft, config.cache_dir)
 
@@ -52,8 +65,8 @@ def export(config: ExportConfig) -> Path:
         target_builder = builder_for(target, config.context)
         sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
-             f"{target_builder.parameter_count() / 1e6:.0f}M parameters)", started)
-        sections["target"] = write_model(folder, "target", target_builder, target_source.description)
+             f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)
+        sections["target"] = write_model(folder, "target", target_builder, target_source.description, target_policy)
         if draft_source is None:
             sections["draft"] = {"kind": "ngram"}
         else:
@@ -64,8 +77,9 @@ def export(config: ExportConfig) -> Path:
             if draft_builder.facts.vocab_size != target_builder.facts.vocab_size:
                 raise ExportError(f"the draft's vocabulary ({draft_builder.facts.vocab_size}) differs from the "
                                   f"target's ({target_builder.facts.vocab_size})")
-            _say("writing draft graph", started)
-            sections["draft"] = {"kind": "model", **write_model(folder, "draft", draft_builder, draft_source.description)}
+            _say(f"writing draft graph ({draft_scheme.name})", started)
+            sections["draft"] = {"kind": "model", **write_model(folder, "draft", draft_builder, draft_source.description,
+                                                                QuantPolicy(draft_scheme))}
         _say("writing manifest and checksums", started)
         return sections
 

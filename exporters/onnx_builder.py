@@ -7,15 +7,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-OPSET = 18
+OPSET = 21  # int4 tensors (MatMulNBits weights) need opset 21 and IR version 10
 
 
 class GraphBuilder:
     """Collects nodes, graph inputs/outputs and initializers.
 
-    Weights (`weight`) are recorded by name and written to a shared external file by the bundle
-    writer, so several graphs of one model share one copy on disk; small constants (`const`) stay
-    inside the graph.
+    Weights (`weight`) are recorded by name under the builder's canonical names (`embed_tokens`,
+    `layers.3.qkv`, `lm_head`, ...), which quantization policies refer to; small constants (`const`)
+    are deduplicated.
     """
 
     def __init__(self, name: str):
@@ -57,12 +57,12 @@ class GraphBuilder:
         self.nodes.append(helper.make_node("Identity", [source], [name], name=self.fresh("out")))
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
-    def to_model(self, weight_refs: dict[str, onnx.TensorProto]) -> onnx.ModelProto:
-        """`weight_refs` maps each weight name to a TensorProto that points into external data."""
-        initializers = self.constants + [weight_refs[name] for name in self.weights]
+    def to_model(self) -> onnx.ModelProto:
+        """The graph with its weights inline; the bundle writer moves them to an external file."""
+        initializers = self.constants + [numpy_helper.from_array(array, name) for name, array in self.weights.items()]
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)], producer_name="edgespec")
-        model.ir_version = 8
+        model.ir_version = 10
         return model
 
 

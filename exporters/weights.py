@@ -1,32 +1,29 @@
-"""Writes one model's weights once, to a file every graph of that model points into."""
+"""Moves a graph's weights into one external file, page-aligned, so onnxruntime can map them."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
-ALIGN = 4096  # page-aligned so onnxruntime can memory-map each tensor
+ALIGN = 4096
+INLINE_LIMIT = 1024  # bytes: smaller tensors (shape constants, scalars) stay inside the graph
 
 
-def write_weights(path: Path, weights: dict[str, np.ndarray]) -> dict[str, onnx.TensorProto]:
-    """Writes `weights` to `path`; returns TensorProtos that reference it as external data."""
-    refs: dict[str, onnx.TensorProto] = {}
+def externalize(model: onnx.ModelProto, path: Path) -> None:
+    """Writes every initializer of at least INLINE_LIMIT bytes to `path` and points the graph at it."""
     with open(path, "wb") as out:
-        for name, array in weights.items():
+        for tensor in model.graph.initializer:
+            if not tensor.HasField("raw_data") or len(tensor.raw_data) < INLINE_LIMIT:
+                continue
             offset = out.tell()
             pad = (-offset) % ALIGN
             out.write(b"\0" * pad)
             offset += pad
-            data = np.ascontiguousarray(array).tobytes()
-            out.write(data)
-            tensor = numpy_helper.from_array(np.zeros(0, dtype=array.dtype), name)
+            out.write(tensor.raw_data)
+            length = len(tensor.raw_data)
             tensor.ClearField("raw_data")
-            tensor.dims[:] = array.shape
             tensor.data_location = onnx.TensorProto.EXTERNAL
-            for key, value in (("location", path.name), ("offset", str(offset)), ("length", str(len(data)))):
+            del tensor.external_data[:]
+            for key, value in (("location", path.name), ("offset", str(offset)), ("length", str(length))):
                 entry = tensor.external_data.add()
                 entry.key, entry.value = key, value
-            refs[name] = tensor
-    return refs

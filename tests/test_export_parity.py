@@ -58,7 +58,7 @@ def test_static_node_count_graph_matches_the_dynamic_one(models, tmp_path):
     import onnx
 
     from edgespec.exporters.architectures import builder_for
-    from edgespec.exporters.weights import write_weights
+    from edgespec.exporters.weights import externalize
     from edgespec.runtime.facts import ModelFacts
 
     model = AutoModelForCausalLM.from_pretrained(models["target"]).eval()
@@ -66,8 +66,9 @@ def test_static_node_count_graph_matches_the_dynamic_one(models, tmp_path):
     outputs = []
     for nodes in ("nodes", 5):
         graph = builder.build("g", nodes)
-        refs = write_weights(tmp_path / f"w{nodes}.bin", graph.weights)
-        onnx.save_model(graph.to_model(refs), tmp_path / f"g{nodes}.onnx")
+        model = graph.to_model()
+        externalize(model, tmp_path / f"w{nodes}.bin")
+        onnx.save_model(model, tmp_path / f"g{nodes}.onnx")
         runner = ModelRunner(make_session(tmp_path / f"g{nodes}.onnx", ("CPUExecutionProvider",), 1),
                              ModelFacts.from_dict(builder.facts.to_dict()))
         ids = [5, 9, 11, 13, 17]

@@ -1,0 +1,87 @@
+"""Applies a quantization policy to a model graph with onnxruntime's own weight-only quantizer.
+
+int8/int4 weights of MatMul nodes become MatMulNBits, the embedding Gather becomes
+GatherBlockQuantized; fp16 weights are stored in half precision behind a Cast (computed in fp32 on
+the CPU). Norms, biases and rope tables stay fp32: they are small and precision-critical.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .schemes import QuantPolicy
+
+
+def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in model.graph.initializer}
+
+
+def untie_head(model: onnx.ModelProto, head_name: str = "lm_head") -> None:
+    """Gemm(x, E, transB=1) -> MatMul(x, E^T): MatMulNBits quantizes MatMul weights only."""
+    inits = _initializers(model)
+    for node in model.graph.node:
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        if node.op_type != "Gemm" or trans_b != 1 or node.input[1] not in inits or len(node.input) > 2:
+            continue
+        weight = numpy_helper.to_array(inits[node.input[1]])
+        if node.input[1] == head_name:
+            model.graph.initializer.remove(inits[head_name])
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), head_name))
+        node.op_type = "MatMul"
+        node.input[1] = head_name
+        del node.attribute[:]
+
+
+def _weight_nodes(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    inits = _initializers(model)
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits:
+            users.setdefault(node.input[1], []).append(node)
+        elif node.op_type == "Gather" and node.input[0] in inits:
+            users.setdefault(node.input[0], []).append(node)
+    return users
+
+
+def _store_half(model: onnx.ModelProto, names: list[str]) -> None:
+    inits = _initializers(model)
+    for name in names:
+        tensor = inits[name]
+        half = numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), f"{name}.fp16")
+        model.graph.initializer.remove(tensor)
+        model.graph.initializer.append(half)
+        model.graph.node.insert(0, helper.make_node("Cast", [half.name], [name], name=f"{name}.cast",
+                                                    to=onnx.TensorProto.FLOAT))
+
+
+def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str]:
+    """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if policy.scheme_for("lm_head").bits:
+        untie_head(model)
+    users = _weight_nodes(model)
+    applied = {name: policy.scheme_for(name).name for name in users}
+    _store_half(model, [n for n, s in applied.items() if s == "fp16"])
+    scheme = policy.default
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    for name, nodes in users.items():
+        if applied[name] == "int8" and nodes[0].op_type == "Gather":
+            applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
+    for bits in (8, 4):
+        nodes = [node.name for name, s in applied.items() if policy.scheme_for(name).bits == bits and s != "fp32"
+                 for node in users[name]]
+        if not nodes:
+            continue
+        quantizer = MatMulNBitsQuantizer(
+            model, bits=bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
+            accuracy_level=scheme.accuracy_level, nodes_to_include=nodes,
+            op_types_to_quantize=("MatMul", "Gather"), quant_axes=(("MatMul", 0), ("Gather", 1)))
+        quantizer.process()
+        quantized = quantizer.model.model
+        if quantized is not model:
+            model.CopyFrom(quantized)
+    return applied
