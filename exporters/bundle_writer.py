@@ -24,12 +24,8 @@ from .weights import externalize
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy) -> dict:
     """Writes `role`.onnx and `role`.weights, quantized by `policy`; returns the manifest entry."""
-    model = builder.build(f"edgespec_{role}").to_model()
-    applied = quantize_model(model, policy)
+    model, applied = save_graph(folder, role, builder, policy)
     weights_file = f"{role}.weights"
-    externalize(model, folder / weights_file)
-    onnx.save_model(model, folder / f"{role}.onnx")
-    onnx.checker.check_model(str(folder / f"{role}.onnx"))
     return {
         "facts": builder.facts.to_dict(),
         "source": source,
@@ -41,6 +37,16 @@ def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, pol
             "quantization": {**policy.default.to_dict(), "tensors": applied},
         },
     }
+
+
+def save_graph(folder: Path, role: str, builder: LlamaBuilder, policy: QuantPolicy):
+    """Builds, quantizes and saves `role`.onnx with its weights in `role`.weights."""
+    model = builder.build(f"edgespec_{role}").to_model()
+    applied = quantize_model(model, policy)
+    externalize(model, folder / f"{role}.weights")
+    onnx.save_model(model, folder / f"{role}.onnx")
+    onnx.checker.check_model(str(folder / f"{role}.onnx"))
+    return model, applied
 
 
 def _shape(value: onnx.ValueInfoProto) -> dict:

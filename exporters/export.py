@@ -13,6 +13,7 @@ from edgespec.targets.profiles import get_profile
 
 from .architectures import builder_for
 from .bundle_writer import check_compatible, write_bundle, write_model, write_tokenizer
+from .quality import write_quality_report
 from .sources import resolve_source
 
 
@@ -67,6 +68,7 @@ def export(config: ExportConfig) -> Path:
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
              f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)
         sections["target"] = write_model(folder, "target", target_builder, target_source.description, target_policy)
+        draft_builder = None
         if draft_source is None:
             sections["draft"] = {"kind": "ngram"}
         else:
@@ -80,6 +82,10 @@ def export(config: ExportConfig) -> Path:
             _say(f"writing draft graph ({draft_scheme.name})", started)
             sections["draft"] = {"kind": "model", **write_model(folder, "draft", draft_builder, draft_source.description,
                                                                 QuantPolicy(draft_scheme))}
+        if target_policy.quantizes() or (draft_builder is not None and draft_scheme.name != "fp32"):
+            _say("measuring quality against the fp32 export (perplexity, greedy agreement)", started)
+            report = write_quality_report(folder, sections["tokenizer"], target_builder, draft_builder)
+            sections["quality"] = {"file": "quality.json", **report}
         _say("writing manifest and checksums", started)
         return sections
 

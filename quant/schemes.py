@@ -55,8 +55,9 @@ class QuantPolicy:
                 return replace(self.default, name=name)
         return self.default
 
-    def to_dict(self) -> dict:
-        return {"default": self.default.to_dict(), "overrides": [list(o) for o in self.overrides]}
+    def quantizes(self) -> bool:
+        """Whether any weight ends up in something other than fp32."""
+        return self.default.name != "fp32" or any(name != "fp32" for _, name in self.overrides)
 
     @classmethod
     def load(cls, path: Path | None, default: QuantScheme) -> "QuantPolicy":

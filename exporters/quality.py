@@ -1,0 +1,44 @@
+"""At export time: compare each quantized graph with the fp32 export of the same weights."""
+from __future__ import annotations
+
+import json
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from edgespec.quant.report import quality_report
+from edgespec.quant.schemes import QuantPolicy
+from edgespec.runtime.model import ModelRunner
+from edgespec.runtime.pipeline import default_threads
+from edgespec.runtime.sessions import make_session
+from edgespec.runtime.tokenizer import TextCodec, TokenizerSpec
+
+from .bundle_writer import save_graph
+from .llama import LlamaBuilder
+
+PROMPTS = 2
+NEW_TOKENS = 128
+
+
+def _runner(folder: Path, role: str, facts) -> ModelRunner:
+    return ModelRunner(make_session(folder / f"{role}.onnx", ("CPUExecutionProvider",), default_threads()), facts)
+
+
+def write_quality_report(bundle: Path, tokenizer: dict, target: LlamaBuilder, draft: LlamaBuilder | None) -> dict:
+    """Writes quality.json into the bundle (being written) and returns it."""
+    codec = TextCodec(bundle, TokenizerSpec.from_dict(tokenizer))
+    data = resources.files("edgespec").joinpath("data")
+    heldout = codec.encode(data.joinpath("heldout.txt").read_text(encoding="utf-8"))[: target.facts.max_context - 1]
+    prompts = [json.loads(line)["messages"] for line in data.joinpath("prompts.jsonl").read_text().splitlines()[:PROMPTS]]
+    prompt_ids = [codec.encode_chat(m) if codec.has_chat_template else codec.encode(m[0]["content"]) for m in prompts]
+    with tempfile.TemporaryDirectory(prefix="edgespec-fp32-") as scratch:
+        scratch = Path(scratch)
+        save_graph(scratch, "target", target, QuantPolicy())
+        drafts = None
+        if draft is not None:
+            save_graph(scratch, "draft", draft, QuantPolicy())
+            drafts = (_runner(scratch, "draft", draft.facts), _runner(bundle, "draft", draft.facts))
+        report = quality_report(_runner(scratch, "target", target.facts), _runner(bundle, "target", target.facts),
+                                heldout, prompt_ids, NEW_TOKENS, drafts)
+    (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return report

@@ -1,0 +1,75 @@
+"""What quantization costs, measured: perplexity and greedy agreement against the fp32 export of the
+same model, and the draft's agreement with the target before and after.
+
+Pure runtime code (onnxruntime sessions, numpy): it compares graphs, not torch models.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edgespec.runtime.drafters import NoDrafter
+from edgespec.runtime.engine import Session, speculative_step
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.model import ModelRunner, prefill
+
+
+def _row_logits(runner: ModelRunner, ids: list[int], chunk: int):
+    """Logits at every position of `ids` (teacher forcing), chunk by chunk: yields [n, V] arrays."""
+    cache = KVCache(runner.facts, len(ids) + 1)
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        n = len(part)
+        out = runner.forward(cache, part, range(start, start + n), np.tril(np.ones((n, n), bool)), range(n))
+        cache.append(out.new_kv, range(n))
+        yield out.logits
+
+
+def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 64) -> float:
+    logits = np.concatenate(list(_row_logits(runner, ids, chunk)))[:-1].astype(np.float64)
+    targets = np.asarray(ids[1:])
+    logits -= logits.max(axis=-1, keepdims=True)
+    log_probs = logits[np.arange(len(targets)), targets] - np.log(np.exp(logits).sum(axis=-1))
+    return float(np.exp(-log_probs.mean()))
+
+
+def greedy_continuation(runner: ModelRunner, prompt: list[int], new_tokens: int, chunk: int = 64) -> list[int]:
+    session = Session(cache=KVCache(runner.facts, len(prompt) + new_tokens + 2))
+    logits = prefill(runner, session.cache, prompt, chunk)
+    session.committed = list(prompt) + [int(np.argmax(logits))]
+    while len(session.committed) < len(prompt) + new_tokens:
+        speculative_step(runner, session, NoDrafter())
+    return session.committed[len(prompt) : len(prompt) + new_tokens]
+
+
+def agreement(runner: ModelRunner, prompt: list[int], continuation: list[int], chunk: int = 64) -> float:
+    """How often `runner`'s greedy choice equals `continuation`'s next token, teacher-forced."""
+    ids = list(prompt) + list(continuation)
+    choices = np.concatenate(list(_row_logits(runner, ids, chunk))).argmax(-1)
+    predicted = choices[len(prompt) - 1 : len(ids) - 1]
+    return float(np.mean(predicted == np.asarray(continuation)))
+
+
+def quality_report(reference: ModelRunner, quantized: ModelRunner, heldout: list[int], prompts: list[list[int]],
+                   new_tokens: int = 128, drafts: tuple[ModelRunner, ModelRunner] | None = None) -> dict:
+    """`reference` is the fp32 export of the model `quantized` was made from; `drafts` is
+    (fp32 draft, quantized draft) when the bundle has a draft model."""
+    ppl_ref, ppl_q = perplexity(reference, heldout), perplexity(quantized, heldout)
+    continuations = [greedy_continuation(reference, p, new_tokens) for p in prompts]
+    quant_continuations = [greedy_continuation(quantized, p, new_tokens) for p in prompts]
+    agree = [agreement(quantized, p, c) for p, c in zip(prompts, continuations)]
+    identical_prefix = [next((i for i, (a, b) in enumerate(zip(c, q)) if a != b), len(c))
+                        for c, q in zip(continuations, quant_continuations)]
+    report = {
+        "heldout_tokens": len(heldout),
+        "perplexity": {"fp32": round(ppl_ref, 4), "quantized": round(ppl_q, 4),
+                       "increase_percent": round(100 * (ppl_q / ppl_ref - 1), 2)},
+        "greedy_agreement": {"tokens": new_tokens * len(prompts), "top1_agreement": round(float(np.mean(agree)), 4),
+                             "identical_prefix_tokens": identical_prefix},
+    }
+    if drafts is not None:
+        report["draft_agreement"] = {
+            "fp32": round(float(np.mean([agreement(drafts[0], p, c) for p, c in zip(prompts, continuations)])), 4),
+            "quantized": round(float(np.mean([agreement(drafts[1], p, c)
+                                              for p, c in zip(prompts, quant_continuations)])), 4),
+        }
+    return report
