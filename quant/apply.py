@@ -71,14 +71,15 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str
     for name, nodes in users.items():
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
             applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
+    every_node = {node.name for nodes in users.values() for node in nodes}
     for bits in (8, 4):
-        nodes = [node.name for name, s in applied.items() if policy.scheme_for(name).bits == bits and s != "fp32"
-                 for node in users[name]]
-        if not nodes:
+        group = {node.name for name, s in applied.items() if s == f"int{bits}" for node in users[name]}
+        if not group:
             continue
+        # the quantizer treats nodes_to_include as an addition, not a filter: exclude the rest instead
         quantizer = MatMulNBitsQuantizer(
             model, bits=bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
-            accuracy_level=scheme.accuracy_level, nodes_to_include=nodes,
+            accuracy_level=scheme.accuracy_level, nodes_to_exclude=sorted(every_node - group),
             op_types_to_quantize=("MatMul", "Gather"), quant_axes=(("MatMul", 0), ("Gather", 1)))
         quantizer.process()
         quantized = quantizer.model.model
