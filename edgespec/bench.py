@@ -12,8 +12,11 @@ from edgespec.runtime.pipeline import Pipeline
 
 
 def load_prompts(path: Path | None) -> list[dict]:
-    text = Path(path).read_text(encoding="utf-8") if path else \
-        resources.files("edgespec").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8") if path else \
+            resources.files("edgespec").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read the prompts file {path}: {err}") from err
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

@@ -50,8 +50,6 @@ def cmd_export(args) -> None:
 def _generation_config(args):
     from edgespec.runtime.engine import GenerationConfig
 
-    if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be at least 1")
     return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()))
 
 
@@ -82,8 +80,13 @@ def cmd_chat(args) -> None:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        result = pipeline.generate(messages=messages, config=config, session=session, drafter=drafter,
-                                   on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        try:
+            result = pipeline.generate(messages=messages, config=config, session=session, drafter=drafter,
+                                       on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        except (EdgespecError, ValueError) as err:
+            messages.pop()  # the conversation goes on without the turn that failed
+            print(f"\nedgespec: {err}", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         print(_stats_line(result.stats), file=sys.stderr)
         messages.append({"role": "assistant", "content": result.text})
@@ -92,6 +95,8 @@ def cmd_chat(args) -> None:
 def cmd_bench(args) -> None:
     from edgespec.bench import load_prompts, print_report, run_bench
 
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be at least 1")
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
     report = run_bench(_pipeline(args.bundle, args.threads), prompts, args.max_new_tokens)
     if args.json:

@@ -14,21 +14,13 @@ class Qwen2Builder(LlamaBuilder):
 class MistralBuilder(LlamaBuilder):
     architecture = "mistral"
 
-    def sliding_window(self, cfg) -> int | None:
+    def sliding_window(self, cfg, max_context: int) -> int | None:
         window = getattr(cfg, "sliding_window", None)
         # Attention beyond the window would need a banded mask; until then the context stays inside it.
-        if window is not None and self_context_exceeds(window, self._requested_context):
+        if window is not None and max_context > window:
             raise ExportError(f"this Mistral model attends within a sliding window of {window} tokens; "
                               f"export it with --context {window} or less")
         return window
-
-    def __init__(self, model, max_context: int):
-        self._requested_context = max_context
-        super().__init__(model, max_context)
-
-
-def self_context_exceeds(window: int, context: int) -> bool:
-    return context > window
 
 
 BUILDERS = {

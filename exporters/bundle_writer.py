@@ -84,8 +84,7 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Top
     """`fill(tmp_folder)` writes graphs and tokenizer into a temporary folder and returns the manifest's
     model sections; this function adds the manifest and checksums and moves the folder into place."""
     out = Path(out)
-    if out.exists() and not force:
-        raise ExportError(f"{out} already exists; pass --force to replace it")
+    check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -101,10 +100,25 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Top
         }
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
+        check_output(out, force)  # again: the export took a while
+        old = out.with_name(f".{out.name}.replaced") if out.exists() else None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
         tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Refuses to overwrite anything but a bundle, and a bundle only with --force."""
+    if not out.exists():
+        return
+    if not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it")
+    if not (out.is_dir() and (out / MANIFEST).is_file()):
+        raise ExportError(f"{out} exists and is not a bundle (no {MANIFEST}); --force replaces bundles only")

@@ -12,7 +12,7 @@ from edgespec.runtime.tree import parse_tree_spec
 from edgespec.targets.profiles import get_profile
 
 from .architectures import builder_for
-from .bundle_writer import check_compatible, write_bundle, write_model, write_tokenizer
+from .bundle_writer import check_compatible, check_output, write_bundle, write_model, write_tokenizer
 from .quality import write_quality_report
 from .sources import resolve_source
 
@@ -51,6 +51,7 @@ def export(config: ExportConfig) -> Path:
     if config.prefill_chunk < 2:
         raise ExportError("the prefill chunk must be at least 2 tokens")
     profile = get_profile(config.profile)
+    check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:
         target_scheme = QuantScheme(config.quant, config.block, config.symmetric, config.accuracy_level)
         draft_scheme = replace(target_scheme, name=config.draft_quant or config.quant)

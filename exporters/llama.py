@@ -13,7 +13,7 @@ returns logits and the keys/values of the N new tokens only. The runtime owns th
 Token-major caches make the valid prefix of a preallocated cache a contiguous slice, so the runtime
 hands ORT exactly the P valid rows without copying.
 
-Subclasses override only what differs from Llama (see `qwen2.py`, `mistral.py`).
+Subclasses override only what differs from Llama (architectures.py).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class LlamaBuilder:
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            sliding_window=self.sliding_window(cfg),
+            sliding_window=self.sliding_window(cfg, max_context),
         )
         self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
@@ -56,7 +56,7 @@ class LlamaBuilder:
         return sum(v.size for k, v in self.state.items() if not (tied and k == "lm_head.weight"))
 
     # --- what subclasses may override -------------------------------------------------------
-    def sliding_window(self, cfg) -> int | None:
+    def sliding_window(self, cfg, max_context: int) -> int | None:
         return None
 
     def rope_tables(self) -> tuple[np.ndarray, np.ndarray]:

@@ -105,8 +105,20 @@ def read_manifest(folder: Path) -> Manifest:
     return Manifest.from_dict(data)
 
 
+def used_files(manifest: Manifest) -> list[str]:
+    """Every file the runtime will read."""
+    names = [manifest.tokenizer.file] + ([manifest.tokenizer.chat_template] if manifest.tokenizer.chat_template else [])
+    for entry in (manifest.target, manifest.draft):
+        if entry is not None:
+            names += [entry.graph.file, *entry.graph.weights]
+    return names
+
+
 def verify_files(folder: Path, manifest: Manifest) -> None:
-    """Checks that every file the manifest names is present and has its recorded sha256."""
+    """Checks that every file the runtime uses has a recorded sha256, is present, and matches it."""
+    unchecked = [name for name in used_files(manifest) if name not in manifest.files]
+    if unchecked:
+        raise BundleError(f"the manifest gives no checksum for {', '.join(unchecked)}: refusing to load it")
     for name, expected in manifest.files.items():
         path = Path(folder) / name
         if Path(name).is_absolute() or ".." in Path(name).parts:

@@ -16,8 +16,9 @@ from .tree import Topology, Tree
 
 
 class Drafter(Protocol):
-    def propose(self, committed: list[int]) -> Tree:
-        """A tree whose root is committed[-1], shaped as (a subset closed under parents of) the topology."""
+    def propose(self, committed: list[int], max_nodes: int) -> Tree:
+        """A tree of at most `max_nodes` nodes whose root is committed[-1], shaped as (a subset closed
+        under parents of) the drafter's topology."""
 
     def observe(self, accepted: list[int]) -> None:
         """The tokens committed by the last step (accepted drafts and the bonus token)."""
@@ -29,7 +30,7 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: the tree is the root alone."""
 
-    def propose(self, committed: list[int]) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int) -> Tree:
         return Tree.from_parents((-1,), [committed[-1]])
 
     def observe(self, accepted: list[int]) -> None:
@@ -81,7 +82,7 @@ class NgramDrafter:
         self.index: dict[tuple[int, ...], list[int]] = {}
 
     def _index_upto(self, committed: list[int]) -> None:
-        # positions p whose token context[p] follows the n-gram ending at p - 1
+        # maps each n-gram ending at p - 1 to p, the position of the token that followed it
         for p in range(len(self.context), len(committed)):
             self.context.append(committed[p])
             for n in range(self.min_n, self.max_n + 1):
@@ -90,7 +91,7 @@ class NgramDrafter:
 
     def candidates(self, path: list[int], k: int) -> list[int]:
         """Up to k tokens that followed (committed context + path) before; path starts at the root."""
-        seq_tail = (self.context[-self.max_n :] + list(path))[-self.max_n :]
+        seq_tail = (self.context[-self.max_n - 1 : -1] + list(path))[-self.max_n :]
         found: list[int] = []
         for n in range(min(self.max_n, len(seq_tail)), self.min_n - 1, -1):
             for p in reversed(self.index.get(tuple(seq_tail[-n:]), ())):
@@ -101,10 +102,11 @@ class NgramDrafter:
                         return found
         return found
 
-    def propose(self, committed: list[int]) -> Tree:
-        # The root itself is not indexed yet: its continuation is what we are guessing.
-        self._index_upto(committed[:-1])
-        return grow_tree(self.topology, committed[-1], self.candidates)
+    def propose(self, committed: list[int], max_nodes: int) -> Tree:
+        # Indexing the root maps the n-grams ending just before it; the n-gram ending at the root has
+        # no continuation yet, so a lookup never finds its own position.
+        self._index_upto(committed)
+        return grow_tree(self.topology.prefix(max_nodes), committed[-1], self.candidates)
 
     def observe(self, accepted: list[int]) -> None:
         pass
@@ -120,8 +122,8 @@ class ModelDrafter:
     def __init__(self, runner: ModelRunner, cache: KVCache, topology: Topology, prefill_chunk: int):
         self.runner, self.cache, self.topology, self.chunk = runner, cache, topology, prefill_chunk
 
-    def propose(self, committed: list[int]) -> Tree:
-        cache, topo = self.cache, self.topology
+    def propose(self, committed: list[int], max_nodes: int) -> Tree:
+        cache, topo = self.cache, self.topology.prefix(max_nodes)
         # 1. catch up on committed tokens the draft has not seen (prompt, accepted tokens, bonus)
         logits = prefill(self.runner, cache, committed[cache.length :], self.chunk)
         committed_len = cache.length

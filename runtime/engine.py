@@ -4,7 +4,8 @@ State ownership (who holds what):
 - the caller's `Session` owns the committed token ids (prompt + emitted) and the target cache;
   invariant between steps: target cache length == len(committed) - 1, because the newest committed
   token (the root of the next tree) has not been through the target yet;
-- a draft-model drafter owns its own cache (see drafters.py); the target never reads it.
+- a draft-model drafter owns its own cache (see drafters.py); the target never reads it;
+- `TextSink` owns what text has been shown, and holds back any tail that may begin a stop string.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .drafters import Drafter
 from .errors import ContextOverflowError
 from .kvcache import KVCache
 from .model import ModelRunner, prefill
-from .tokenizer import TextCodec
+from .tokenizer import TextCodec, TextStream
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,12 @@ class GenerationConfig:
     max_new_tokens: int = 128
     stop_strings: tuple[str, ...] = ()
     stop_at_eos: bool = True
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("a stop string cannot be empty")
 
 
 @dataclass
@@ -40,7 +47,8 @@ class Stats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s else 0.0
+        """Decoding speed: the first token comes from prefill and is counted in first_token_s instead."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s and self.new_tokens > 1 else 0.0
 
     @property
     def mean_accepted_per_pass(self) -> float:
@@ -74,9 +82,7 @@ class Session:
 def speculative_step(target: ModelRunner, session: Session, drafter: Drafter) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens)."""
     cache = session.cache
-    tree = drafter.propose(session.committed)                                  # 1. draft
-    if cache.room() < tree.size:
-        raise ContextOverflowError(f"the context is full ({cache.capacity} tokens)")
+    tree = drafter.propose(session.committed, max_nodes=cache.room())            # 1. draft what fits
     topo = tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
@@ -88,12 +94,55 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter) ->
     return new_tokens, len(path) - 1
 
 
+class TextSink:
+    """Streams text as tokens arrive, cutting at the first stop string and never showing any part of it."""
+
+    def __init__(self, stream: TextStream, stop_strings: tuple[str, ...], on_text):
+        self.stream, self.stops, self.on_text = stream, stop_strings, on_text
+        self.text = ""  # everything decoded so far
+        self.shown = 0  # how much of it on_text has received
+        self.token_ends: list[int] = []  # len(text) after each token
+        self.stopped_at: int | None = None  # text index where a stop string begins
+
+    def push(self, token: int) -> bool:
+        """Adds a token; returns True when a stop string has appeared."""
+        self.text += self.stream.push(token)
+        self.token_ends.append(len(self.text))
+        hits = [self.text.find(s) for s in self.stops if s in self.text]
+        if hits:
+            self.stopped_at = min(hits)
+            self._show(self.stopped_at)
+            return True
+        held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        self._show(len(self.text) - held)
+        return False
+
+    def finish(self) -> str:
+        end = len(self.text) if self.stopped_at is None else self.stopped_at
+        self._show(end)
+        return self.text[:end]
+
+    def tokens_before_stop(self) -> int:
+        """How many tokens lie wholly before the stop string (all of them without one)."""
+        if self.stopped_at is None:
+            return len(self.token_ends)
+        return sum(1 for end in self.token_ends if end <= self.stopped_at)
+
+    def _show(self, upto: int) -> None:
+        if upto > self.shown:
+            if self.on_text:
+                self.on_text(self.text[self.shown : upto])
+            self.shown = upto
+
+
 def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: Session, context_ids: list[int],
              config: GenerationConfig, prefill_chunk: int, on_text=None) -> Result:
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
     of it (the longest common prefix) is reused. `on_text(piece)` streams the text."""
     cache = session.cache
-    if len(context_ids) + 1 > cache.capacity:
+    if not context_ids:
+        raise ValueError("the prompt is empty")
+    if len(context_ids) > cache.capacity:
         raise ContextOverflowError(
             f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "
             f"shorten the prompt or export with a larger --context")
@@ -104,43 +153,39 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
     drafter.rewind(keep)
     session.committed = list(context_ids)
     logits = prefill(target, cache, context_ids[keep:], prefill_chunk)            # prefill
-    first = int(np.argmax(logits))
-    session.committed.append(first)
-    drafter.observe([first])
+    session.committed.append(int(np.argmax(logits)))
+    drafter.observe(session.committed[-1:])
     stats.prefill_s = stats.first_token_s = time.perf_counter() - started
 
-    emitted: list[int] = []
-    stream = codec.stream()
-    text = ""
-    reason = "max_new_tokens"
-    new_tokens = [first]
-    decode_start = time.perf_counter()
+    sink = TextSink(codec.stream(), config.stop_strings, on_text)
     eos = set(codec.spec.eos_token_ids) if config.stop_at_eos else set()
-    while True:
+    emitted: list[int] = []
+    new_tokens = session.committed[-1:]
+    reason = None
+    decode_start = time.perf_counter()
+    while reason is None:
         for token in new_tokens:
             if token in eos:
                 reason = "eos"
-                break
-            emitted.append(token)
-            piece = stream.push(token)
-            text += piece
-            if config.stop_strings and any(s in text for s in config.stop_strings):
+            elif sink.push(token):
+                emitted.append(token)
                 reason = "stop_string"
-                cut = min(text.index(s) for s in config.stop_strings if s in text)
-                piece = piece[: max(0, len(piece) - (len(text) - cut))]
-                text = text[:cut]
-            if on_text and piece:
-                on_text(piece)
-            if reason != "max_new_tokens" or len(emitted) >= config.max_new_tokens:
+            else:
+                emitted.append(token)
+                if len(emitted) >= config.max_new_tokens:
+                    reason = "max_new_tokens"
+            if reason:
                 break
-        if reason != "max_new_tokens" or len(emitted) >= config.max_new_tokens:
-            break
-        if cache.room() < 2:
-            raise ContextOverflowError(f"the context is full ({session.cache.capacity} tokens) after "
-                                       f"{len(emitted)} new tokens; lower --max-new-tokens or export with a larger --context")
-        new_tokens, accepted = speculative_step(target, session, drafter)
-        stats.target_passes += 1
-        stats.accepted_drafts += accepted
+        if reason is None:
+            if cache.room() < 1:
+                raise ContextOverflowError(f"the context is full ({cache.capacity} tokens) after {len(emitted)} "
+                                           "new tokens; lower --max-new-tokens or export with a larger --context")
+            new_tokens, accepted = speculative_step(target, session, drafter)
+            stats.target_passes += 1
+            stats.accepted_drafts += accepted
+    text = sink.finish()
+    if reason == "stop_string":
+        emitted = emitted[: sink.tokens_before_stop()]
     stats.new_tokens = len(emitted)
     stats.decode_s = time.perf_counter() - decode_start
     # Forget what was accepted past the stop, so the next turn continues from what the user saw.

@@ -56,7 +56,11 @@ class TextCodec:
         """The chat template supplies every special token itself (no extra BOS)."""
         if self._template is None:
             raise ValueError("this bundle's tokenizer has no chat template; use a plain prompt")
-        text = self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.spec.bos_token or "")
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=self.spec.bos_token or "")
+        except jinja2.TemplateError as err:
+            raise ValueError(f"the model's chat template refused these messages: {err}") from err
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:

@@ -66,6 +66,10 @@ class Topology:
     def max_width(self) -> int:
         return max(len(level) for level in self.levels)
 
+    def prefix(self, size: int) -> "Topology":
+        """The first `size` nodes: parents precede children, so any prefix is itself a tree."""
+        return self if size >= self.size else Topology(self.parents[: max(1, size)])
+
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root to `node`, both included."""
         path = []

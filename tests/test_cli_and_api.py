@@ -70,3 +70,25 @@ def test_stop_strings_cut_the_text(bundle_factory):
                                                                   stop_strings=(stop,)))
     assert cut.stop_reason == "stop_string" and stop not in cut.text
     assert full.text.startswith(cut.text) and len(cut.text) < len(full.text)
+
+
+def test_stop_strings_never_reach_the_stream(bundle_factory):
+    """A stop string spanning several tokens is held back while it may still be forming."""
+    pipeline = Pipeline(bundle_factory())
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    full = pipeline.generate("The quick", config=config)
+    ends, text = [], ""
+    stream = pipeline.codec.stream()
+    for token in full.token_ids:
+        text += stream.push(token)
+        ends.append(len(text))
+    # a stop string that starts inside one token and ends inside a later one
+    cut = next(i for i in range(1, len(ends) - 2) if ends[i + 1] - ends[i] >= 1 and ends[i] - ends[i - 1] >= 2)
+    stop = text[ends[cut] - 1 : ends[cut + 1]]
+    start = text.find(stop)
+    shown = []
+    result = pipeline.generate("The quick", config=GenerationConfig(max_new_tokens=40, stop_at_eos=False,
+                                                                     stop_strings=(stop,)), on_text=shown.append)
+    assert result.stop_reason == "stop_string"
+    assert "".join(shown) == result.text == text[:start]
+    assert len(result.token_ids) == sum(1 for end in ends if end <= start)  # tokens wholly before the stop

@@ -83,14 +83,37 @@ def test_bad_model_paths(tmp_path):
 
 def test_existing_output_is_refused_unless_forced(models, tmp_path):
     out = tmp_path / "bundle"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
     config = dict(model=str(models["target"]), draft="ngram", out=out, context=128, cache_dir=tmp_path / "cache")
+    export(ExportConfig(**config))
+    first = (out / "manifest.json").read_text()
     with pytest.raises(ExportError, match="already exists"):
         export(ExportConfig(**config))
-    assert (out / "keep.txt").read_text() == "mine"
-    export(ExportConfig(**config, force=True))
-    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+    assert (out / "manifest.json").read_text() == first
+    export(ExportConfig(**config, force=True, tree="chain:2"))
+    assert (out / "manifest.json").read_text() != first
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]  # nothing left aside
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_force_never_replaces_what_is_not_a_bundle(models, tmp_path, kind):
+    out = tmp_path / "precious"
+    if kind == "folder":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    else:
+        out.write_text("mine")
+    with pytest.raises(ExportError, match="not a bundle"):
+        export(ExportConfig(model=str(models["target"]), draft="ngram", out=out, force=True, cache_dir=tmp_path))
+    assert (out / "keep.txt" if kind == "folder" else out).read_text() == "mine"
+
+
+def test_files_without_a_checksum_are_refused(bundle_factory, tmp_path):
+    bundle = copy_bundle(bundle_factory, tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    del manifest["files"]["target.weights"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="no checksum for target.weights"):
+        open_bundle(bundle)
 
 
 def test_cli_reports_errors_with_exit_code_2(models, tmp_path, capsys):
@@ -130,3 +153,43 @@ def test_generation_stops_cleanly_when_the_context_fills(bundle_factory):
     pipeline = Pipeline(bundle_factory(context=64))
     with pytest.raises(ContextOverflowError, match="context is full"):
         pipeline.generate("fox " * 20, config=GenerationConfig(max_new_tokens=500, stop_at_eos=False))
+
+
+def test_bad_generation_settings():
+    with pytest.raises(ValueError, match="at least 1"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="cannot be empty"):
+        GenerationConfig(stop_strings=("",))
+
+
+def test_empty_prompt(bundle_factory):
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        Pipeline(bundle_factory()).generate("", config=GenerationConfig(max_new_tokens=4))
+
+
+def test_a_prompt_that_exactly_fills_the_context_still_answers(bundle_factory):
+    pipeline = Pipeline(bundle_factory(context=64))
+    ids = pipeline.encode("fox " * 100)[:64]
+    from edgespec.runtime.engine import generate
+
+    result = generate(pipeline.target, pipeline.codec, pipeline.make_drafter(False), pipeline.new_session(), ids,
+                      GenerationConfig(max_new_tokens=1, stop_at_eos=False), 16)
+    assert len(result.token_ids) == 1
+
+
+def test_bad_prompts_files(bundle_factory, tmp_path, capsys):
+    assert main(["bench", str(bundle_factory()), "--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert main(["bench", str(bundle_factory()), "--prompts", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("cannot read the prompts file") == 2
+
+
+def test_a_chat_template_that_refuses_is_a_clear_error(bundle_factory, tmp_path):
+    bundle = copy_bundle(bundle_factory, tmp_path)
+    (bundle / "chat_template.jinja").write_text("{{ raise_exception('System role not supported') }}")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    from edgespec.runtime.bundle import sha256_file
+
+    manifest["files"]["chat_template.jinja"] = sha256_file(bundle / "chat_template.jinja")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="chat template refused these messages: System role not supported"):
+        Pipeline(bundle).generate(messages=[{"role": "system", "content": "x"}])

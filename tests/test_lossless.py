@@ -81,3 +81,26 @@ def test_a_token_computed_alone_or_inside_a_tree_has_the_same_bits(bundle_factor
     out = runner.forward(together, ids[30:], range(30, 40), np.tril(np.ones((n, n), bool)), range(n))
     assert np.array_equal(out.logits, np.array(one_by_one[30:]))
     assert np.array_equal(together.data[:, :, :30], alone.data[:, :, :30])
+
+
+@pytest.mark.parametrize("draft,tree", [("ngram", "chain:6"), ("target", "topk:2x2"), ("draft", "chain:4")])
+def test_speculation_runs_to_the_end_of_the_context_like_plain_decoding(draft, tree, bundle_factory):
+    """Near the end of the context the tree shrinks to what fits, so speculative decoding goes as far
+    as plain decoding does, and then both stop with the same error."""
+    pipeline = Pipeline(bundle_factory(draft=draft, tree=tree, context=64))
+    prompt = "a b c d e f a b c d e f a b c"
+    room = 64 - len(pipeline.encode(prompt)) + 1  # the last token needs no cache row
+    config = GenerationConfig(max_new_tokens=room, stop_at_eos=False)
+    plain, spec = both_with(pipeline, config, prompt=prompt)
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == room
+    from edgespec.runtime.errors import ContextOverflowError
+
+    for speculate in (False, True):
+        with pytest.raises(ContextOverflowError, match="context is full"):
+            pipeline.generate(prompt, config=GenerationConfig(max_new_tokens=room + 1, stop_at_eos=False),
+                              speculate=speculate)
+
+
+def both_with(pipeline, config, **ask):
+    return (pipeline.generate(**ask, config=config, speculate=False),
+            pipeline.generate(**ask, config=config, speculate=True))
