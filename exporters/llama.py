@@ -107,16 +107,16 @@ class LlamaBuilder:
         keep = g.op("Unsqueeze", [mask, g.const([0, 1])])  # [1, 1, N, P+N]
 
         new_kv = []
+        branch = None  # the last block's output, not yet added to the residual stream x
         for l in range(f.num_layers):
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
-            h = self.rms_norm(g, x, w["input_norm"])
+            h, x = self.add_and_norm(g, x, branch, w["input_norm"])
             attn, k_new, v_new = self.attention(g, h, w, rope, keep, past[l])
-            x = g.op("Add", [x, attn], "resid")
-            h = self.rms_norm(g, x, w["post_norm"])
-            x = g.op("Add", [x, self.mlp(g, h, w)], "resid")
+            h, x = self.add_and_norm(g, x, attn, w["post_norm"])
+            branch = self.mlp(g, h, w)
             new_kv += [k_new, v_new]
 
-        x = self.rms_norm(g, x, g.weight("final_norm", self.state["model.norm.weight"]))
+        x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
         x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
         logits = self.lm_head(g, x)
         g.output(logits, "logits", FLOAT, [1, "rows", f.vocab_size])
@@ -124,6 +124,14 @@ class LlamaBuilder:
         stacked = g.op("Reshape", [stacked, g.const([f.num_layers, 2, -1, f.num_kv_heads, f.head_dim])])
         g.output(stacked, "new_kv", FLOAT, [f.num_layers, 2, nodes, f.num_kv_heads, f.head_dim])
         return g
+
+    def add_and_norm(self, g: GraphBuilder, x: str, branch: str | None, weight: str) -> tuple[str, str]:
+        """(rms_norm(x + branch), x + branch) in one fused kernel (one node instead of two)."""
+        if branch is None:
+            return self.rms_norm(g, x, weight), x
+        normed, _, _, total = g.op("SkipSimplifiedLayerNormalization", [x, branch, weight], "norm", n_out=4,
+                                   domain="com.microsoft", epsilon=self.facts.rms_norm_eps)
+        return normed, total
 
     def rms_norm(self, g: GraphBuilder, x: str, weight: str) -> str:
         # Written out so onnxruntime fuses it into SimplifiedLayerNormalization.
