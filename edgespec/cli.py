@@ -122,8 +122,12 @@ def cmd_inspect(args) -> None:
         print(f"  {role}: {entry.source}")
         print(f"    {f.architecture}, {f.num_layers} layers, hidden {f.hidden_size}, heads {f.num_heads}/"
               f"{f.num_kv_heads} kv, head dim {f.head_dim}, vocab {f.vocab_size}, context {f.max_context}")
-        print(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, "
-              f"quantization {entry.graph.quantization.get('scheme')}")
+        q = entry.graph.quantization
+        detail = "" if q.get("scheme") in ("fp32", "fp16") else \
+            f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']})"
+        kept = sorted({s for s in q.get("tensors", {}).values()} - {q.get("scheme")})
+        print(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, quantization {q.get('scheme')}{detail}"
+              + (f", some tensors {'/'.join(kept)} by policy" if kept else ""))
         for name, spec in entry.graph.inputs.items():
             if not name.startswith("past_"):
                 print(f"      in  {name:16s} {spec['dtype']:8s} {spec['shape']}")
@@ -133,6 +137,15 @@ def cmd_inspect(args) -> None:
             print(f"      out {name:16s} {spec['dtype']:8s} {spec['shape']}")
     if manifest.draft is None:
         print(f"  drafter: {manifest.drafter} (training-free)")
+    quality = raw.get("quality")
+    if quality:
+        ppl, agree = quality["perplexity"], quality["greedy_agreement"]
+        print(f"  quality vs the fp32 export ({quality['heldout_tokens']} held-out tokens, {agree['tokens']} greedy tokens):")
+        print(f"    perplexity {ppl['fp32']:.3f} -> {ppl['quantized']:.3f} ({ppl['increase_percent']:+.1f}%), "
+              f"greedy top-1 agreement {agree['top1_agreement']:.1%}")
+        if "draft_agreement" in quality:
+            d = quality["draft_agreement"]
+            print(f"    draft agrees with the target: {d['fp32']:.1%} in fp32, {d['quantized']:.1%} quantized")
     tree = manifest.tree
     print(f"  tree: {tree.size} nodes, depth {tree.max_depth}, parents {list(tree.parents)}")
     print(f"  prefill chunk: {manifest.prefill_chunk} tokens")

@@ -9,10 +9,11 @@ import onnxruntime as ort
 from .facts import ModelFacts
 from .kvcache import KVCache
 
-# onnxruntime's CPU matmul takes a separate single-row (GEMV) path whose rounding differs from the
-# multi-row kernel (measured: up to ~8e-5 in SmolLM2's logits). Every pass therefore carries at
-# least two rows — a one-token step gets one masked padding row — so that a token's logits are the
-# same bits whether it is computed alone, in a prefill chunk or inside a verified tree.
+# onnxruntime's CPU matmuls (MLAS sgemm, and MatMulNBits at every accuracy level) take a separate
+# single-row (GEMV) path whose rounding differs from the multi-row kernel (measured: up to ~8e-5 in
+# SmolLM2's fp32 logits, more in int4). Every matmul therefore sees at least two rows — a one-token
+# step gets one masked padding row, a one-row logits request a duplicate row for the head — so a
+# token's logits are the same bits alone, in a prefill chunk or inside a verified tree.
 MIN_ROWS = 2
 
 
@@ -47,11 +48,13 @@ class ModelRunner:
         for pad in range(n, rows):
             mask[pad, past_len + pad] = True  # padding rows see only themselves
             pos[0, pad] = positions[-1]
+        wanted = np.asarray(logit_rows, dtype=np.int64)
+        head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], MIN_ROWS - len(wanted))]) if len(wanted) < MIN_ROWS \
+            else wanted
         feed = cache.past()
-        feed.update(input_ids=ids, position_ids=pos, attention_mask=mask,
-                    logit_rows=np.asarray(logit_rows, dtype=np.int64))
+        feed.update(input_ids=ids, position_ids=pos, attention_mask=mask, logit_rows=head_rows)
         logits, new_kv = self.session.run(None, feed)
-        return Pass(logits=logits[0], new_kv=new_kv[:, :, :n])
+        return Pass(logits=logits[0, : len(wanted)], new_kv=new_kv[:, :, :n])
 
 
 def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int) -> np.ndarray:

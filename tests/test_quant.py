@@ -1,0 +1,133 @@
+"""Quantized bundles: schemes recorded per graph, a quality report, and still bit-exact speculation."""
+import json
+
+import numpy as np
+import pytest
+
+from edgespec.cli import main
+from edgespec.exporters.export import ExportConfig, export
+from edgespec.quant.schemes import QuantPolicy, QuantScheme
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.errors import ExportError
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.model import prefill
+from edgespec.runtime.pipeline import Pipeline
+
+CONFIG = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+PROMPTS = ["def add(a, b):", "The quick brown fox", "a b c d e f a b c d e f a b"]
+
+
+@pytest.fixture(scope="module")
+def quantized(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    made = {}
+
+    def make(quant, draft="draft", tree="topk:2x2", accuracy_level=4, **extra):
+        key = (quant, draft, tree, accuracy_level, tuple(sorted(extra.items())))
+        if key not in made:
+            out = root / f"q{len(made)}"
+            export(ExportConfig(model=str(models["target"]), draft=draft if draft == "ngram" else str(models[draft]),
+                                out=out, tree=tree, context=256, quant=quant, accuracy_level=accuracy_level,
+                                cache_dir=root / "cache", **extra))
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.mark.parametrize("quant,accuracy_level", [("int4", 4), ("int4", 1), ("int8", 4), ("fp16", 4)])
+def test_speculation_is_exact_on_quantized_bundles(quant, accuracy_level, quantized):
+    for draft, tree in [("target", "chain:4"), ("draft", "topk:2x2"), ("ngram", "chain:6")]:
+        pipeline = Pipeline(quantized(quant, draft=draft, tree=tree, accuracy_level=accuracy_level))
+        for prompt in PROMPTS:
+            plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
+            spec = pipeline.generate(prompt, config=CONFIG, speculate=True)
+            assert spec.token_ids == plain.token_ids, (quant, accuracy_level, draft, tree, prompt)
+            if draft == "target":  # a quantized self-draft is still the same graph: all accepted
+                assert spec.stats.accepted_drafts == 4 * spec.stats.target_passes
+
+
+@pytest.mark.parametrize("accuracy_level", [1, 4])
+def test_int4_rows_do_not_depend_on_the_pass_shape(accuracy_level, quantized):
+    """MatMulNBits rounds a single row differently from several; with >= 2 rows per pass a token's
+    logits are the same bits alone, in a prefill chunk or in a tree."""
+    pipeline = Pipeline(quantized("int4", draft="ngram", accuracy_level=accuracy_level))
+    runner, facts = pipeline.target, pipeline.manifest.target.facts
+    ids = list(np.random.default_rng(3).integers(3, facts.vocab_size, 30))
+    alone = KVCache(facts, 64)
+    singles = []
+    for token in ids:
+        out = runner.forward(alone, [token], [alone.length], np.ones((1, 1), bool), [0])
+        alone.append(out.new_kv, [0])
+        singles.append(out.logits[0])
+    together = KVCache(facts, 64)
+    prefill(runner, together, ids[:20], chunk=7)
+    n = 10
+    out = runner.forward(together, ids[20:], range(20, 30), np.tril(np.ones((n, n), bool)), range(n))
+    assert np.array_equal(out.logits, np.array(singles[20:]))
+
+
+def test_manifest_records_every_graphs_scheme_and_quality(quantized):
+    bundle = quantized("int4", draft="draft", draft_quant="int8", block=64)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    target_q, draft_q = manifest["target"]["graph"]["quantization"], manifest["draft"]["graph"]["quantization"]
+    assert target_q["scheme"] == "int4" and target_q["block_size"] == 64 and target_q["symmetric"] is True
+    assert set(target_q["tensors"].values()) == {"int4"}
+    assert draft_q["scheme"] == "int8"
+    quality = json.loads((bundle / "quality.json").read_text())
+    assert "quality.json" in manifest["files"]
+    assert quality["perplexity"]["fp32"] > 1 and quality["perplexity"]["quantized"] > 1
+    assert 0 <= quality["greedy_agreement"]["top1_agreement"] <= 1
+    assert set(quality["draft_agreement"]) == {"fp32", "quantized"}
+
+
+def test_int4_is_smaller_than_int8_smaller_than_fp32(quantized, bundle_factory):
+    sizes = {q: (quantized(q, draft="ngram") / "target.weights").stat().st_size for q in ("int4", "int8", "fp16")}
+    fp32 = (bundle_factory() / "target.weights").stat().st_size
+    assert sizes["int4"] < sizes["int8"] < fp32 and sizes["fp16"] < fp32
+
+
+def test_policy_keeps_named_tensors_at_higher_precision(quantized, tmp_path):
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"tensors": {"lm_head": "int8", "layers.0.*": "fp32", "embed_tokens": "fp32"}}))
+    bundle = quantized("int4", draft="ngram", quant_policy=policy)
+    tensors = json.loads((bundle / "manifest.json").read_text())["target"]["graph"]["quantization"]["tensors"]
+    assert tensors["lm_head"] == "int8" and tensors["embed_tokens"] == "fp32"
+    assert tensors["layers.0.qkv"] == "fp32" and tensors["layers.1.qkv"] == "int4"
+    pipeline = Pipeline(bundle)
+    plain = pipeline.generate(PROMPTS[0], config=CONFIG, speculate=False)
+    assert pipeline.generate(PROMPTS[0], config=CONFIG).token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{", "cannot read the quantization policy"),
+    ('{"tensors": {"lm_head": "int3"}}', "asks for 'int3'"),
+    ('{"layers": {}}', "a policy holds"),
+])
+def test_bad_policy_files(content, message, models, tmp_path):
+    policy = tmp_path / "policy.json"
+    policy.write_text(content)
+    with pytest.raises(ExportError, match=message):
+        export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", quant="int4",
+                            quant_policy=policy, cache_dir=tmp_path))
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("flags,message", [(["--quant", "int3"], "unknown quantization"),
+                                           (["--quant", "int4", "--block", "48"], "block size 48")])
+def test_bad_quant_flags(flags, message, models, tmp_path, capsys):
+    assert main(["export", str(models["target"]), "--draft", "ngram", "--out", str(tmp_path / "b"), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_policy_scheme_lookup_is_ordered_globs():
+    policy = QuantPolicy(QuantScheme("int4"), (("layers.0.*", "fp32"), ("layers.*", "int8")))
+    assert policy.scheme_for("layers.0.qkv").name == "fp32"
+    assert policy.scheme_for("layers.12.down").name == "int8"
+    assert policy.scheme_for("lm_head").name == "int4"
+
+
+def test_inspect_prints_the_quality_report(quantized, capsys):
+    assert main(["inspect", str(quantized("int4", draft="draft"))]) == 0
+    out = capsys.readouterr().out
+    assert "quality" in out and "perplexity" in out and "int4" in out
