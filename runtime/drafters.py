@@ -75,7 +75,7 @@ class NgramDrafter:
     lookup O(1); siblings are the distinct continuations, most recent first.
     """
 
-    def __init__(self, topology: Topology, max_n: int = 3, min_n: int = 1):
+    def __init__(self, topology: Topology, max_n: int = 3, min_n: int = 2):
         self.topology = topology
         self.max_n, self.min_n = max_n, min_n
         self.context: list[int] = []
