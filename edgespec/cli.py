@@ -47,10 +47,18 @@ def cmd_export(args) -> None:
                         force=args.force, cache_dir=cache_dir()))
 
 
+def _sampling_config(args):
+    from edgespec.runtime.sampling import SamplingConfig
+
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
 def _generation_config(args):
     from edgespec.runtime.engine import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()))
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()),
+                            sampling=_sampling_config(args))
 
 
 def cmd_generate(args) -> None:
@@ -98,7 +106,7 @@ def cmd_bench(args) -> None:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
-    report = run_bench(_pipeline(args.bundle, args.threads), prompts, args.max_new_tokens)
+    report = run_bench(_pipeline(args.bundle, args.threads), prompts, args.max_new_tokens, _sampling_config(args))
     if args.json:
         print(json.dumps(report))
     else:
@@ -178,10 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("bundle", help="bundle folder, or 'default'")
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
+    def sampling_args(p):
+        p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+        p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+        p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+        p.add_argument("--repetition-penalty", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None, help="the same seed reproduces the same output")
+
     def generation_args(p, max_new=128):
         p.add_argument("--max-new-tokens", type=int, default=max_new)
         p.add_argument("--stop", action="append", help="stop string (repeatable)")
         p.add_argument("--no-speculate", action="store_true", help="plain decoding of the same bundle")
+        sampling_args(p)
 
     p = sub.add_parser("export", help="export a target (+ draft) model to a device bundle")
     p.add_argument("model", help="Hugging Face folder, GGUF file, hub id, or 'default'")
@@ -220,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSONL file: one object per line with 'messages' or 'prompt'")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true")
+    sampling_args(p)
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("inspect", help="print a bundle's manifest and verify its checksums")

@@ -4,10 +4,27 @@ Greedy verification walks the tree from the root: at each accepted node the targ
 `argmax p_target[node]`; if a child carries that token, the walk moves to it, otherwise the walk stops
 and the target's choice becomes the bonus token. The emitted tokens are therefore exactly the
 target's argmax chain: the draft only decides how many of them one pass yields.
+
+Sampled verification (SpecInfer / RSD / Sequoia, recursive rejection sampling over the tree): the
+children c_1..c_k of an accepted node u were drawn from q = q_draft[u] *without replacement*, in that
+order. With p = p_target[u]:
+
+    for each child c_i (token t):
+        accept c_i with probability min(1, p[t] / q[t])        -> continue the walk at c_i
+        else:  p <- max(0, p - q) / sum(max(0, p - q))          (the residual)
+               q <- q with t removed, renormalized              (siblings are drawn without it)
+    if every child is rejected: emit a token sampled from p (the last residual)
+
+and after an accepted leaf, the bonus token is sampled from p_target[leaf]. Each emitted token is
+then distributed exactly as the target's own sampling distribution. A deterministic proposal (an
+n-gram drafter, or greedy draft tokens) is a point mass: q = onehot(t), so a child is accepted with
+probability p[t] and on rejection p loses t — sequential sampling of p, also exact.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from .sampling import sample
 
 
 def accept_greedy(tokens: np.ndarray, children: tuple[tuple[int, ...], ...],
@@ -24,3 +41,47 @@ def accept_greedy(tokens: np.ndarray, children: tuple[tuple[int, ...], ...],
             return path, choice
         path.append(nxt)
         node = nxt
+
+
+def accept_sampled(tokens: np.ndarray, children: tuple[tuple[int, ...], ...], p_target: np.ndarray,
+                   q_draft: np.ndarray | None, rng: np.random.Generator) -> tuple[list[int], int]:
+    """p_target [N, V]: the target's processed distribution at every node; q_draft [N, V]: the
+    distribution node u's children were drawn from (None: every proposal is a point mass).
+    Returns (accepted path of node indices from the root, the token emitted after it)."""
+    path = [0]
+    node = 0
+    while True:
+        p = p_target[node].astype(np.float64, copy=True)
+        q = None if q_draft is None else q_draft[node].astype(np.float64, copy=True)
+        accepted = None
+        rejected: set[int] = set()
+        for child in children[node]:
+            t = int(tokens[child])
+            if t in rejected:  # a repeated sibling (the draft's support was smaller than the fan-out)
+                continue
+            rejected.add(t)
+            q_t = 1.0 if q is None else q[t]
+            if q_t > 0 and rng.random() < min(1.0, p[t] / q_t):
+                accepted = child
+                break
+            p = _residual(p, q, t)
+            if q is not None:
+                q[t] = 0.0
+                total = q.sum()
+                q = q / total if total > 0 else q
+        if accepted is None:
+            return path, sample(p, rng)
+        path.append(accepted)
+        node = accepted
+
+
+def _residual(p: np.ndarray, q: np.ndarray | None, token: int) -> np.ndarray:
+    """norm(max(0, p - q)); for a point mass at `token` that is p without `token`."""
+    if q is None:
+        residual = p.copy()
+        residual[token] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    # p == q leaves nothing to correct: any child would have been accepted, so p itself is right
+    return residual / total if total > 0 else p

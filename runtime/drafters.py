@@ -12,13 +12,15 @@ import numpy as np
 
 from .kvcache import KVCache
 from .model import ModelRunner, prefill
+from .sampling import Sampler, sample_without_replacement
 from .tree import Topology, Tree
 
 
 class Drafter(Protocol):
-    def propose(self, committed: list[int], max_nodes: int) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
         """A tree of at most `max_nodes` nodes whose root is committed[-1], shaped as (a subset closed
-        under parents of) the drafter's topology."""
+        under parents of) the drafter's topology. With a sampler, a drafter that has a distribution
+        draws children from it without replacement and returns it as tree.q_draft."""
 
     def observe(self, accepted: list[int]) -> None:
         """The tokens committed by the last step (accepted drafts and the bonus token)."""
@@ -30,7 +32,7 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: the tree is the root alone."""
 
-    def propose(self, committed: list[int], max_nodes: int) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
         return Tree.from_parents((-1,), [committed[-1]])
 
     def observe(self, accepted: list[int]) -> None:
@@ -102,7 +104,8 @@ class NgramDrafter:
                         return found
         return found
 
-    def propose(self, committed: list[int], max_nodes: int) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+        # Proposals are deterministic: under sampling they are point masses (tree.q_draft stays None).
         # Indexing the root maps the n-grams ending just before it; the n-gram ending at the root has
         # no continuation yet, so a lookup never finds its own position.
         self._index_upto(committed)
@@ -122,7 +125,7 @@ class ModelDrafter:
     def __init__(self, runner: ModelRunner, cache: KVCache, topology: Topology, prefill_chunk: int):
         self.runner, self.cache, self.topology, self.chunk = runner, cache, topology, prefill_chunk
 
-    def propose(self, committed: list[int], max_nodes: int) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
         cache, topo = self.cache, self.topology.prefix(max_nodes)
         # 1. catch up on committed tokens the draft has not seen (prompt, accepted tokens, bonus)
         logits = prefill(self.runner, cache, committed[cache.length :], self.chunk)
@@ -130,14 +133,21 @@ class ModelDrafter:
         # 2. expand level by level; tree rows live in the cache only until we return
         tokens = np.zeros(topo.size, dtype=np.int64)
         tokens[0] = committed[-1]
+        q_draft = None if sampler is None else np.zeros((topo.size, len(logits)))
         node_logits = {0: logits}
         fed: list[int] = []  # tree nodes whose rows are in the cache, in row order
         for depth, level in enumerate(topo.levels[1:], start=1):
             for parent in {topo.parents[n] for n in level}:
-                kids = topo.children[parent]
-                top = np.argpartition(-node_logits[parent], len(kids))[: len(kids)]
-                top = top[np.argsort(-node_logits[parent][top], kind="stable")]
-                tokens[list(kids)] = top
+                kids = list(topo.children[parent])
+                if sampler is None:  # greedy: the draft's top tokens, most likely first
+                    top = np.argpartition(-node_logits[parent], len(kids))[: len(kids)]
+                    tokens[kids] = top[np.argsort(-node_logits[parent][top], kind="stable")]
+                else:
+                    path = [int(tokens[i]) for i in topo.path_to(parent)[1:]]
+                    q_draft[parent] = sampler.distributions(node_logits[parent][None], committed, [path])[0]
+                    drawn = sample_without_replacement(q_draft[parent], len(kids), sampler.rng)
+                    drawn += [drawn[-1]] * (len(kids) - len(drawn))  # support smaller than the fan-out
+                    tokens[kids] = drawn
             if depth == topo.max_depth:
                 break
             level = list(level)
@@ -151,7 +161,7 @@ class ModelDrafter:
             fed += level
             node_logits.update(zip(level, out.logits))
         cache.trim(committed_len)
-        return Tree(topo, tokens)
+        return Tree(topo, tokens, q_draft)
 
     def observe(self, accepted: list[int]) -> None:
         pass

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .accept import accept_greedy
+from .accept import accept_greedy, accept_sampled
 from .drafters import Drafter
 from .errors import ContextOverflowError
 from .kvcache import KVCache
 from .model import ModelRunner, prefill
+from .sampling import Sampler, SamplingConfig, sample
 from .tokenizer import TextCodec, TextStream
 
 
@@ -27,6 +28,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     stop_strings: tuple[str, ...] = ()
     stop_at_eos: bool = True
+    sampling: SamplingConfig = SamplingConfig()  # greedy unless temperature > 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -79,14 +81,19 @@ class Session:
     committed: list[int] = field(default_factory=list)
 
 
-def speculative_step(target: ModelRunner, session: Session, drafter: Drafter) -> tuple[list[int], int]:
+def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
+                     sampler: Sampler | None = None) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens)."""
     cache = session.cache
-    tree = drafter.propose(session.committed, max_nodes=cache.room())            # 1. draft what fits
+    tree = drafter.propose(session.committed, cache.room(), sampler)             # 1. draft what fits
     topo = tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
-    path, bonus = accept_greedy(tree.tokens, topo.children, out.logits.argmax(-1))  # 3. accept
+    if sampler is None:                                                       # 3. accept
+        path, bonus = accept_greedy(tree.tokens, topo.children, out.logits.argmax(-1))
+    else:
+        p_target = sampler.distributions(out.logits, session.committed, tree.paths())
+        path, bonus = accept_sampled(tree.tokens, topo.children, p_target, tree.q_draft, sampler.rng)
     cache.append(out.new_kv, path)                                            # 4. compact to the path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
     session.committed.extend(new_tokens)
@@ -152,8 +159,11 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
     cache.trim(keep)
     drafter.rewind(keep)
     session.committed = list(context_ids)
+    sampler = None if config.sampling.greedy else Sampler(config.sampling)
     logits = prefill(target, cache, context_ids[keep:], prefill_chunk)            # prefill
-    session.committed.append(int(np.argmax(logits)))
+    first = int(np.argmax(logits)) if sampler is None else \
+        sample(sampler.distributions(logits[None], session.committed, [[]])[0], sampler.rng)
+    session.committed.append(first)
     drafter.observe(session.committed[-1:])
     stats.prefill_s = stats.first_token_s = time.perf_counter() - started
 
@@ -180,7 +190,7 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
             if cache.room() < 1:
                 raise ContextOverflowError(f"the context is full ({cache.capacity} tokens) after {len(emitted)} "
                                            "new tokens; lower --max-new-tokens or export with a larger --context")
-            new_tokens, accepted = speculative_step(target, session, drafter)
+            new_tokens, accepted = speculative_step(target, session, drafter, sampler)
             stats.target_passes += 1
             stats.accepted_drafts += accepted
     text = sink.finish()

@@ -91,10 +91,17 @@ class Tree:
 
     topology: Topology
     tokens: np.ndarray  # [N] int64; tokens[0] is the last committed token
+    # q_draft[u]: the distribution node u's children were drawn from, without replacement (sampling
+    # with a draft model); None when the proposals are deterministic (point masses)
+    q_draft: np.ndarray | None = None
 
     @classmethod
     def from_parents(cls, parents: tuple[int, ...], tokens) -> "Tree":
         return cls(Topology(tuple(parents)), np.asarray(tokens, dtype=np.int64))
+
+    def paths(self) -> list[list[int]]:
+        """For every node, the tokens from the root's child down to the node itself."""
+        return [[int(self.tokens[i]) for i in self.topology.path_to(node)[1:]] for node in range(self.size)]
 
     @property
     def parents(self) -> tuple[int, ...]:

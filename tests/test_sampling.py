@@ -1,0 +1,161 @@
+"""Sampling: logits processing, and statistical proof that speculative sampling keeps the target's
+distribution. Significance: every goodness-of-fit test must not reject at alpha = 0.001 (seeds are
+fixed, so each test is deterministic); a deliberately wrong verifier must be rejected at 1e-6."""
+import itertools
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare, chi2_contingency
+
+from edgespec.runtime.accept import _residual, accept_sampled
+from edgespec.runtime.sampling import SamplingConfig, probabilities, sample, sample_without_replacement
+from edgespec.runtime.tree import parse_tree_spec
+
+ALPHA = 1e-3
+V = 4
+
+
+def test_probabilities_follow_temperature_top_k_top_p_min_p():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    assert np.allclose(probabilities(logits, SamplingConfig(temperature=1.0)), [[0.5, 0.3, 0.15, 0.05]])
+    hot = probabilities(logits, SamplingConfig(temperature=2.0))[0]
+    assert hot[0] < 0.5 and hot[3] > 0.05
+    assert np.allclose(probabilities(logits, SamplingConfig(temperature=1.0, top_k=2)), [[0.625, 0.375, 0, 0]])
+    # top-p keeps the smallest prefix reaching p: 0.5 + 0.3 >= 0.7
+    assert np.allclose(probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.7)), [[0.625, 0.375, 0, 0]])
+    assert np.allclose(probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.1)), [[1, 0, 0, 0]])
+    # min-p drops tokens below min_p * the top probability
+    assert np.allclose(probabilities(logits, SamplingConfig(temperature=1.0, min_p=0.25)),
+                       [[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]])
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    logits = np.array([[2.0, 2.0, -1.0, -1.0]])
+    seen = np.array([[True, False, True, False]])
+    probs = probabilities(logits, SamplingConfig(temperature=1.0, repetition_penalty=2.0), seen)[0]
+    assert probs[0] < probs[1] and probs[2] < probs[3]
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
+                                 dict(min_p=1.0), dict(repetition_penalty=0)])
+def test_bad_sampling_settings(bad):
+    with pytest.raises(ValueError):
+        SamplingConfig(**bad)
+
+
+def test_sampling_without_replacement_is_distinct_and_follows_q():
+    rng = np.random.default_rng(0)
+    q = np.array([0.6, 0.3, 0.1, 0.0])
+    firsts = [sample_without_replacement(q, 2, rng) for _ in range(20000)]
+    assert all(len(set(f)) == 2 and 3 not in f for f in firsts)
+    counts = np.bincount([f[0] for f in firsts], minlength=4)[:3]
+    assert chisquare(counts, 20000 * q[:3]).pvalue > ALPHA
+    assert sample_without_replacement(q, 5, rng).__len__() == 3  # the support has three tokens
+
+
+# --- a synthetic Markov target and draft: p(next | last) = P[last], q(next | last) = Q[last] ---
+
+def markov(seed, alpha=1.0):
+    return np.random.default_rng(seed).dirichlet(np.full(V, alpha), size=V)
+
+
+P = markov(1)
+Q_CLOSE = 0.7 * P + 0.3 * markov(2)
+Q_FAR = markov(3, alpha=0.3)
+
+
+def draft_tree(topology, root, q_table, rng, deterministic):
+    tokens = np.zeros(topology.size, dtype=np.int64)
+    tokens[0] = root
+    q_draft = None if deterministic else np.zeros((topology.size, V))
+    for node in range(topology.size):
+        kids = list(topology.children[node])
+        if not kids:
+            continue
+        q = q_table[tokens[node]]
+        if deterministic:  # an n-gram-like proposer: the most likely tokens, no distribution
+            drawn = list(np.argsort(-q, kind="stable")[: len(kids)])
+        else:
+            q_draft[node] = q
+            drawn = sample_without_replacement(q, len(kids), rng)
+            drawn += [drawn[-1]] * (len(kids) - len(drawn))
+        tokens[kids] = drawn
+    return tokens, q_draft
+
+
+def speculative_tokens(spec, q_table, count, rng, deterministic=False, verifier=accept_sampled):
+    """The first `count` tokens after root 0, produced by speculative steps on the Markov target."""
+    topology = parse_tree_spec(spec)
+    out, last = [], 0
+    while len(out) < count:
+        tokens, q_draft = draft_tree(topology, last, q_table, rng, deterministic)
+        p_target = P[tokens]  # the target's distribution at every node
+        path, bonus = verifier(tokens, topology.children, p_target, q_draft, rng)
+        out += [int(t) for t in tokens[path[1:]]] + [bonus]
+        last = out[-1]
+    return tuple(out[:count])
+
+
+def exact_joint(count):
+    cells = list(itertools.product(range(V), repeat=count))
+    probs = []
+    for cell in cells:
+        prob, last = 1.0, 0
+        for token in cell:
+            prob *= P[last, token]
+            last = token
+        probs.append(prob)
+    return cells, np.array(probs)
+
+
+def fit_pvalue(samples, count):
+    cells, probs = exact_joint(count)
+    index = {c: i for i, c in enumerate(cells)}
+    observed = np.bincount([index[s] for s in samples], minlength=len(cells))
+    return chisquare(observed, probs * len(samples)).pvalue
+
+
+TRIALS = 12000
+
+
+@pytest.mark.parametrize("spec,q_table,deterministic", [
+    ("chain:3", Q_CLOSE, False),
+    ("chain:3", Q_FAR, False),
+    ("topk:2x2", Q_CLOSE, False),
+    ("topk:3x1", Q_FAR, False),
+    ("parents:-1,0,0,0,1,1,2", Q_CLOSE, False),
+    ("chain:3", Q_CLOSE, True),      # point-mass proposals
+    ("topk:2x2", Q_FAR, True),
+])
+def test_speculative_sampling_matches_the_target_distribution(spec, q_table, deterministic):
+    rng = np.random.default_rng(7)
+    samples = [speculative_tokens(spec, q_table, 3, rng, deterministic) for _ in range(TRIALS)]
+    assert fit_pvalue([s[:1] for s in samples], 1) > ALPHA
+    assert fit_pvalue(samples, 3) > ALPHA  # the joint of the first three tokens: 64 cells
+
+
+def wrong_verifier(tokens, children, p_target, q_draft, rng):
+    """A common bug: on rejection, sample from the target's full distribution instead of the residual."""
+    path, node = [0], 0
+    while True:
+        p, q = p_target[node], q_draft[node]
+        for child in children[node]:
+            t = int(tokens[child])
+            if rng.random() < min(1.0, p[t] / q[t]):
+                path.append(child)
+                node = child
+                break
+        else:
+            return path, sample(p, rng)
+
+
+def test_the_statistical_test_detects_a_wrong_verifier():
+    rng = np.random.default_rng(7)
+    samples = [speculative_tokens("chain:3", Q_FAR, 3, rng, verifier=wrong_verifier) for _ in range(TRIALS)]
+    assert fit_pvalue(samples, 3) < 1e-6
+
+
+def test_residual_is_the_normalized_positive_part():
+    p, q = np.array([0.5, 0.3, 0.2, 0.0]), np.array([0.2, 0.5, 0.3, 0.0])
+    assert np.allclose(_residual(p, q, 1), [1.0, 0, 0, 0])
+    assert np.allclose(_residual(p, None, 0), [0, 0.6, 0.4, 0])

@@ -1,0 +1,69 @@
+"""Speculative sampling end to end on tiny models: same distribution as plain sampling, same seed
+same output. Significance as in test_sampling.py (alpha = 0.001, fixed seeds)."""
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from edgespec.cli import main
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.sampling import SamplingConfig
+
+TRIALS = 1200
+
+
+def first_tokens(pipeline, speculate, trials, **sampling):
+    counts = Counter()
+    for seed in range(trials):
+        config = GenerationConfig(max_new_tokens=3, stop_at_eos=False,
+                                  sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed, **sampling))
+        counts[tuple(pipeline.generate("The quick", config=config, speculate=speculate).token_ids)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("draft,tree", [("draft", "topk:2x2"), ("target", "chain:3"), ("ngram", "chain:3")])
+def test_speculative_sampling_has_the_plain_distribution(draft, tree, bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft=draft, tree=tree), threads=1)
+    plain = first_tokens(pipeline, False, TRIALS)
+    spec = first_tokens(pipeline, True, TRIALS)
+    cells = sorted(set(plain) | set(spec))
+    table = np.array([[plain[c] for c in cells], [spec[c] for c in cells]])
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_the_same_seed_reproduces_the_same_output(bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
+    config = GenerationConfig(max_new_tokens=20, stop_at_eos=False,
+                              sampling=SamplingConfig(temperature=0.8, top_p=0.9, seed=42))
+    first = pipeline.generate("The quick", config=config)
+    assert pipeline.generate("The quick", config=config).token_ids == first.token_ids
+    other = GenerationConfig(max_new_tokens=20, stop_at_eos=False, sampling=SamplingConfig(temperature=0.8, seed=43))
+    assert pipeline.generate("The quick", config=other).token_ids != first.token_ids
+
+
+def test_self_draft_sampling_accepts_nearly_everything(bundle_factory):
+    """With q_draft == p_target every drafted token is accepted (min(1, p/q) = 1)."""
+    pipeline = Pipeline(bundle_factory(draft="target", tree="chain:4"))
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False, sampling=SamplingConfig(temperature=0.9, seed=1))
+    stats = pipeline.generate("def add(a, b):", config=config).stats
+    assert stats.accepted_drafts == 4 * stats.target_passes
+
+
+def test_cli_sampling_options(bundle_factory, capsys):
+    import json
+
+    bundle = str(bundle_factory(draft="draft", tree="topk:2x2"))
+    args = ["generate", bundle, "--prompt", "The quick", "--max-new-tokens", "10", "--json", "--temperature", "0.7",
+            "--top-k", "20", "--top-p", "0.95", "--min-p", "0.01", "--repetition-penalty", "1.1", "--seed", "3"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == first["token_ids"]
+    assert main(["generate", bundle, "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert main(["bench", bundle, "--max-new-tokens", "6", "--temperature", "0.7", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical_greedy"] is None and report["temperature"] == 0.7
+    assert report["speculative"]["mean_accepted_per_pass"] >= 1
