@@ -1,7 +1,7 @@
 """Applies a quantization policy to a model graph with onnxruntime's own weight-only quantizer.
 
-int8/int4 weights of MatMul nodes become MatMulNBits, the embedding Gather becomes
-GatherBlockQuantized; fp16 weights are stored in half precision behind a Cast (computed in fp32 on
+int8/int4 weights of MatMul nodes become MatMulNBits (asymmetric schemes: symmetric MatMulNBits plus
+exact float block offsets, see offsets.py), the embedding Gather becomes GatherBlockQuantized; fp16 weights are stored in half precision behind a Cast (computed in fp32 on
 the CPU). Norms, biases and rope tables stay fp32: they are small and precision-critical.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .offsets import replace_matmul
 from .schemes import QuantPolicy
 
 
@@ -65,21 +66,31 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str
         untie_head(model)
     users = _weight_nodes(model)
     applied = {name: policy.scheme_for(name).name for name in users}
-    _store_half(model, [n for n, s in applied.items() if s == "fp16"])
-    scheme = policy.default
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     for name, nodes in users.items():
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
             applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
-    every_node = {node.name for nodes in users.values() for node in nodes}
+    _store_half(model, [n for n, s in applied.items() if s == "fp16"])
+    scheme = policy.default
+    if not scheme.symmetric:  # exact float offsets for matmul weights (offsets.py); the embedding below
+        inits = _initializers(model)
+        for name, nodes in users.items():
+            bits = policy.scheme_for(name).bits
+            if bits and applied[name] != "fp32" and nodes[0].op_type == "MatMul":
+                weight = numpy_helper.to_array(inits[name])
+                for node in nodes:
+                    replace_matmul(model, node, weight, bits, scheme.block_size, scheme.accuracy_level)
+                model.graph.initializer.remove(inits[name])
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     for bits in (8, 4):
-        group = {node.name for name, s in applied.items() if s == f"int{bits}" for node in users[name]}
-        if not group:
+        group = {name for name, s in applied.items() if s == f"int{bits}"}
+        remaining = _weight_nodes(model)  # after the offset rewrite: its own small matmuls stay fp32
+        if not group & set(remaining):
             continue
         # the quantizer treats nodes_to_include as an addition, not a filter: exclude the rest instead
+        excluded = sorted(node.name for name, nodes in remaining.items() if name not in group for node in nodes)
         quantizer = MatMulNBitsQuantizer(
             model, bits=bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
-            accuracy_level=scheme.accuracy_level, nodes_to_exclude=sorted(every_node - group),
+            accuracy_level=scheme.accuracy_level, nodes_to_exclude=excluded,
             op_types_to_quantize=("MatMul", "Gather"), quant_axes=(("MatMul", 0), ("Gather", 1)))
         quantizer.process()
         quantized = quantizer.model.model

@@ -35,10 +35,12 @@ def quantized(models, tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("quant,accuracy_level", [("int4", 4), ("int4", 1), ("int8", 4), ("fp16", 4)])
-def test_speculation_is_exact_on_quantized_bundles(quant, accuracy_level, quantized):
+@pytest.mark.parametrize("quant,accuracy_level,symmetric", [("int4", 4, True), ("int4", 1, True), ("int8", 4, True),
+                                                            ("fp16", 4, True), ("int4", 4, False), ("int8", 1, False)])
+def test_speculation_is_exact_on_quantized_bundles(quant, accuracy_level, symmetric, quantized):
     for draft, tree in [("target", "chain:4"), ("draft", "topk:2x2"), ("ngram", "chain:6")]:
-        pipeline = Pipeline(quantized(quant, draft=draft, tree=tree, accuracy_level=accuracy_level))
+        pipeline = Pipeline(quantized(quant, draft=draft, tree=tree, accuracy_level=accuracy_level,
+                                      symmetric=symmetric))
         for prompt in PROMPTS:
             plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
             spec = pipeline.generate(prompt, config=CONFIG, speculate=True)
@@ -47,11 +49,11 @@ def test_speculation_is_exact_on_quantized_bundles(quant, accuracy_level, quanti
                 assert spec.stats.accepted_drafts == 4 * spec.stats.target_passes
 
 
-@pytest.mark.parametrize("accuracy_level", [1, 4])
-def test_int4_rows_do_not_depend_on_the_pass_shape(accuracy_level, quantized):
+@pytest.mark.parametrize("accuracy_level,symmetric", [(1, True), (4, True), (4, False)])
+def test_int4_rows_do_not_depend_on_the_pass_shape(accuracy_level, symmetric, quantized):
     """MatMulNBits rounds a single row differently from several; with >= 2 rows per pass a token's
     logits are the same bits alone, in a prefill chunk or in a tree."""
-    pipeline = Pipeline(quantized("int4", draft="ngram", accuracy_level=accuracy_level))
+    pipeline = Pipeline(quantized("int4", draft="ngram", accuracy_level=accuracy_level, symmetric=symmetric))
     runner, facts = pipeline.target, pipeline.manifest.target.facts
     ids = list(np.random.default_rng(3).integers(3, facts.vocab_size, 30))
     alone = KVCache(facts, 64)
