@@ -3,9 +3,8 @@ import numpy as np
 import pytest
 
 from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import ModelRunner, prefill
 from edgespec.runtime.pipeline import Pipeline
+from rows import assert_rows_shape_invariant
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens", "{\"name\": \"edge"]
 CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
@@ -65,22 +64,7 @@ def test_chat_prompts_and_multi_turn_session(bundle_factory):
 def test_a_token_computed_alone_or_inside_a_tree_has_the_same_bits(bundle_factory):
     """The reason greedy equality holds: per-row results do not depend on the pass's shape
     (see MIN_ROWS in runtime/model.py)."""
-    pipeline = Pipeline(bundle_factory(draft="ngram", tree="chain:4"))
-    runner: ModelRunner = pipeline.target
-    facts = pipeline.manifest.target.facts
-    ids = list(np.random.default_rng(5).integers(3, facts.vocab_size, 40))
-    alone = KVCache(facts, 64)
-    one_by_one = []
-    for token in ids:
-        out = runner.forward(alone, [token], [alone.length], np.ones((1, 1), bool), [0])
-        alone.append(out.new_kv, [0])
-        one_by_one.append(out.logits[0])
-    together = KVCache(facts, 64)
-    prefill(runner, together, ids[:30], chunk=16)
-    n = 10
-    out = runner.forward(together, ids[30:], range(30, 40), np.tril(np.ones((n, n), bool)), range(n))
-    assert np.array_equal(out.logits, np.array(one_by_one[30:]))
-    assert np.array_equal(together.data[:, :, :30], alone.data[:, :, :30])
+    assert_rows_shape_invariant(Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target, seed=5, prefix=30, chunk=16)
 
 
 @pytest.mark.parametrize("draft,tree", [("ngram", "chain:6"), ("target", "topk:2x2"), ("draft", "chain:4")])

@@ -1,7 +1,6 @@
 """Quantized bundles: schemes recorded per graph, a quality report, and still bit-exact speculation."""
 import json
 
-import numpy as np
 import pytest
 
 from edgespec.cli import main
@@ -9,9 +8,8 @@ from edgespec.exporters.export import ExportConfig, export
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ExportError
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import prefill
 from edgespec.runtime.pipeline import Pipeline
+from rows import assert_rows_shape_invariant
 
 CONFIG = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
 PROMPTS = ["def add(a, b):", "The quick brown fox", "a b c d e f a b c d e f a b"]
@@ -54,19 +52,7 @@ def test_int4_rows_do_not_depend_on_the_pass_shape(accuracy_level, symmetric, qu
     """MatMulNBits rounds a single row differently from several; with >= 2 rows per pass a token's
     logits are the same bits alone, in a prefill chunk or in a tree."""
     pipeline = Pipeline(quantized("int4", draft="ngram", accuracy_level=accuracy_level, symmetric=symmetric))
-    runner, facts = pipeline.target, pipeline.manifest.target.facts
-    ids = list(np.random.default_rng(3).integers(3, facts.vocab_size, 30))
-    alone = KVCache(facts, 64)
-    singles = []
-    for token in ids:
-        out = runner.forward(alone, [token], [alone.length], np.ones((1, 1), bool), [0])
-        alone.append(out.new_kv, [0])
-        singles.append(out.logits[0])
-    together = KVCache(facts, 64)
-    prefill(runner, together, ids[:20], chunk=7)
-    n = 10
-    out = runner.forward(together, ids[20:], range(20, 30), np.tril(np.ones((n, n), bool)), range(n))
-    assert np.array_equal(out.logits, np.array(singles[20:]))
+    assert_rows_shape_invariant(pipeline.target, seed=3, prefix=20, chunk=7)
 
 
 def test_manifest_records_every_graphs_scheme_and_quality(quantized):

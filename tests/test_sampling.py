@@ -5,7 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare, chi2_contingency
+from scipy.stats import chisquare
 
 from edgespec.runtime.accept import _residual, accept_sampled
 from edgespec.runtime.sampling import SamplingConfig, probabilities, sample, sample_without_replacement
