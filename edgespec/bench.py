@@ -36,10 +36,11 @@ def load_prompts(path: Path | None) -> list[dict]:
 
 def _summary(stats: list[Stats]) -> dict:
     tokens = sum(s.new_tokens for s in stats)
+    decoded = sum(max(0, s.new_tokens - 1) for s in stats)  # the first token of each run comes from prefill
     decode_s = sum(s.decode_s for s in stats)
     passes = sum(s.target_passes for s in stats)
     accepted = sum(s.accepted_drafts for s in stats)
-    return {"tokens": tokens, "tokens_per_s": round(tokens / decode_s, 2) if decode_s else 0.0,
+    return {"tokens": tokens, "tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
             "mean_accepted_per_pass": round((accepted + passes) / passes, 3) if passes else 0.0,
             "time_to_first_token_s": round(sum(s.first_token_s for s in stats) / len(stats), 4),
             "target_passes": passes}

@@ -131,7 +131,7 @@ def cmd_inspect(args) -> None:
         print(f"    {f.architecture}, {f.num_layers} layers, hidden {f.hidden_size}, heads {f.num_heads}/"
               f"{f.num_kv_heads} kv, head dim {f.head_dim}, vocab {f.vocab_size}, context {f.max_context}")
         q = entry.graph.quantization
-        detail = "" if q.get("scheme") in ("fp32", "fp16") else \
+        detail = "" if "block_size" not in q else \
             f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']})"
         kept = sorted({s for s in q.get("tensors", {}).values()} - {q.get("scheme")})
         print(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, quantization {q.get('scheme')}{detail}"

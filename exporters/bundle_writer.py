@@ -34,7 +34,8 @@ def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, pol
             "weights": [weights_file],
             "inputs": {i.name: _shape(i) for i in model.graph.input},
             "outputs": {o.name: _shape(o) for o in model.graph.output},
-            "quantization": {**policy.default.to_dict(), "tensors": applied},
+            "quantization": {**policy.default.to_dict(any(s in ("int4", "int8") for s in applied.values())),
+                             "tensors": applied},
         },
     }
 
@@ -42,7 +43,10 @@ def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, pol
 def save_graph(folder: Path, role: str, builder: LlamaBuilder, policy: QuantPolicy):
     """Builds, quantizes and saves `role`.onnx with its weights in `role`.weights."""
     model = builder.build(f"edgespec_{role}").to_model()
-    applied = quantize_model(model, policy)
+    try:
+        applied = quantize_model(model, policy)
+    except ValueError as err:
+        raise ExportError(str(err)) from err
     externalize(model, folder / f"{role}.weights")
     onnx.save_model(model, folder / f"{role}.onnx")
     onnx.checker.check_model(str(folder / f"{role}.onnx"))

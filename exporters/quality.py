@@ -31,6 +31,9 @@ def write_quality_report(bundle: Path, tokenizer: dict, target: LlamaBuilder, dr
     heldout = codec.encode(data.joinpath("heldout.txt").read_text(encoding="utf-8"))[: target.facts.max_context - 1]
     prompts = [json.loads(line)["messages"] for line in data.joinpath("prompts.jsonl").read_text().splitlines()[:PROMPTS]]
     prompt_ids = [codec.encode_chat(m) if codec.has_chat_template else codec.encode(m[0]["content"]) for m in prompts]
+    context = target.facts.max_context
+    prompt_ids = [ids[-(context // 2):] for ids in prompt_ids]  # leave room for the continuation
+    new_tokens = min(NEW_TOKENS, context - max(len(ids) for ids in prompt_ids) - 2)
     with tempfile.TemporaryDirectory(prefix="edgespec-fp32-") as scratch:
         scratch = Path(scratch)
         save_graph(scratch, "target", target, QuantPolicy())
@@ -39,6 +42,6 @@ def write_quality_report(bundle: Path, tokenizer: dict, target: LlamaBuilder, dr
             save_graph(scratch, "draft", draft, QuantPolicy())
             drafts = (_runner(scratch, "draft", draft.facts), _runner(bundle, "draft", draft.facts))
         report = quality_report(_runner(scratch, "target", target.facts), _runner(bundle, "target", target.facts),
-                                heldout, prompt_ids, NEW_TOKENS, drafts)
+                                heldout, prompt_ids, new_tokens, drafts)
     (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

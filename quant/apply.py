@@ -6,6 +6,7 @@ the CPU). Norms, biases and rope tables stay fp32: they are small and precision-
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 
 import numpy as np
@@ -40,7 +41,7 @@ def _weight_nodes(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     inits = _initializers(model)
     users: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
-        if node.op_type == "MatMul" and node.input[1] in inits:
+        if node.op_type in ("MatMul", "Gemm") and node.input[1] in inits:
             users.setdefault(node.input[1], []).append(node)
         elif node.op_type == "Gather" and node.input[0] in inits:
             users.setdefault(node.input[0], []).append(node)
@@ -62,9 +63,15 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str
     """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    if policy.scheme_for("lm_head").bits:
+    head, embedding = policy.scheme_for("lm_head"), policy.scheme_for("embed_tokens")
+    if head.bits or head.name != embedding.name:  # MatMulNBits needs a MatMul; a tied head needs its own copy
         untie_head(model)
     users = _weight_nodes(model)
+    unmatched = [pattern for pattern, _ in policy.overrides
+                 if not any(fnmatch.fnmatchcase(name, pattern) for name in set(users) | {"lm_head"})]
+    if unmatched:
+        raise ValueError(f"the quantization policy names no weight of this model: {', '.join(unmatched)} "
+                         f"(weights are named like {', '.join(sorted(users)[:4])}, ...)")
     applied = {name: policy.scheme_for(name).name for name in users}
     for name, nodes in users.items():
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
@@ -96,4 +103,6 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str
         quantized = quantizer.model.model
         if quantized is not model:
             model.CopyFrom(quantized)
+    if "lm_head" not in applied:  # a tied head reads the embedding table as it is stored
+        applied["lm_head"] = applied["embed_tokens"]
     return applied

@@ -37,8 +37,9 @@ class QuantScheme:
     def bits(self) -> int | None:
         return {"int8": 8, "int4": 4}.get(self.name)
 
-    def to_dict(self) -> dict:
-        if self.bits is None:
+    def to_dict(self, block_settings: bool = False) -> dict:
+        """The scheme; block settings too when it, or a tensor under it, is int8/int4."""
+        if self.bits is None and not block_settings:
             return {"scheme": self.name}
         return {"scheme": self.name, "block_size": self.block_size, "symmetric": self.symmetric,
                 "accuracy_level": self.accuracy_level}

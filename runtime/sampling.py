@@ -5,6 +5,7 @@ numpy, row-wise, so a tree's N rows are processed in one call with each row's ow
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +21,13 @@ class SamplingConfig:
     seed: int | None = None  # the same seed reproduces the same output
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number (got {getattr(self, name)})")
+        if self.temperature < 0 or 0 < self.temperature < 1e-3:
+            raise ValueError(f"temperature must be 0 (greedy) or at least 0.001 (got {self.temperature})")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (got {self.seed})")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
         if not 0 < self.top_p <= 1:

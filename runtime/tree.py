@@ -131,7 +131,12 @@ def parse_tree_spec(spec: str) -> Topology:
         branch, depth = int(match.group(4)), int(match.group(5))
         if branch < 1 or depth < 1:
             raise ValueError("topk:BxD needs B >= 1 and D >= 1")
-        size = sum(branch ** d for d in range(depth + 1))
+        size, level = 1, 1
+        for _ in range(min(depth, MAX_NODES)):
+            level *= branch
+            size += level
+            if size > MAX_NODES:
+                break
         if size > MAX_NODES:
             raise ValueError(f"tree {spec} has {size} nodes; at most {MAX_NODES} are supported")
         parents, frontier = [-1], [0]

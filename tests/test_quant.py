@@ -89,6 +89,7 @@ def test_policy_keeps_named_tensors_at_higher_precision(quantized, tmp_path):
 
 @pytest.mark.parametrize("content,message", [
     ("{", "cannot read the quantization policy"),
+    ('{"tensors": {"layer.0.*": "int8"}}', "names no weight of this model: layer.0"),
     ('{"tensors": {"lm_head": "int3"}}', "asks for 'int3'"),
     ('{"layers": {}}', "a policy holds"),
 ])
@@ -119,3 +120,46 @@ def test_inspect_prints_the_quality_report(quantized, capsys):
     assert main(["inspect", str(quantized("int4", draft="draft"))]) == 0
     out = capsys.readouterr().out
     assert "quality" in out and "perplexity" in out and "int4" in out
+
+
+def test_a_short_context_still_gets_a_quality_report(models, tmp_path):
+    out = tmp_path / "short"
+    export(ExportConfig(model=str(models["target"]), draft="ngram", out=out, context=64, quant="int8", cache_dir=tmp_path))
+    assert json.loads((out / "quality.json").read_text())["greedy_agreement"]["tokens"] > 0
+
+
+@pytest.mark.parametrize("model,quant,policy,head", [
+    ("untied", "fp16", {}, "fp16"),                      # an untied head is stored in half precision too
+    ("target", "fp16", {"lm_head": "fp32"}, "fp32"),     # a tied head kept at fp32 gets its own copy
+    ("target", "int4", {"lm_head": "fp16"}, "fp16"),
+    ("target", "int4", {}, "int4"),
+])
+def test_the_head_gets_the_scheme_the_manifest_says(model, quant, policy, head, models, tmp_path):
+    import onnx
+
+    file = tmp_path / "policy.json"
+    file.write_text(json.dumps({"tensors": policy}))
+    out = tmp_path / "b"
+    export(ExportConfig(model=str(models[model]), draft="ngram", out=out, context=64, quant=quant,
+                        quant_policy=file if policy else None, cache_dir=tmp_path))
+    assert json.loads((out / "manifest.json").read_text())["target"]["graph"]["quantization"]["tensors"]["lm_head"] == head
+    graph = onnx.load(out / "target.onnx", load_external_data=False).graph
+    head_inputs = {name for node in graph.node if node.op_type in ("MatMul", "Gemm", "MatMulNBits") for name in node.input}
+    stored = {t.name: t.data_type for t in graph.initializer}
+    if head == "fp16":
+        assert stored.get("lm_head.fp16") == onnx.TensorProto.FLOAT16 or stored.get("embed_tokens.fp16")
+    elif head == "fp32":
+        assert stored.get("lm_head") == onnx.TensorProto.FLOAT and "lm_head" in head_inputs
+    else:
+        assert "lm_head_Q4" in head_inputs
+    pipeline = Pipeline(out)
+    assert pipeline.generate(PROMPTS[0], config=CONFIG).token_ids == pipeline.generate(
+        PROMPTS[0], config=CONFIG, speculate=False).token_ids
+
+
+def test_manifest_keeps_block_settings_when_only_some_tensors_are_int(quantized, tmp_path):
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"tensors": {"layers.*": "int4"}}))
+    bundle = quantized("fp32", draft="ngram", quant_policy=policy)
+    q = json.loads((bundle / "manifest.json").read_text())["target"]["graph"]["quantization"]
+    assert q["scheme"] == "fp32" and q["block_size"] == 32 and q["tensors"]["layers.0.qkv"] == "int4"

@@ -37,7 +37,8 @@ def test_repetition_penalty_lowers_seen_tokens():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
-                                 dict(min_p=1.0), dict(repetition_penalty=0)])
+                                 dict(min_p=1.0), dict(repetition_penalty=0), dict(temperature=float("nan")),
+                                 dict(repetition_penalty=float("inf")), dict(temperature=1e-320), dict(seed=-1)])
 def test_bad_sampling_settings(bad):
     with pytest.raises(ValueError):
         SamplingConfig(**bad)
@@ -149,9 +150,27 @@ def wrong_verifier(tokens, children, p_target, q_draft, rng):
             return path, sample(p, rng)
 
 
-def test_the_statistical_test_detects_a_wrong_verifier():
+def keeps_rejected_siblings(tokens, children, p_target, q_draft, rng):
+    """Another bug: siblings are drawn without replacement, but q keeps the rejected token."""
+    path, node = [0], 0
+    while True:
+        p, q = p_target[node].copy(), q_draft[node]
+        for child in children[node]:
+            t = int(tokens[child])
+            if rng.random() < min(1.0, p[t] / q[t]):
+                path.append(child)
+                node = child
+                break
+            p = _residual(p, q, t)
+        else:
+            return path, sample(p, rng)
+
+
+@pytest.mark.parametrize("verifier,spec", [(wrong_verifier, "chain:3"), (wrong_verifier, "topk:2x2"),
+                                           (keeps_rejected_siblings, "topk:3x1"), (keeps_rejected_siblings, "topk:2x2")])
+def test_the_statistical_test_detects_a_wrong_verifier(verifier, spec):
     rng = np.random.default_rng(7)
-    samples = [speculative_tokens("chain:3", Q_FAR, 3, rng, verifier=wrong_verifier) for _ in range(TRIALS)]
+    samples = [speculative_tokens(spec, Q_FAR, 3, rng, verifier=verifier) for _ in range(TRIALS)]
     assert fit_pvalue(samples, 3) < 1e-6
 
 

@@ -26,7 +26,8 @@ def test_explicit_parents_round_trip():
     assert parse_tree_spec(topo.spec()).parents == topo.parents
 
 
-@pytest.mark.parametrize("bad", ["chain:0", "topk:0x2", "ring:3", "parents:0,1", "parents:-1,2", "topk:9x9"])
+@pytest.mark.parametrize("bad", ["chain:0", "topk:0x2", "ring:3", "parents:0,1", "parents:-1,2", "topk:9x9",
+                                 "topk:1x100000000", "topk:100000x100000000"])
 def test_bad_specs_are_refused(bad):
     with pytest.raises(ValueError):
         parse_tree_spec(bad)
