@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export a target (+ draft) model to a device bundle")
     p.add_argument("model", help="Hugging Face folder, GGUF file, hub id, or 'default'")
-    p.add_argument("--draft", required=True, help="draft model (same forms as MODEL) or 'ngram'")
+    p.add_argument("--draft", required=True,
+                   help="draft model (same forms as MODEL), or a training-free drafter: ngram, recycling, ngram+recycling")
     p.add_argument("--out", required=True, help="bundle folder to write")
     p.add_argument("--tree", default="chain:4", help="chain:K, topk:BxD or parents:-1,0,...")
     p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
+from edgespec.runtime.drafters import TRAINING_FREE
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.tree import parse_tree_spec
 from edgespec.targets.profiles import get_profile
@@ -20,7 +21,7 @@ from .sources import resolve_source
 @dataclass(frozen=True)
 class ExportConfig:
     model: str
-    draft: str  # a model spec, or "ngram"
+    draft: str  # a model spec, or a training-free drafter: "ngram", "recycling", "ngram+recycling"
     out: Path
     tree: str = "chain:4"
     context: int = 2048
@@ -59,7 +60,7 @@ def export(config: ExportConfig) -> Path:
     except ValueError as err:
         raise ExportError(str(err)) from err
     target_source = resolve_source(config.model, config.cache_dir)
-    draft_source = None if config.draft == "ngram" else resolve_source(config.draft, config.cache_dir)
+    draft_source = None if config.draft in TRAINING_FREE else resolve_source(config.draft, config.cache_dir)
 
     def fill(folder: Path) -> dict:
         _say(f"loading target: {target_source.description}", started)
@@ -71,7 +72,7 @@ def export(config: ExportConfig) -> Path:
         sections["target"] = write_model(folder, "target", target_builder, target_source.description, target_policy)
         draft_builder = None
         if draft_source is None:
-            sections["draft"] = {"kind": "ngram"}
+            sections["draft"] = {"kind": config.draft}
         else:
             _say(f"loading draft: {draft_source.description}", started)
             draft, draft_tokenizer = draft_source.load()

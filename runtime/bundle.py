@@ -51,7 +51,7 @@ class Manifest:
     raw: dict
     target: ModelEntry
     draft: ModelEntry | None  # None: a training-free drafter
-    drafter: str  # "model" or "ngram"
+    drafter: str  # "model", or a training-free drafter: "ngram", "recycling", "ngram+recycling"
     tree: Topology
     prefill_chunk: int
     tokenizer: TokenizerSpec
@@ -70,7 +70,7 @@ class Manifest:
                 raw=data,
                 target=ModelEntry.from_dict(data["target"]),
                 draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
-                drafter=draft["kind"] if draft else "ngram",
+                drafter=_drafter_kind(draft),
                 tree=Topology(tuple(data["tree"]["parents"])),
                 prefill_chunk=int(data["steps"]["prefill_chunk"]),
                 tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
@@ -79,6 +79,13 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise BundleError(f"the manifest is malformed: {err!r}") from err
+
+
+def _drafter_kind(draft: dict | None) -> str:
+    kind = draft["kind"] if draft else "ngram"
+    if kind not in ("model", "ngram", "recycling", "ngram+recycling"):
+        raise BundleError(f"the manifest names an unknown drafter {kind!r}")
+    return kind
 
 
 def sha256_file(path: Path) -> str:

@@ -22,8 +22,9 @@ class Drafter(Protocol):
         under parents of) the drafter's topology. With a sampler, a drafter that has a distribution
         draws children from it without replacement and returns it as tree.q_draft."""
 
-    def observe(self, accepted: list[int]) -> None:
-        """The tokens committed by the last step (accepted drafts and the bonus token)."""
+    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
+        """The tokens committed by the last step (accepted drafts and the bonus token), and the tree
+        that was verified with the target's logits at its nodes (None after prefill)."""
 
     def rewind(self, length: int) -> None:
         """Forget every committed token from index `length` on (a new turn edited the context)."""
@@ -35,7 +36,7 @@ class NoDrafter:
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
         return Tree.from_parents((-1,), [committed[-1]])
 
-    def observe(self, accepted: list[int]) -> None:
+    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass
 
     def rewind(self, length: int) -> None:
@@ -111,7 +112,7 @@ class NgramDrafter:
         self._index_upto(committed)
         return grow_tree(self.topology.prefix(max_nodes), committed[-1], self.candidates)
 
-    def observe(self, accepted: list[int]) -> None:
+    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass
 
     def rewind(self, length: int) -> None:
@@ -163,8 +164,53 @@ class ModelDrafter:
         cache.trim(committed_len)
         return Tree(topo, tokens, q_draft)
 
-    def observe(self, accepted: list[int]) -> None:
+    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass
 
     def rewind(self, length: int) -> None:
         self.cache.trim(min(self.cache.length, length))
+
+
+TRAINING_FREE = ("ngram", "recycling", "ngram+recycling")
+
+
+class RecyclingDrafter:
+    """Token Recycling: the target's own top-k candidates at every verified node, kept in an
+    adjacency table token -> recent successors (vocab x width int32: 1.5 MB for 49152 x 8), and
+    replayed as a tree. Optionally behind an n-gram drafter (GOOSE-style): context matches first,
+    recycled candidates fill the remaining branches.
+
+    The table outlives turns: it describes the target, not one context, so rewind keeps it.
+    """
+
+    def __init__(self, topology: Topology, vocab_size: int, width: int = 8, ngram: NgramDrafter | None = None):
+        self.topology = topology
+        self.width = width
+        self.table = np.full((vocab_size, width), -1, dtype=np.int32)
+        self.ngram = ngram
+
+    def candidates(self, path: list[int], k: int) -> list[int]:
+        found = self.ngram.candidates(path, k) if self.ngram is not None else []
+        for token in self.table[path[-1]]:
+            if len(found) == k or token < 0:
+                break
+            if int(token) not in found:
+                found.append(int(token))
+        return found
+
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+        if self.ngram is not None:
+            self.ngram._index_upto(committed)
+        return grow_tree(self.topology.prefix(max_nodes), committed[-1], self.candidates)
+
+    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
+        if logits is None:
+            return
+        k = min(self.width, logits.shape[-1] - 1)
+        top = np.argpartition(-logits, k, axis=-1)[:, :k]
+        order = np.argsort(-np.take_along_axis(logits, top, axis=-1), axis=-1, kind="stable")
+        self.table[np.asarray(tokens)[: len(top)], :k] = np.take_along_axis(top, order, axis=-1)
+
+    def rewind(self, length: int) -> None:
+        if self.ngram is not None:
+            self.ngram.rewind(length)

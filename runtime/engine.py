@@ -97,7 +97,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     cache.append(out.new_kv, path)                                            # 4. compact to the path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
     session.committed.extend(new_tokens)
-    drafter.observe(new_tokens)
+    drafter.observe(new_tokens, tree.tokens, out.logits)
     return new_tokens, len(path) - 1
 
 

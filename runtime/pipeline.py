@@ -7,7 +7,7 @@ from pathlib import Path
 from edgespec.targets.profiles import get_profile
 
 from .bundle import Manifest, open_bundle
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError
 from .kvcache import KVCache
@@ -50,8 +50,11 @@ class Pipeline:
         m = self.manifest
         if not speculate:
             return NoDrafter()
-        if self.draft is None:
+        if m.drafter == "ngram":
             return NgramDrafter(m.tree)
+        if m.drafter in ("recycling", "ngram+recycling"):
+            ngram = NgramDrafter(m.tree) if m.drafter == "ngram+recycling" else None
+            return RecyclingDrafter(m.tree, m.target.facts.vocab_size, ngram=ngram)
         return ModelDrafter(self.draft, KVCache(m.draft.facts, self.context), m.tree, m.prefill_chunk)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

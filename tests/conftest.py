@@ -39,7 +39,7 @@ def bundle_factory(models, tmp_path_factory):
         key = (target, draft, tree, context)
         if key not in made:
             out = root / f"b{len(made)}"
-            draft_spec = draft if draft == "ngram" else str(models[draft])
+            draft_spec = draft if draft in ("ngram", "recycling", "ngram+recycling") else str(models[draft])
             export(ExportConfig(model=str(models[target]), draft=draft_spec, out=out, tree=tree, context=context,
                                 cache_dir=root / "cache"))
             made[key] = out

@@ -49,6 +49,30 @@ def test_ngram_drafter(tree, bundle_factory):
     assert spec.token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("drafter,tree", [("recycling", "topk:2x2"), ("recycling", "chain:4"),
+                                          ("ngram+recycling", "topk:2x3")])
+def test_token_recycling_drafters(drafter, tree, bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft=drafter, tree=tree))
+    accepted = 0
+    for prompt in PROMPTS + ["a b c d e f a b c d e f a b c"]:
+        plain, spec = both(pipeline, prompt=prompt)
+        assert spec.token_ids == plain.token_ids
+        accepted += spec.stats.accepted_drafts
+    assert accepted > 0  # the recycled candidates do get accepted (a fresh drafter per call: within one reply)
+
+
+def test_recycling_table_keeps_the_targets_top_candidates():
+    from edgespec.runtime.drafters import RecyclingDrafter
+    from edgespec.runtime.tree import parse_tree_spec
+
+    drafter = RecyclingDrafter(parse_tree_spec("topk:2x2"), vocab_size=10, width=3)
+    logits = np.array([[0, 5, 1, 9, 0, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 8, 0, 6, 0, 0]], dtype=np.float32)
+    drafter.observe([3], tokens=np.array([4, 2]), logits=logits)
+    assert list(drafter.table[4]) == [3, 1, 2] and list(drafter.table[2]) == [5, 0, 7]
+    tree = drafter.propose([9, 4], max_nodes=16, sampler=None)
+    assert list(tree.tokens[:3]) == [4, 3, 1] and tree.parents[:3] == (-1, 0, 0)
+
+
 def test_chat_prompts_and_multi_turn_session(bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
     session, drafter = pipeline.new_session(), pipeline.make_drafter(True)

@@ -23,8 +23,8 @@ class GreedyProposals:
     def propose(self, committed, max_nodes, sampler):
         return self.inner.propose(committed, max_nodes, None)
 
-    def observe(self, accepted):
-        self.inner.observe(accepted)
+    def observe(self, accepted, tokens=None, logits=None):
+        self.inner.observe(accepted, tokens, logits)
 
     def rewind(self, length):
         self.inner.rewind(length)
