@@ -174,19 +174,26 @@ class ModelDrafter:
 TRAINING_FREE = ("ngram", "recycling", "ngram+recycling")
 
 
+def new_recycling_table(vocab_size: int, width: int = 8) -> np.ndarray:
+    return np.full((vocab_size, width), -1, dtype=np.int32)
+
+
 class RecyclingDrafter:
     """Token Recycling: the target's own top-k candidates at every verified node, kept in an
     adjacency table token -> recent successors (vocab x width int32: 1.5 MB for 49152 x 8), and
     replayed as a tree. Optionally behind an n-gram drafter (GOOSE-style): context matches first,
     recycled candidates fill the remaining branches.
 
-    The table outlives turns: it describes the target, not one context, so rewind keeps it.
+    The table outlives turns and conversations: it describes the target, not one context, so rewind
+    keeps it and a pipeline shares one table among its drafters.
     """
 
-    def __init__(self, topology: Topology, vocab_size: int, width: int = 8, ngram: NgramDrafter | None = None):
+    def __init__(self, topology: Topology, table: np.ndarray, ngram: NgramDrafter | None = None):
+        """`table` [vocab, width] int32 (-1: empty), owned by the caller so that it can serve every
+        conversation with the same target: see `new_recycling_table`."""
         self.topology = topology
-        self.width = width
-        self.table = np.full((vocab_size, width), -1, dtype=np.int32)
+        self.table = table
+        self.width = table.shape[1]
         self.ngram = ngram
 
     def candidates(self, path: list[int], k: int) -> list[int]:

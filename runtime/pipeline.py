@@ -7,7 +7,7 @@ from pathlib import Path
 from edgespec.targets.profiles import get_profile
 
 from .bundle import Manifest, open_bundle
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError
 from .kvcache import KVCache
@@ -33,6 +33,7 @@ class Pipeline:
         self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
                                                self.threads), m.target.facts)
         self.draft = None
+        self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         if m.drafter == "model":
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
@@ -54,7 +55,9 @@ class Pipeline:
             return NgramDrafter(m.tree)
         if m.drafter in ("recycling", "ngram+recycling"):
             ngram = NgramDrafter(m.tree) if m.drafter == "ngram+recycling" else None
-            return RecyclingDrafter(m.tree, m.target.facts.vocab_size, ngram=ngram)
+            if self.recycling_table is None:
+                self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
+            return RecyclingDrafter(m.tree, self.recycling_table, ngram=ngram)
         return ModelDrafter(self.draft, KVCache(m.draft.facts, self.context), m.tree, m.prefill_chunk)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

@@ -58,14 +58,14 @@ def test_token_recycling_drafters(drafter, tree, bundle_factory):
         plain, spec = both(pipeline, prompt=prompt)
         assert spec.token_ids == plain.token_ids
         accepted += spec.stats.accepted_drafts
-    assert accepted > 0  # the recycled candidates do get accepted (a fresh drafter per call: within one reply)
+    assert accepted > 0  # the recycled candidates do get accepted
 
 
 def test_recycling_table_keeps_the_targets_top_candidates():
-    from edgespec.runtime.drafters import RecyclingDrafter
+    from edgespec.runtime.drafters import RecyclingDrafter, new_recycling_table
     from edgespec.runtime.tree import parse_tree_spec
 
-    drafter = RecyclingDrafter(parse_tree_spec("topk:2x2"), vocab_size=10, width=3)
+    drafter = RecyclingDrafter(parse_tree_spec("topk:2x2"), new_recycling_table(10, width=3))
     logits = np.array([[0, 5, 1, 9, 0, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 8, 0, 6, 0, 0]], dtype=np.float32)
     drafter.observe([3], tokens=np.array([4, 2]), logits=logits)
     assert list(drafter.table[4]) == [3, 1, 2] and list(drafter.table[2]) == [5, 0, 7]
