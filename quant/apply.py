@@ -61,8 +61,6 @@ def _store_half(model: onnx.ModelProto, names: list[str]) -> None:
 
 def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str]:
     """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     head, embedding = policy.scheme_for("lm_head"), policy.scheme_for("embed_tokens")
     if head.bits or head.name != embedding.name:  # MatMulNBits needs a MatMul; a tied head needs its own copy
         untie_head(model)
@@ -77,16 +75,32 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
             applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
     _store_half(model, [n for n, s in applied.items() if s == "fp16"])
+    if not policy.default.symmetric:
+        _apply_offsets(model, users, applied, policy)
+    _apply_nbits(model, applied, policy)
+    if "lm_head" not in applied:  # a tied head reads the embedding table as it is stored
+        applied["lm_head"] = applied["embed_tokens"]
+    return applied
+
+
+def _apply_offsets(model: onnx.ModelProto, users, applied: dict[str, str], policy: QuantPolicy) -> None:
+    """Asymmetric schemes: matmul weights become MatMulNBits + exact float offsets (offsets.py)."""
     scheme = policy.default
-    if not scheme.symmetric:  # exact float offsets for matmul weights (offsets.py); the embedding below
-        inits = _initializers(model)
-        for name, nodes in users.items():
-            bits = policy.scheme_for(name).bits
-            if bits and applied[name] != "fp32" and nodes[0].op_type == "MatMul":
-                weight = numpy_helper.to_array(inits[name])
-                for node in nodes:
-                    replace_matmul(model, node, weight, bits, scheme.block_size, scheme.accuracy_level)
-                model.graph.initializer.remove(inits[name])
+    inits = _initializers(model)
+    for name, nodes in users.items():
+        bits = {"int4": 4, "int8": 8}.get(applied[name])
+        if bits and nodes[0].op_type == "MatMul":
+            weight = numpy_helper.to_array(inits[name])
+            for node in nodes:
+                replace_matmul(model, node, weight, bits, scheme.block_size, scheme.accuracy_level)
+            model.graph.initializer.remove(inits[name])
+
+
+def _apply_nbits(model: onnx.ModelProto, applied: dict[str, str], policy: QuantPolicy) -> None:
+    """What is still int8/int4 goes through onnxruntime's own quantizer, one bit width at a time."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    scheme = policy.default
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     for bits in (8, 4):
         group = {name for name, s in applied.items() if s == f"int{bits}"}
@@ -100,9 +114,5 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str
             accuracy_level=scheme.accuracy_level, nodes_to_exclude=excluded,
             op_types_to_quantize=("MatMul", "Gather"), quant_axes=(("MatMul", 0), ("Gather", 1)))
         quantizer.process()
-        quantized = quantizer.model.model
-        if quantized is not model:
-            model.CopyFrom(quantized)
-    if "lm_head" not in applied:  # a tied head reads the embedding table as it is stored
-        applied["lm_head"] = applied["embed_tokens"]
-    return applied
+        if quantizer.model.model is not model:
+            model.CopyFrom(quantizer.model.model)
