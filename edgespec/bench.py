@@ -68,7 +68,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         identical_greedy=identical if sampling.greedy else None,
         temperature=sampling.temperature,
         prompts=len(prompts), max_new_tokens=max_new_tokens, threads=pipeline.threads,
-        drafter=pipeline.manifest.drafter, tree=pipeline.manifest.tree.spec(),
+        drafter=pipeline.manifest.drafter, tree=pipeline.tree.spec(),
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     )
     return report

@@ -113,6 +113,28 @@ def cmd_bench(args) -> None:
         print_report(report)
 
 
+def cmd_tune(args) -> None:
+    from edgespec.defaults import resolve_bundle
+    from edgespec.tune import tune
+
+    if args.max_nodes < 1 or args.max_nodes > 64:
+        raise ValueError("--max-nodes must be between 1 and 64")
+    result = tune(resolve_bundle(args.bundle), Path(args.prompts) if args.prompts else None, args.max_nodes,
+                  args.max_new_tokens, args.threads, write=not args.dry_run)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"acceptance by sibling rank: {result['acceptance_by_rank']}; draft {result['draft_ms_per_level']} ms per level")
+    print("pass ms by node count: " + ", ".join(f"{n}: {ms}" for n, ms in result["pass_ms"].items()))
+    print(f"chosen tree: parents {result['tree']['parents']} ({result['tree']['size']} nodes)")
+    print(f"  predicted {result['predicted_tokens_per_s']} tokens/s ({result['predicted_tokens_per_pass']} per pass), "
+          f"measured {result['measured_tokens_per_s']} ({result['measured_tokens_per_pass']} per pass)")
+    print(f"best chain: {result['best_chain']['size'] - 1} drafted tokens, predicted "
+          f"{result['best_chain_predicted_tokens_per_s']}, measured {result['best_chain_tokens_per_s']} tokens/s; "
+          f"plain {result['plain_tokens_per_s']} tokens/s")
+    print("written into the bundle" if result["written"] else "not written (--dry-run)")
+
+
 def cmd_inspect(args) -> None:
     from edgespec.defaults import resolve_bundle
     from edgespec.runtime.bundle import open_bundle
@@ -240,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     sampling_args(p)
     p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("tune", help="choose the tree for this device from measured acceptance and cost")
+    bundle_arg(p)
+    p.add_argument("--prompts", help="calibration prompts (JSONL, as for bench)")
+    p.add_argument("--max-nodes", type=int, default=12, help="largest tree considered")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dry-run", action="store_true", help="report, but leave the bundle unchanged")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_tune)
 
     p = sub.add_parser("inspect", help="print a bundle's manifest and verify its checksums")
     p.add_argument("bundle", help="bundle folder, or 'default'")

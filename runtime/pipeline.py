@@ -32,6 +32,7 @@ class Pipeline:
         self.codec = TextCodec(self.folder, m.tokenizer)
         self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
                                                self.threads), m.target.facts)
+        self.tree = m.tree  # the tree drafters fill: the manifest's, unless a caller (tune) tries another
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         if m.drafter == "model":
@@ -52,13 +53,13 @@ class Pipeline:
         if not speculate:
             return NoDrafter()
         if m.drafter == "ngram":
-            return NgramDrafter(m.tree)
+            return NgramDrafter(self.tree)
         if m.drafter in ("recycling", "ngram+recycling"):
-            ngram = NgramDrafter(m.tree) if m.drafter == "ngram+recycling" else None
+            ngram = NgramDrafter(self.tree) if m.drafter == "ngram+recycling" else None
             if self.recycling_table is None:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
-            return RecyclingDrafter(m.tree, self.recycling_table, ngram=ngram)
-        return ModelDrafter(self.draft, KVCache(m.draft.facts, self.context), m.tree, m.prefill_chunk)
+            return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)
+        return ModelDrafter(self.draft, KVCache(m.draft.facts, self.context), self.tree, m.prefill_chunk)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):

@@ -74,11 +74,12 @@ def _parents(plan: tuple) -> tuple[int, ...]:
 
 
 def choose_tree(accept: np.ndarray, pass_seconds: dict[int, float]) -> tuple[TreeChoice, TreeChoice]:
-    """The best tree over the measured node counts, and the best chain (for comparison)."""
+    """The best tree over the measured node counts, and the best chain (for comparison).
+    pass_seconds[n]: the measured time of one step (draft + verify) with an n-node tree."""
     max_nodes = max(pass_seconds)
     trees = best_trees(accept, max_nodes)
-    tree = max((TreeChoice(t, value, pass_seconds[n]) for n, (value, t) in enumerate(trees, start=1)
-                if n in pass_seconds), key=lambda c: c.tokens_per_s)
+    tree = max((TreeChoice(t, value, pass_seconds[t.size]) for n, (value, t) in enumerate(trees, start=1)
+                if n in pass_seconds and t.size in pass_seconds), key=lambda c: c.tokens_per_s)
     chains = []
     for n in pass_seconds:
         value = 1.0 + sum(float(accept[0]) ** d for d in range(1, n))

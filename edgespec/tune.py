@@ -1,0 +1,143 @@
+"""`edgespec tune`: measure acceptance and pass cost on this device, choose the tree, write it into the bundle.
+
+1. acceptance by sibling rank: speculative decoding of calibration prompts with a wide probe tree,
+   counting, at every accepted node, which rank of candidate (if any) the target continued with;
+2. cost: one step's time for every node count (target pass + drafting), at a typical context length;
+3. the tree maximizing expected tokens per second (runtime/treeopt.py), and the best chain;
+4. both measured end to end on the same prompts, so the prediction can be checked.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.bench import load_prompts, run_bench
+from edgespec.runtime.bundle import MANIFEST
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.model import prefill
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.tree import Topology, parse_tree_spec
+from edgespec.runtime.treeopt import choose_tree
+
+PROBE = "topk:4x2"  # four candidates per node, two levels: 21 nodes per calibration pass
+
+
+class RankCounter:
+    """Wraps a drafter; after every step counts, per sibling rank, opportunities and continuations."""
+
+    def __init__(self, inner, ranks: int):
+        self.inner, self.tree = inner, None
+        self.opportunities = np.zeros(ranks)
+        self.hits = np.zeros(ranks)
+        self.draft_seconds, self.draft_levels = 0.0, 0
+
+    def propose(self, committed, max_nodes, sampler):
+        start = time.perf_counter()
+        self.tree = self.inner.propose(committed, max_nodes, sampler)
+        self.draft_seconds += time.perf_counter() - start
+        self.draft_levels += self.tree.topology.max_depth
+        return self.tree
+
+    def observe(self, accepted, tokens=None, logits=None):
+        self.inner.observe(accepted, tokens, logits)
+        if tokens is None or self.tree is None:
+            return
+        topo, node = self.tree.topology, 0
+        for token in accepted[:-1] + [None]:  # the accepted drafts, then the bonus (never a tree node)
+            kids = topo.children[node]
+            if topo.depths[node] >= PROBE_DEPTH:
+                break
+            self.opportunities += 1
+            rank = next((r for r, c in enumerate(kids) if token is not None and int(self.tree.tokens[c]) == token), None)
+            if rank is None:
+                break
+            self.hits[rank] += 1
+            node = kids[rank]
+
+    def rewind(self, length):
+        self.inner.rewind(length)
+
+    @property
+    def acceptance(self) -> np.ndarray:
+        return np.divide(self.hits, self.opportunities, out=np.zeros_like(self.hits), where=self.opportunities > 0)
+
+
+PROBE_DEPTH = parse_tree_spec(PROBE).max_depth
+
+
+def pass_seconds(pipeline: Pipeline, sizes, past: int, repeats: int) -> dict[int, float]:
+    """Median time of one target pass with n chain-masked nodes after `past` cached tokens."""
+    facts = pipeline.manifest.target.facts
+    cache = KVCache(facts, max(past + max(sizes) + 1, 8))
+    rng = np.random.default_rng(0)
+    prefill(pipeline.target, cache, list(rng.integers(3, facts.vocab_size, past)), pipeline.manifest.prefill_chunk)
+    out = {}
+    for n in sizes:
+        tokens, times = rng.integers(3, facts.vocab_size, n), []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pipeline.target.forward(cache, tokens, range(past, past + n), np.tril(np.ones((n, n), bool)), range(n))
+            times.append(time.perf_counter() - start)
+        out[n] = statistics.median(times)
+    return out
+
+
+def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens: int, threads: int | None,
+         write: bool = True) -> dict:
+    pipeline = Pipeline(folder, threads)
+    prompts = load_prompts(prompts_file)
+    # 1. acceptance by rank, with a wide probe tree
+    pipeline.tree = parse_tree_spec(PROBE)
+    counter = RankCounter(pipeline.make_drafter(True), ranks=4)
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    for item in prompts:
+        ask = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+        pipeline.generate(**ask, config=config, drafter=counter)
+    accept = counter.acceptance
+    # 2. cost of a step by node count: the target pass plus drafting (per level of depth)
+    past = min(256, pipeline.context // 2)
+    verify = pass_seconds(pipeline, range(1, max_nodes + 1), past, repeats=15)
+    draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
+    # 3. choose
+    # drafting costs per level of depth; a tree of n nodes is at most n - 1 deep (exact for chains)
+    step_seconds = {n: verify[n] + draft_per_level * max(0, n - 1) for n in verify}
+    tree, chain = choose_tree(accept, step_seconds)
+    # 4. measure the choice and the best chain end to end
+    pipeline.tree = tree.topology
+    measured = run_bench(pipeline, prompts, max_new_tokens)
+    pipeline.tree = chain.topology
+    chain_measured = run_bench(pipeline, prompts, max_new_tokens)
+    if write:
+        write_tree(folder, tree.topology)
+    return {
+        "tree": tree.topology.to_dict(),
+        "predicted_tokens_per_s": round(tree.tokens_per_s, 2),
+        "measured_tokens_per_s": measured["speculative"]["tokens_per_s"],
+        "measured_tokens_per_pass": measured["speculative"]["mean_accepted_per_pass"],
+        "predicted_tokens_per_pass": round(tree.expected_tokens, 3),
+        "best_chain": chain.topology.to_dict(),
+        "best_chain_predicted_tokens_per_s": round(chain.tokens_per_s, 2),
+        "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
+        "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
+        "acceptance_by_rank": [round(float(a), 4) for a in accept],
+        "pass_ms": {n: round(s * 1000, 2) for n, s in verify.items()},
+        "draft_ms_per_level": round(draft_per_level * 1000, 3),
+        "written": write,
+    }
+
+
+def write_tree(folder: Path, topology: Topology) -> None:
+    """Rewrites the manifest's tree (graphs take any node count on dynamic profiles), atomically."""
+    path = Path(folder) / MANIFEST
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest["profile"].get("static_shapes"):
+        raise ValueError("this bundle's profile has static shapes: its tree is fixed at export")
+    manifest["tree"] = topology.to_dict()
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    partial.replace(path)

@@ -1,0 +1,45 @@
+import json
+
+from edgespec.cli import main
+from edgespec.runtime.bundle import open_bundle
+from edgespec.tune import RankCounter, tune
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.engine import GenerationConfig
+
+
+def test_self_draft_is_accepted_at_rank_zero_every_time(bundle_factory):
+    """With the target as its own draft, the top candidate is always the target's choice."""
+    pipeline = Pipeline(bundle_factory(draft="target", tree="topk:2x2"))
+    counter = RankCounter(pipeline.make_drafter(True), ranks=4)
+    pipeline.generate("def add(a, b):", config=GenerationConfig(max_new_tokens=30, stop_at_eos=False), drafter=counter)
+    assert counter.acceptance[0] == 1.0 and counter.hits[1:].sum() == 0
+
+
+def test_tune_chooses_measures_and_writes_the_tree(bundle_factory, tmp_path, capsys):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft="ngram", tree="chain:2"), bundle)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a b c d e f a b c d e f a b c"}\n{"prompt": "The quick brown fox"}\n')
+    assert main(["tune", str(bundle), "--prompts", str(prompts), "--max-nodes", "6", "--max-new-tokens", "24",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"tree", "predicted_tokens_per_s", "measured_tokens_per_s", "best_chain_tokens_per_s"} <= set(result)
+    assert len(result["acceptance_by_rank"]) == 4 and all(0 <= a <= 1 for a in result["acceptance_by_rank"])
+    assert sorted(map(int, result["pass_ms"])) == list(range(1, 7))
+    assert 1 <= result["tree"]["size"] <= 6 and result["predicted_tokens_per_pass"] >= 1
+    assert open_bundle(bundle).tree.parents == tuple(result["tree"]["parents"])
+    assert result["measured_tokens_per_pass"] >= 1
+
+
+def test_dry_run_leaves_the_bundle_alone(bundle_factory, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(), bundle)
+    before = (bundle / "manifest.json").read_text()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a b c a b c a b"}\n')
+    tune(bundle, prompts, max_nodes=4, max_new_tokens=12, threads=1, write=False)
+    assert (bundle / "manifest.json").read_text() == before
