@@ -84,9 +84,11 @@ def check_compatible(target_tok, draft_tok) -> None:
         raise ExportError("the draft's tokenizer differs from the target's: a draft must share the target's vocabulary")
 
 
-def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Topology, prefill_chunk: int) -> Path:
+def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Topology, prefill_chunk: int,
+                 finish=None) -> Path:
     """`fill(tmp_folder)` writes graphs and tokenizer into a temporary folder and returns the manifest's
-    model sections; this function adds the manifest and checksums and moves the folder into place."""
+    model sections; this function adds the manifest and checksums, lets `finish(tmp_folder)` work on
+    the complete bundle (tuning its tree), and moves the folder into place."""
     out = Path(out)
     check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +106,8 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Top
         }
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        if finish is not None:
+            finish(tmp)
         check_output(out, force)  # again: the export took a while
         old = out.with_name(f".{out.name}.replaced") if out.exists() else None
         if old is not None:

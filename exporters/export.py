@@ -44,7 +44,8 @@ def _say(message: str, started: float) -> None:
 def export(config: ExportConfig) -> Path:
     started = time.perf_counter()
     try:
-        topology = parse_tree_spec(config.tree)
+        # `auto`: export with a short chain, then let `tune` choose the tree on this device
+        topology = parse_tree_spec("chain:4" if config.tree == "auto" else config.tree)
     except ValueError as err:
         raise ExportError(str(err)) from err
     if config.context < topology.size + 2:
@@ -91,6 +92,15 @@ def export(config: ExportConfig) -> Path:
         _say("writing manifest and checksums", started)
         return sections
 
-    out = write_bundle(config.out, config.force, fill, profile, topology, config.prefill_chunk)
+    def tune_tree(folder: Path) -> None:
+        from edgespec.tune import tune
+
+        _say("choosing the tree for this device (edgespec tune)", started)
+        result = tune(folder, None, max_nodes=12, max_new_tokens=64, threads=None, write=True)
+        _say(f"tree: parents {result['tree']['parents']}, predicted {result['predicted_tokens_per_s']} tokens/s, "
+             f"measured {result['measured_tokens_per_s']}", started)
+
+    out = write_bundle(config.out, config.force, fill, profile, topology, config.prefill_chunk,
+                       finish=tune_tree if config.tree == "auto" else None)
     _say(f"bundle written to {out}", started)
     return out

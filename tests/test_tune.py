@@ -43,3 +43,14 @@ def test_dry_run_leaves_the_bundle_alone(bundle_factory, tmp_path):
     prompts.write_text('{"prompt": "a b c a b c a b"}\n')
     tune(bundle, prompts, max_nodes=4, max_new_tokens=12, threads=1, write=False)
     assert (bundle / "manifest.json").read_text() == before
+
+
+def test_export_with_an_automatic_tree(models, tmp_path):
+    from edgespec.exporters.export import ExportConfig, export
+
+    out = tmp_path / "auto"
+    export(ExportConfig(model=str(models["target"]), draft="ngram", out=out, tree="auto", context=256,
+                        cache_dir=tmp_path))
+    tree = open_bundle(out).tree
+    assert 1 <= tree.size <= 12
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
