@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgespec.runtime.errors import ExportError
 from edgespec.runtime.facts import ModelFacts
 
 from .onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
@@ -32,6 +33,10 @@ class LlamaBuilder:
         """`model` is a transformers *ForCausalLM in float32."""
         self.model = model
         cfg = model.config
+        trained = getattr(cfg, "max_position_embeddings", None)
+        if trained and max_context > trained:
+            raise ExportError(f"--context {max_context} is longer than the {trained} positions this model was "
+                              f"trained for; export with --context {trained} or less")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
         self.facts = ModelFacts(

@@ -139,7 +139,8 @@ def test_draft_with_another_vocabulary_is_refused(models, tmp_path):
 
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel({"a": 0, "b": 1}, unk_token="a"))).save_pretrained(other)
     with pytest.raises(ExportError, match="tokenizer differs"):
-        export(ExportConfig(model=str(models["target"]), draft=str(other), out=tmp_path / "b", cache_dir=tmp_path))
+        export(ExportConfig(model=str(models["target"]), draft=str(other), out=tmp_path / "b", context=256,
+                            cache_dir=tmp_path))
     assert not (tmp_path / "b").exists()
 
 
@@ -193,3 +194,10 @@ def test_a_chat_template_that_refuses_is_a_clear_error(bundle_factory, tmp_path)
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="chat template refused these messages: System role not supported"):
         Pipeline(bundle).generate(messages=[{"role": "system", "content": "x"}])
+
+
+def test_context_beyond_the_trained_positions_is_refused(models, tmp_path):
+    with pytest.raises(ExportError, match="longer than the 512 positions"):
+        export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", context=4096,
+                            cache_dir=tmp_path))
+    assert not (tmp_path / "b").exists()

@@ -22,7 +22,7 @@ def test_embedded_app(bundle_factory):
 
 def test_ci_export_script(models, tmp_path):
     out = tmp_path / "dist"
-    result = subprocess.run(["bash", str(ROOT / "examples" / "ci_export.sh"), str(models["target"]), "ngram", str(out)],
+    result = subprocess.run(["bash", str(ROOT / "examples" / "ci_export.sh"), str(models["target"]), "ngram", str(out), "256"],
                             capture_output=True, text=True, env=env_with_cli(), timeout=300)
     assert result.returncode == 0, result.stderr
     assert "sha256 verified" in result.stdout

@@ -98,7 +98,7 @@ def test_bad_policy_files(content, message, models, tmp_path):
     policy.write_text(content)
     with pytest.raises(ExportError, match=message):
         export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", quant="int4",
-                            quant_policy=policy, cache_dir=tmp_path))
+                            quant_policy=policy, context=256, cache_dir=tmp_path))
     assert not (tmp_path / "b").exists()
 
 
