@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft model (same forms as MODEL), or a training-free drafter: ngram, recycling, ngram+recycling")
     p.add_argument("--out", required=True, help="bundle folder to write")
     p.add_argument("--tree", default="chain:4",
-                   help="chain:K, topk:BxD, parents:-1,0,... or auto (measured on this device, as `tune` does)")
+                   help="chain:K, topk:BxD, parents:-1,0,..., auto (measured on this device, as `tune` does) "
+                        "or dynamic:N (a draft model grows each step's tree within N nodes)")
     p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")
     p.add_argument("--profile", default="cpu", help="device profile (targets/)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill pass")

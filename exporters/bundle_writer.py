@@ -85,7 +85,7 @@ def check_compatible(target_tok, draft_tok) -> None:
 
 
 def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Topology, prefill_chunk: int,
-                 finish=None) -> Path:
+                 finish=None, tree_extra: dict | None = None) -> Path:
     """`fill(tmp_folder)` writes graphs and tokenizer into a temporary folder and returns the manifest's
     model sections; this function adds the manifest and checksums, lets `finish(tmp_folder)` work on
     the complete bundle (tuning its tree), and moves the folder into place."""
@@ -100,7 +100,7 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Top
             "edgespec_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "profile": profile.to_dict(),
-            "tree": tree.to_dict(),
+            "tree": {**tree.to_dict(), **(tree_extra or {})},
             "steps": {"prefill_chunk": prefill_chunk},
             **sections,
         }

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.drafters import TRAINING_FREE
+from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
-from edgespec.runtime.tree import parse_tree_spec
+from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile
 
 from .architectures import builder_for
@@ -37,6 +38,22 @@ class ExportConfig:
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
 
 
+def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
+    """The static tree to write, and the dynamic-tree settings if any.
+    `auto`: a short chain, replaced by what `tune` measures on this device before the bundle is moved
+    into place; `dynamic:N`: a draft model grows each step's tree within N nodes (its static fallback
+    is the chain of N nodes)."""
+    if spec == "auto":
+        return parse_tree_spec("chain:4"), None
+    if spec.startswith("dynamic:"):
+        budget = spec.split(":", 1)[1]
+        if not budget.isdigit():
+            raise ValueError(f"dynamic:N needs a node count (got {spec!r})")
+        dynamic = DynamicTreeConfig(budget=int(budget))
+        return parse_tree_spec(f"chain:{dynamic.budget - 1}"), dynamic
+    return parse_tree_spec(spec), None
+
+
 def _say(message: str, started: float) -> None:
     print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
@@ -44,14 +61,15 @@ def _say(message: str, started: float) -> None:
 def export(config: ExportConfig) -> Path:
     started = time.perf_counter()
     try:
-        # `auto`: export with a short chain, then let `tune` choose the tree on this device
-        topology = parse_tree_spec("chain:4" if config.tree == "auto" else config.tree)
+        topology, dynamic = tree_plan(config.tree)
     except ValueError as err:
         raise ExportError(str(err)) from err
     if config.context < topology.size + 2:
         raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes")
     if config.prefill_chunk < 2:
         raise ExportError("the prefill chunk must be at least 2 tokens")
+    if dynamic is not None and config.draft in TRAINING_FREE:
+        raise ExportError("a dynamic tree grows by a draft model's confidence: give --draft a model")
     profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:
@@ -101,6 +119,7 @@ def export(config: ExportConfig) -> Path:
              f"measured {result['measured_tokens_per_s']}", started)
 
     out = write_bundle(config.out, config.force, fill, profile, topology, config.prefill_chunk,
-                       finish=tune_tree if config.tree == "auto" else None)
+                       finish=tune_tree if config.tree == "auto" else None,
+                       tree_extra={"dynamic": dynamic.to_dict()} if dynamic else {})
     _say(f"bundle written to {out}", started)
     return out

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BundleError
+from .dynamic_tree import DynamicTreeConfig
 from .facts import ModelFacts
 from .tokenizer import TokenizerSpec
 from .tree import Topology
@@ -53,6 +54,7 @@ class Manifest:
     draft: ModelEntry | None  # None: a training-free drafter
     drafter: str  # "model", or a training-free drafter: "ngram", "recycling", "ngram+recycling"
     tree: Topology
+    dynamic: DynamicTreeConfig | None  # set: a draft model grows each step's tree within a node budget
     prefill_chunk: int
     tokenizer: TokenizerSpec
     profile: str
@@ -72,6 +74,7 @@ class Manifest:
                 draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
                 drafter=_drafter_kind(draft),
                 tree=Topology(tuple(data["tree"]["parents"])),
+                dynamic=DynamicTreeConfig(**data["tree"]["dynamic"]) if data["tree"].get("dynamic") else None,
                 prefill_chunk=int(data["steps"]["prefill_chunk"]),
                 tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
                 profile=data["profile"]["name"],

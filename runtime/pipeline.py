@@ -7,6 +7,7 @@ from pathlib import Path
 from edgespec.targets.profiles import get_profile
 
 from .bundle import Manifest, open_bundle
+from .dynamic_tree import DynamicDrafter
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError
@@ -59,7 +60,10 @@ class Pipeline:
             if self.recycling_table is None:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
             return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)
-        return ModelDrafter(self.draft, KVCache(m.draft.facts, self.context), self.tree, m.prefill_chunk)
+        cache = KVCache(m.draft.facts, self.context)
+        if m.dynamic is not None:
+            return DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
+        return ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):

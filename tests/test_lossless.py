@@ -73,6 +73,40 @@ def test_recycling_table_keeps_the_targets_top_candidates():
     assert list(tree.tokens[:3]) == [4, 3, 1] and tree.parents[:3] == (-1, 0, 0)
 
 
+@pytest.mark.parametrize("draft", ["target", "draft"])
+def test_dynamic_trees_are_lossless_and_stay_within_the_budget(draft, bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft=draft, tree="dynamic:8"))
+    assert pipeline.manifest.dynamic is not None and pipeline.manifest.dynamic.budget == 8
+    sizes = []
+    drafter = pipeline.make_drafter(True)
+    original = drafter.propose
+
+    def recording(committed, max_nodes, sampler):
+        tree = original(committed, max_nodes, sampler)
+        sizes.append(tree.size)
+        return tree
+
+    drafter.propose = recording
+    for prompt in PROMPTS:
+        plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
+        spec = pipeline.generate(prompt, config=CONFIG, drafter=drafter)
+        assert spec.token_ids == plain.token_ids
+        if draft == "target":  # a perfect draft: its most confident path is always accepted
+            assert spec.stats.mean_accepted_per_pass > 2
+    assert max(sizes) <= 8 and min(sizes) >= 1
+
+
+def test_dynamic_trees_need_a_draft_model(models, tmp_path):
+    from edgespec.exporters.export import ExportConfig, export
+    from edgespec.runtime.errors import ExportError
+
+    for tree, message in [("dynamic:8", "needs a draft model|give --draft a model"), ("dynamic:x", "needs a node count"),
+                          ("dynamic:1", "bad dynamic tree settings")]:
+        with pytest.raises(ExportError, match=message):
+            export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", tree=tree,
+                                context=256, cache_dir=tmp_path))
+
+
 def test_chat_prompts_and_multi_turn_session(bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
     session, drafter = pipeline.new_session(), pipeline.make_drafter(True)

@@ -45,6 +45,7 @@ def first_tokens(pipeline, speculate, trials, prompt, point_mass=False, **sampli
     ("draft", "topk:2x2", False, 1.5),  # history-dependent processing: path tokens count as seen
     ("target", "chain:3", False, 1.0),
     ("target", "topk:2x2", True, 1.0),  # point masses (deterministic proposals), often accepted
+    ("draft", "dynamic:6", False, 1.0),  # dynamic trees: point masses chosen by the draft's confidence
     ("ngram", "chain:3", False, 1.0),
 ])
 def test_speculative_sampling_has_the_plain_distribution(draft, tree, point_mass, penalty, bundle_factory):

@@ -1,0 +1,99 @@
+"""Dynamic trees (EAGLE-2 / DySpec): the draft model grows each step's tree by its own confidence.
+
+Every candidate's score is the product of the draft's probabilities along its path. Per level, the
+`width` most confident new nodes are expanded (fed to the draft for their children); drafting stops
+early when no new node reaches `min_confidence` (the draft is unsure: SpecDec++/Kangaroo style). The
+tree is then the `budget` most confident nodes — a set closed under parents, because a child never
+scores above its parent — so verification sees at most `budget` nodes, as a static graph needs.
+
+Proposals are deterministic given the draft, so under sampling they count as point masses
+(tree.q_draft stays None) and verification stays exact.
+
+State: like ModelDrafter, the draft cache holds the committed tokens it has consumed; the rows of
+expanded nodes are rolled back before `propose` returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kvcache import KVCache
+from .model import ModelRunner, prefill
+from .sampling import Sampler
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class DynamicTreeConfig:
+    budget: int = 16  # nodes per verification, root included
+    width: int = 4  # children per expanded node, and nodes expanded per level
+    max_depth: int = 6
+    min_confidence: float = 0.02
+
+    def __post_init__(self):
+        if self.budget < 2 or self.width < 1 or self.max_depth < 1 or not 0 <= self.min_confidence < 1:
+            raise ValueError(f"bad dynamic tree settings: {self}")
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget, "width": self.width, "max_depth": self.max_depth,
+                "min_confidence": self.min_confidence}
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64) - logits.max()
+    e = np.exp(x)
+    return e / e.sum()
+
+
+class DynamicDrafter:
+    def __init__(self, runner: ModelRunner, cache: KVCache, config: DynamicTreeConfig, prefill_chunk: int):
+        self.runner, self.cache, self.config, self.chunk = runner, cache, config, prefill_chunk
+
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+        cfg, cache = self.config, self.cache
+        budget = min(cfg.budget, max_nodes)
+        logits = prefill(self.runner, cache, committed[cache.length :], self.chunk)  # 1. catch up
+        committed_len = cache.length
+        parents, tokens, scores, depths = [-1], [committed[-1]], [1.0], [0]
+        frontier, node_logits, fed = [0], {0: logits}, []
+        for depth in range(1, cfg.max_depth + 1):
+            new = []  # 2. children of the frontier, scored by cumulative confidence
+            for parent in frontier:
+                probs = _softmax(node_logits[parent])
+                for token in np.argsort(-probs, kind="stable")[: cfg.width]:
+                    parents.append(parent), tokens.append(int(token)), depths.append(depth)
+                    scores.append(scores[parent] * float(probs[token]))
+                    new.append(len(tokens) - 1)
+            expand = [n for n in sorted(new, key=lambda n: -scores[n])[: cfg.width] if scores[n] >= cfg.min_confidence]
+            if budget <= 2 or not expand or depth == cfg.max_depth:
+                break
+            # 3. feed the most confident new nodes; each sees the committed rows and its fed ancestors
+            ancestors = [self._ancestors(parents, n) for n in expand]
+            past_mask = np.array([[True] * committed_len + [f in anc for f in fed] for anc in ancestors])
+            out = self.runner.forward(cache, [tokens[n] for n in expand], [committed_len - 1 + depth] * len(expand),
+                                      np.eye(len(expand), dtype=bool), range(len(expand)), past_mask=past_mask)
+            cache.append(out.new_kv, range(len(expand)))
+            fed += expand
+            node_logits.update(zip(expand, out.logits))
+            frontier = expand
+        cache.trim(committed_len)
+        # 4. the budget's most confident nodes, parents first
+        chosen = [0] + sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n]))[: budget - 1]
+        order = sorted(chosen, key=lambda n: (depths[n], n))
+        index = {n: i for i, n in enumerate(order)}
+        return Tree.from_parents(tuple(-1 if n == 0 else index[parents[n]] for n in order), [tokens[n] for n in order])
+
+    @staticmethod
+    def _ancestors(parents: list[int], node: int) -> set[int]:
+        out = set()
+        while parents[node] != -1:
+            node = parents[node]
+            out.add(node)
+        return out
+
+    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
+        pass
+
+    def rewind(self, length: int) -> None:
+        self.cache.trim(min(self.cache.length, length))
