@@ -42,3 +42,28 @@ for level in (1, 2, 4):
     rows = {m: session.run(None, {"x": x[:m]})[0][0] for m in (1, 2, 8)}
     print(f"accuracy level {level}: " + ", ".join(f"M={m} {t:.0f} us" for m, t in timings.items())
           + f"; row 0 alone == beside others: {np.array_equal(rows[1], rows[8])}; M=2 == M=8: {np.array_equal(rows[2], rows[8])}")
+
+# Float zero points (what an exact Q4_1 grid needs) against none, accuracy level 4, same shape.
+blocks = K // 32
+packed = rng.integers(0, 256, (N, blocks, 16), dtype=np.uint8)
+scales = rng.uniform(0.001, 0.01, N * blocks).astype(np.float32)
+for label, zero_points in (("no zero points", None), ("float zero points", rng.uniform(0, 15, N * blocks).astype(np.float32))):
+    inputs = ["x", "B", "scales"] + (["zero_points"] if zero_points is not None else [])
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "scales")]
+    if zero_points is not None:
+        inits.append(numpy_helper.from_array(zero_points, "zero_points"))
+    node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=K, N=N, bits=4, block_size=32,
+                            accuracy_level=4)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    for _ in range(20):
+        session.run(None, {"x": x[:2]})
+    start = time.perf_counter()
+    for _ in range(300):
+        session.run(None, {"x": x[:2]})
+    print(f"accuracy level 4, {label}: M=2 {(time.perf_counter() - start) / 300 * 1e6:.0f} us")

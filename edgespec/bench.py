@@ -34,6 +34,11 @@ def load_prompts(path: Path | None) -> list[dict]:
     return prompts
 
 
+def prompt_kwargs(item: dict) -> dict:
+    """A prompts-file item as Pipeline.generate's keyword arguments."""
+    return {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+
+
 def _summary(stats: list[Stats]) -> dict:
     tokens = sum(s.new_tokens for s in stats)
     decoded = sum(max(0, s.new_tokens - 1) for s in stats)  # the first token of each run comes from prefill
@@ -54,7 +59,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
     runs = {"plain": [], "speculative": []}
     identical = True
     for item in prompts:
-        ask = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+        ask = prompt_kwargs(item)
         outputs = {}
         for mode in runs:  # alternate per prompt so machine noise falls on both modes alike
             result = pipeline.generate(**ask, config=config, speculate=(mode == "speculative"))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.bench import load_prompts, run_bench
+from edgespec.bench import load_prompts, prompt_kwargs, run_bench
 from edgespec.runtime.bundle import MANIFEST
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.kvcache import KVCache
@@ -25,6 +25,7 @@ from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.runtime.treeopt import choose_tree
 
 PROBE = "topk:4x2"  # four candidates per node, two levels: 21 nodes per calibration pass
+PROBE_DEPTH = parse_tree_spec(PROBE).max_depth
 
 
 class RankCounter:
@@ -67,8 +68,6 @@ class RankCounter:
         return np.divide(self.hits, self.opportunities, out=np.zeros_like(self.hits), where=self.opportunities > 0)
 
 
-PROBE_DEPTH = parse_tree_spec(PROBE).max_depth
-
 
 def pass_seconds(pipeline: Pipeline, sizes, past: int, repeats: int) -> dict[int, float]:
     """Median time of one target pass with n chain-masked nodes after `past` cached tokens."""
@@ -96,8 +95,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     counter = RankCounter(pipeline.make_drafter(True), ranks=4)
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for item in prompts:
-        ask = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
-        pipeline.generate(**ask, config=config, drafter=counter)
+        pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
     accept = counter.acceptance
     # 2. cost of a step by node count: the target pass plus drafting (per level of depth)
     past = min(256, pipeline.context // 2)

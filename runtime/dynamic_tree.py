@@ -20,7 +20,7 @@ import numpy as np
 
 from .kvcache import KVCache
 from .model import ModelRunner, prefill
-from .sampling import Sampler
+from .sampling import Sampler, SamplingConfig, probabilities
 from .tree import Tree
 
 
@@ -40,10 +40,7 @@ class DynamicTreeConfig:
                 "min_confidence": self.min_confidence}
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64) - logits.max()
-    e = np.exp(x)
-    return e / e.sum()
+UNPROCESSED = SamplingConfig(temperature=1.0)  # the draft's own distribution: confidence, not a sampler
 
 
 class DynamicDrafter:
@@ -60,7 +57,7 @@ class DynamicDrafter:
         for depth in range(1, cfg.max_depth + 1):
             new = []  # 2. children of the frontier, scored by cumulative confidence
             for parent in frontier:
-                probs = _softmax(node_logits[parent])
+                probs = probabilities(node_logits[parent][None], UNPROCESSED)[0]
                 for token in np.argsort(-probs, kind="stable")[: cfg.width]:
                     parents.append(parent), tokens.append(int(token)), depths.append(depth)
                     scores.append(scores[parent] * float(probs[token]))

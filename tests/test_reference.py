@@ -1,7 +1,7 @@
 """On the reference model (SmolLM2-135M-Instruct, the default bundle): greedy speculative == plain."""
 import pytest
 
-from edgespec.bench import load_prompts
+from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import ensure_default_bundle
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
@@ -32,7 +32,7 @@ def test_ngram_speculation_is_lossless_on_the_reference_model(pipeline):
     config = GenerationConfig(max_new_tokens=64, stop_at_eos=False)  # 64 tokens each, past any EOS
     prompts = load_prompts(None)[:5] + [{"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"}]
     for item in prompts:
-        ask = {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
+        ask = prompt_kwargs(item)
         plain = pipeline.generate(**ask, config=config, speculate=False)
         spec = pipeline.generate(**ask, config=config, speculate=True)
         assert spec.token_ids == plain.token_ids, ask
