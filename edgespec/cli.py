@@ -188,6 +188,16 @@ def cmd_inspect(args) -> None:
         print(f"    {name:24s} {(folder / name).stat().st_size / 1e6:10.2f} MB  {digest[:16]}")
 
 
+def cmd_distill(args) -> None:
+    from edgespec.defaults import cache_dir
+    from edgespec.distill.run import DistillConfig, distill
+
+    out = distill(DistillConfig(target=args.target, out=Path(args.out), minutes=args.minutes,
+                                corpus=tuple(args.corpus or ()), seed=args.seed, design=args.design,
+                                threads=args.threads, resume=args.resume, cache_dir=cache_dir()))
+    print(f"draft model: {out}  (use it with: edgespec export {args.target} --draft {out} --out BUNDLE)")
+
+
 def cmd_demo(args) -> None:
     from edgespec.runtime.engine import GenerationConfig
 
@@ -277,6 +287,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="print a bundle's manifest and verify its checksums")
     p.add_argument("bundle", help="bundle folder, or 'default'")
     p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser("distill", help="train a draft model aligned to a target, on this machine's CPU")
+    p.add_argument("target", help="Hugging Face folder, GGUF file, hub id, or 'default'")
+    p.add_argument("--out", required=True, help="folder for the run and the finished draft (a Hugging Face folder)")
+    p.add_argument("--minutes", type=float, default=60.0, help="time budget for data and training together")
+    p.add_argument("--corpus", action="append",
+                   help="local text or code (file or folder, repeatable) for prompts and teacher forcing; "
+                        "default: this Python's standard library")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--design", default="cut", choices=("cut", "small"),
+                   help="cut: the target's first layers plus a trained adapter layer; small: a new narrow decoder")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.set_defaults(run=cmd_distill)
 
     p = sub.add_parser("demo", help="a short chat reply from the default bundle")
     p.add_argument("--threads", type=int, default=None)

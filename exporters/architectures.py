@@ -30,10 +30,10 @@ BUILDERS = {
 }
 
 
-def builder_for(model, max_context: int) -> LlamaBuilder:
+def builder_for(model, max_context: int, head_tokens=None) -> LlamaBuilder:
     names = list(getattr(model.config, "architectures", None) or [type(model).__name__])
     for name in names:
         if name in BUILDERS:
-            return BUILDERS[name](model, max_context)
+            return BUILDERS[name](model, max_context, head_tokens)
     raise UnsupportedArchitectureError(
         f"architecture {', '.join(names)} is not supported; edgespec exports {', '.join(sorted(BUILDERS))}")

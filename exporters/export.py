@@ -1,10 +1,13 @@
 """`edgespec export`: target (+ draft) model -> device bundle."""
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import numpy as np
 
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.drafters import TRAINING_FREE
@@ -54,6 +57,21 @@ def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
     return parse_tree_spec(spec), None
 
 
+DRAFT_HEAD_FILE = "draft_head_tokens.json"
+DRAFT_INFO = "edgespec_draft.json"  # written by `edgespec distill` next to the draft's config.json
+
+
+def draft_head_tokens(source) -> np.ndarray | None:
+    """The vocabulary ids a distilled draft predicts (its trimmed head), or None for a full head."""
+    info = Path(source.location) / DRAFT_INFO
+    if source.kind != "hf_folder" or not info.is_file():
+        return None
+    try:
+        return np.array(json.loads(info.read_text())["head_tokens"], dtype=np.int64)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"{info} is not a valid draft description: {err}") from err
+
+
 def _say(message: str, started: float) -> None:
     print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
@@ -96,13 +114,17 @@ def export(config: ExportConfig) -> Path:
             _say(f"loading draft: {draft_source.description}", started)
             draft, draft_tokenizer = draft_source.load()
             check_compatible(tokenizer, draft_tokenizer)
-            draft_builder = builder_for(draft, config.context)
+            head_tokens = draft_head_tokens(draft_source)
+            draft_builder = builder_for(draft, config.context, head_tokens)
             if draft_builder.facts.vocab_size != target_builder.facts.vocab_size:
                 raise ExportError(f"the draft's vocabulary ({draft_builder.facts.vocab_size}) differs from the "
                                   f"target's ({target_builder.facts.vocab_size})")
             _say(f"writing draft graph ({draft_scheme.name})", started)
             sections["draft"] = {"kind": "model", **write_model(folder, "draft", draft_builder, draft_source.description,
                                                                 QuantPolicy(draft_scheme))}
+            if head_tokens is not None:
+                (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in head_tokens]))
+                sections["draft"]["head_tokens"] = DRAFT_HEAD_FILE
         if target_policy.quantizes() or (draft_builder is not None and draft_scheme.name != "fp32"):
             _say("measuring quality against the fp32 export (perplexity, greedy agreement)", started)
             report = write_quality_report(folder, sections["tokenizer"], target_builder, draft_builder)

@@ -29,8 +29,9 @@ class LlamaBuilder:
     architecture = "llama"
     qkv_bias = False
 
-    def __init__(self, model, max_context: int):
-        """`model` is a transformers *ForCausalLM in float32."""
+    def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None):
+        """`model` is a transformers *ForCausalLM in float32. `head_tokens` (a draft's trimmed head):
+        the graph's logits cover only these vocabulary ids, in this order."""
         self.model = model
         cfg = model.config
         trained = getattr(cfg, "max_position_embeddings", None)
@@ -55,6 +56,10 @@ class LlamaBuilder:
             sliding_window=self.sliding_window(cfg, max_context),
         )
         self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+        self.head_tokens = head_tokens
+        if head_tokens is not None and (len(head_tokens) < 2 or len(np.unique(head_tokens)) != len(head_tokens)
+                                        or head_tokens.min() < 0 or head_tokens.max() >= cfg.vocab_size):
+            raise ExportError(f"head tokens must be at least 2 distinct ids below the vocabulary size {cfg.vocab_size}")
 
     def parameter_count(self) -> int:
         tied = self.facts.tie_word_embeddings
@@ -124,7 +129,7 @@ class LlamaBuilder:
         x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
         x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
         logits = self.lm_head(g, x)
-        g.output(logits, "logits", FLOAT, [1, "rows", f.vocab_size])
+        g.output(logits, "logits", FLOAT, [1, "rows", self.head_size])
         stacked = g.op("Concat", new_kv, axis=0)  # [layers * 2 * N, kvH, D]
         stacked = g.op("Reshape", [stacked, g.const([f.num_layers, 2, -1, f.num_kv_heads, f.head_dim])])
         g.output(stacked, "new_kv", FLOAT, [f.num_layers, 2, nodes, f.num_kv_heads, f.head_dim])
@@ -184,9 +189,17 @@ class LlamaBuilder:
         act = g.op("Mul", [gate, g.op("Sigmoid", [gate])], "silu")
         return g.op("MatMul", [g.op("Mul", [act, up]), w["down"]], "down")
 
+    @property
+    def head_size(self) -> int:
+        return self.facts.vocab_size if self.head_tokens is None else len(self.head_tokens)
+
     def lm_head(self, g, x):
         f = self.facts
-        name = "embed_tokens" if f.tie_word_embeddings else g.weight("lm_head", self.state["lm_head.weight"])
+        full = self.state["model.embed_tokens.weight" if f.tie_word_embeddings else "lm_head.weight"]
+        if self.head_tokens is not None:
+            name = g.weight("lm_head", full[self.head_tokens])
+        else:
+            name = "embed_tokens" if f.tie_word_embeddings else g.weight("lm_head", full)
         flat = g.op("Reshape", [x, g.const([-1, f.hidden_size])])
         logits = g.op("Gemm", [flat, name], transB=1)
-        return g.op("Reshape", [logits, g.const([1, -1, f.vocab_size])])
+        return g.op("Reshape", [logits, g.const([1, -1, self.head_size])])

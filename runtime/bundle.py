@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .errors import BundleError
 from .dynamic_tree import DynamicTreeConfig
 from .facts import ModelFacts
@@ -40,11 +42,12 @@ class ModelEntry:
     facts: ModelFacts
     graph: GraphSpec
     source: str
+    head_tokens: str | None = None  # a draft's trimmed head: JSON file of the vocabulary ids its logits cover
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelEntry":
         return cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
-                   source=data.get("source", ""))
+                   source=data.get("source", ""), head_tokens=data.get("head_tokens"))
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,24 @@ def used_files(manifest: Manifest) -> list[str]:
     names = [manifest.tokenizer.file] + ([manifest.tokenizer.chat_template] if manifest.tokenizer.chat_template else [])
     for entry in (manifest.target, manifest.draft):
         if entry is not None:
-            names += [entry.graph.file, *entry.graph.weights]
+            names += [entry.graph.file, *entry.graph.weights] + ([entry.head_tokens] if entry.head_tokens else [])
     return names
+
+
+def read_head_tokens(folder: Path, entry: ModelEntry) -> np.ndarray | None:
+    """A trimmed head's vocabulary ids, checked against the graph's logits width and the vocabulary."""
+    if entry.head_tokens is None:
+        return None
+    try:
+        ids = np.array(json.loads((Path(folder) / entry.head_tokens).read_text(encoding="utf-8")), dtype=np.int64)
+    except (OSError, ValueError, TypeError) as err:
+        raise BundleError(f"cannot read the draft's head tokens {entry.head_tokens}: {err}") from err
+    width = entry.graph.outputs.get("logits", {}).get("shape", [None])[-1]
+    if ids.ndim != 1 or len(ids) < 2 or ids.min() < 0 or ids.max() >= entry.facts.vocab_size \
+            or len(np.unique(ids)) != len(ids) or (isinstance(width, int) and width != len(ids)):
+        raise BundleError(f"{entry.head_tokens} does not describe the draft graph's head "
+                          f"({len(ids)} ids for logits of width {width}, vocabulary {entry.facts.vocab_size})")
+    return ids
 
 
 def verify_files(folder: Path, manifest: Manifest) -> None:

@@ -24,9 +24,12 @@ class Pass:
 
 
 class ModelRunner:
-    def __init__(self, session: ort.InferenceSession, facts: ModelFacts):
+    def __init__(self, session: ort.InferenceSession, facts: ModelFacts, head_tokens: np.ndarray | None = None):
+        """`head_tokens`: the vocabulary ids a trimmed head's logits cover; `forward` spreads them over the
+        full vocabulary with -inf elsewhere, so callers never see the trimming."""
         self.session = session
         self.facts = facts
+        self.head_tokens = head_tokens
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None) -> Pass:
@@ -54,7 +57,12 @@ class ModelRunner:
         feed = cache.past()
         feed.update(input_ids=ids, position_ids=pos, attention_mask=mask, logit_rows=head_rows)
         logits, new_kv = self.session.run(None, feed)
-        return Pass(logits=logits[0, : len(wanted)], new_kv=new_kv[:, :, :n])
+        logits = logits[0, : len(wanted)]
+        if self.head_tokens is not None:
+            full = np.full((len(wanted), self.facts.vocab_size), -np.inf, dtype=logits.dtype)
+            full[:, self.head_tokens] = logits
+            logits = full
+        return Pass(logits=logits, new_kv=new_kv[:, :, :n])
 
 
 def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int) -> np.ndarray:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from edgespec.targets.profiles import get_profile
 
-from .bundle import Manifest, open_bundle
+from .bundle import Manifest, open_bundle, read_head_tokens
 from .dynamic_tree import DynamicDrafter
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
 from .engine import GenerationConfig, Result, Session, generate
@@ -40,7 +40,7 @@ class Pipeline:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
-                                                  self.threads), m.draft.facts)
+                                                  self.threads), m.draft.facts, read_head_tokens(self.folder, m.draft))
 
     @property
     def context(self) -> int:

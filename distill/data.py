@@ -1,0 +1,161 @@
+"""What the draft learns from: the target's own continuations and its top-k probabilities at each token.
+
+Running the target is the expensive part, so it happens once: each shard holds token sequences and, for
+every supervised position, the target's k most likely next tokens with their log-probabilities. Training
+then runs several epochs over the shards without the target. Shards are written one at a time
+(`shard-00012.npz`, plain arrays, no pickle), so an interrupted run resumes after the last complete one.
+
+Layout of one shard:
+    tokens      int32 [total]           sequences back to back
+    starts      int64 [S+1]             offsets of the sequences in `tokens`
+    first       int64 [S]               first supervised position of each sequence (the prompt is context only)
+    topk_ids    int32 [sup, k]          target's top-k next tokens at each supervised position, in order
+    topk_logp   float16 [sup, k]        their log-probabilities under the target (full-vocabulary softmax)
+Position j of a sequence is supervised when j >= first: the target's distribution there is over token j
+given tokens[:j].
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    batch: int = 32
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 384
+    top_k: int = 16
+    prompts_per_shard: int = 64
+
+
+def shard_paths(folder: Path) -> list[Path]:
+    return sorted(folder.glob("shard-*.npz"))
+
+
+def load_shard(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as shard:
+        return {name: shard[name] for name in shard.files}
+
+
+def _write_shard(path: Path, sequences: list[tuple[np.ndarray, int, np.ndarray, np.ndarray]]) -> None:
+    tokens = [s[0] for s in sequences]
+    partial = path.with_name(path.stem + ".partial.npz")
+    np.savez(partial, tokens=np.concatenate(tokens).astype(np.int32),
+             starts=np.cumsum([0] + [len(t) for t in tokens]).astype(np.int64),
+             first=np.array([s[1] for s in sequences], dtype=np.int64),
+             topk_ids=np.concatenate([s[2] for s in sequences]).astype(np.int32),
+             topk_logp=np.concatenate([s[3] for s in sequences]).astype(np.float16))
+    partial.replace(path)
+
+
+def _topk(logits, k: int):
+    import torch
+
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logp, k, dim=-1)
+    return ids.numpy(), values.numpy()
+
+
+def _generate_batch(model, prompt_ids: list[list[int]], config: DataConfig, eos_ids: set[int], pad_id: int):
+    """Greedy continuations of a batch of prompts: the contexts the draft meets when the target decodes."""
+    import torch
+
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):  # left padding keeps every prompt's last token at the same column
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention[row, width - len(ids):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
+                             max_new_tokens=config.max_new_tokens, pad_token_id=pad_id,
+                             eos_token_id=sorted(eos_ids), output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits, dim=1)  # [B, steps, V]: step j predicts generated token j
+    ids, logp = _topk(logits, config.top_k)
+    generated = out.sequences[:, width:].numpy()
+    sequences = []
+    for row, prompt in enumerate(prompt_ids):
+        length = len(generated[row])
+        for j, token in enumerate(generated[row]):
+            if int(token) in eos_ids:
+                length = j + 1  # the end of turn is a prediction the draft must make too
+                break
+        tokens = np.concatenate([np.array(prompt), generated[row, :length]])
+        sequences.append((tokens, len(prompt), ids[row, :length], logp[row, :length]))
+    return sequences
+
+
+def generate_shards(model, tokenizer, prompts: list[str], folder: Path, config: DataConfig,
+                    deadline: float, progress=None) -> int:
+    """Continues writing shards into `folder` until the prompts or the time run out; returns shards written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = len(shard_paths(folder))
+    eos_ids = {int(tokenizer.eos_token_id)} | {int(i) for i in tokenizer.convert_tokens_to_ids(["<|im_end|>"])
+                                               if i is not None and i >= 0}
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    written = 0
+    for shard_index in range(done, len(prompts) // config.prompts_per_shard):
+        if time.time() >= deadline:
+            break
+        chunk = prompts[shard_index * config.prompts_per_shard:(shard_index + 1) * config.prompts_per_shard]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in chunk]
+        # the template supplies every special token itself (no extra BOS)
+        encoded = [tokenizer.encode(t, add_special_tokens=False)[-config.max_prompt_tokens:] for t in texts]
+        encoded.sort(key=len)  # similar lengths in a batch waste less on padding
+        sequences = []
+        for start in range(0, len(encoded), config.batch):
+            made = _generate_batch(model, encoded[start:start + config.batch], config, eos_ids, pad_id)
+            sequences.extend(made)
+            if progress is not None:
+                progress(sum(len(s[2]) for s in made))
+        _write_shard(folder / f"shard-{shard_index:05d}.npz", sequences)
+        written += 1
+    return written
+
+
+def corpus_windows(tokenizer, files: list[Path], window: int, limit: int, seed: int) -> list[np.ndarray]:
+    """Token windows of local text (code, prose): the target is run over them teacher-forced."""
+    rng = np.random.default_rng(seed)
+    windows = []
+    for path in [files[i] for i in rng.permutation(len(files))]:
+        if len(windows) >= limit:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # binary or non-UTF-8 files carry no usable text
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        windows.extend(np.array(ids[i:i + window]) for i in range(0, len(ids) - window + 1, window))
+    return windows[:limit]
+
+
+def teacher_forced_shards(model, windows: list[np.ndarray], folder: Path, config: DataConfig, deadline: float,
+                          progress=None, batch: int = 8) -> int:
+    """The target's top-k at every position of each window (one forward pass per batch, no generation)."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    per_shard = config.prompts_per_shard
+    written = 0
+    for shard_index in range(len(shard_paths(folder)), len(windows) // per_shard):
+        if time.time() >= deadline:
+            break
+        chunk = windows[shard_index * per_shard:(shard_index + 1) * per_shard]
+        sequences = []
+        for start in range(0, len(chunk), batch):
+            rows = torch.tensor(np.stack(chunk[start:start + batch]), dtype=torch.long)
+            with torch.inference_mode():
+                logits = model(input_ids=rows).logits[:, :-1]  # position j predicts token j + 1
+            ids, logp = _topk(logits, config.top_k)
+            made = [(row.numpy(), 1, ids[i], logp[i]) for i, row in enumerate(rows)]
+            sequences.extend(made)
+            if progress is not None:
+                progress(sum(len(s[2]) for s in made))
+        _write_shard(folder / f"shard-{shard_index:05d}.npz", sequences)
+        written += 1
+    return written

@@ -1,0 +1,129 @@
+"""Training prompts that exist offline: composed task templates and snippets of local text.
+
+The snippets come from files the user names (`--corpus`) or, by default, from the Python standard
+library installed on this machine: its docstrings are English prose and its functions are code, so the
+prompts cover the assistant's usual jobs (explain, summarize, rewrite, list, JSON, code) without a network.
+The benchmark prompts in edgespec/data are never used: they are the held-out set.
+"""
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+from pathlib import Path
+
+TOPICS = (
+    "photosynthesis", "the water cycle", "black holes", "compound interest", "the French Revolution",
+    "machine learning", "recursion", "public key cryptography", "climate change", "the immune system",
+    "volcanoes", "supply and demand", "the Roman Empire", "plate tectonics", "vaccines", "sleep",
+    "the internet", "electric cars", "honey bees", "the moon landing", "inflation", "DNA",
+    "renewable energy", "the printing press", "gravity", "rainforests", "sorting algorithms",
+    "databases", "time management", "healthy eating", "meditation", "the stock market", "coral reefs",
+    "the human heart", "solar panels", "earthquakes", "the Renaissance", "bread baking", "chess",
+    "version control", "unit testing", "recycling", "the speed of light", "bicycles", "tea",
+    "the Great Wall of China", "neural networks", "operating systems", "friendship", "running",
+)
+TASKS = (
+    "Explain {topic} to a beginner.", "Explain {topic} in simple terms.", "What is {topic}?",
+    "Give me three facts about {topic}.", "List five key points about {topic}.",
+    "Write a short paragraph about {topic}.", "Why does {topic} matter?", "Write a haiku about {topic}.",
+    "What are the pros and cons of {topic}?", "Write a short story that involves {topic}.",
+    "Give a one-sentence definition of {topic}.", "Write a quiz question about {topic} with its answer.",
+    "Return a JSON object with the fields name, summary and keywords describing {topic}.",
+    "Write an outline for a presentation on {topic}.", "Compare {topic} and {other}.",
+    "How would you teach {topic} to a ten-year-old?", "Write a tweet about {topic}.",
+    "What are common misconceptions about {topic}?", "Give me a step-by-step guide related to {topic}.",
+    "Write an email to a friend recommending they learn about {topic}.",
+)
+CODE_TASKS = (
+    "Write a Python function that {job}.", "Write a JavaScript function that {job}.",
+    "Write a Python class that {job}.", "Show how to {job} in Python, with a short explanation.",
+    "Write a unit test for a function that {job}.", "Write a SQL query that {job2}.",
+)
+CODE_JOBS = (
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the words in a text", "merges two sorted lists", "removes duplicates from a list",
+    "reads a CSV file and sums a column", "computes the average of a list", "finds the largest element",
+    "validates an email address", "converts Celsius to Fahrenheit", "flattens a nested list",
+    "sorts a list of dictionaries by a key", "implements binary search", "parses a date string",
+    "computes the factorial of n", "checks whether a string is a palindrome", "groups words by length",
+    "implements a stack", "returns the most common element", "implements a simple cache",
+)
+SQL_JOBS = (
+    "finds the ten most recent orders", "counts users per country", "returns the average salary per department",
+    "finds customers with no orders", "lists products whose price is above the average",
+)
+TEXT_TASKS = (
+    "Summarize this:\n{text}", "Explain this in plain words:\n{text}", "Rewrite this more simply:\n{text}",
+    "Give three bullet points that capture this:\n{text}", "What is the main idea of this text?\n{text}",
+    "Turn this into a JSON object with the keys topic and summary:\n{text}",
+)
+CODE_TEXT_TASKS = (
+    "Explain what this code does:\n{text}", "Add a docstring to this function:\n{text}",
+    "Suggest improvements to this code:\n{text}", "Rewrite this function with clearer names:\n{text}",
+    "Write a test for this function:\n{text}",
+)
+
+
+def default_corpus() -> list[Path]:
+    return [Path(sysconfig.get_paths()["stdlib"])]
+
+
+def _python_files(roots: list[Path]) -> list[Path]:
+    files = []
+    for root in roots:
+        files.extend(sorted(root.rglob("*.py")) if root.is_dir() else [root])
+    return files
+
+
+def corpus_snippets(roots: list[Path], rng: random.Random, limit: int) -> tuple[list[str], list[str]]:
+    """(prose, code): docstrings and short functions from Python files; text files give prose paragraphs."""
+    prose, code = [], []
+    files = _python_files(roots)
+    rng.shuffle(files)
+    for path in files:
+        if len(prose) >= limit and len(code) >= limit:
+            break
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # unreadable or non-UTF-8 files carry no usable text
+        if path.suffix != ".py":
+            prose.extend(p.strip() for p in source.split("\n\n") if 200 < len(p.strip()) < 900)
+            continue
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue  # test fixtures in the standard library are deliberately broken Python
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)):
+                doc = ast.get_docstring(node)
+                if doc and 200 < len(doc) < 900:
+                    prose.append(doc)
+            if isinstance(node, ast.FunctionDef) and 5 <= node.end_lineno - node.lineno <= 25:
+                code.append(ast.get_source_segment(source, node) or "")
+    return [p for p in prose if p], [c for c in code if c]
+
+
+def training_prompts(count: int, seed: int, corpus: list[Path]) -> list[str]:
+    """`count` distinct user messages, half composed from templates and half quoting local text."""
+    rng = random.Random(seed)
+    prose, code = corpus_snippets(corpus, rng, limit=min(count, 400))
+    makers = [
+        lambda: rng.choice(TASKS).format(topic=rng.choice(TOPICS), other=rng.choice(TOPICS)),
+        lambda: rng.choice(CODE_TASKS).format(job=rng.choice(CODE_JOBS), job2=rng.choice(SQL_JOBS)),
+    ]
+    if prose:
+        makers.append(lambda: rng.choice(TEXT_TASKS).format(text=rng.choice(prose)))
+    if code:
+        makers.append(lambda: rng.choice(CODE_TEXT_TASKS).format(text=rng.choice(code)))
+    weights = [3, 2, 3, 2][:len(makers)]
+    prompts, seen = [], set()
+    for _ in range(count * 20):
+        if len(prompts) == count:
+            break
+        prompt = rng.choices(makers, weights)[0]()
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+    return prompts

@@ -1,0 +1,159 @@
+"""`edgespec distill`: target data, then training, within one time budget; every phase resumable.
+
+Owns the output folder:
+    state.json          the run's settings and the seconds each phase has used (resumption reads it)
+    log.txt             one line per event, appended across resumptions
+    data/chat/          target continuations of training prompts (shards, see data.py)
+    data/corpus/        target top-k over local text, teacher-forced
+    checkpoints/        training checkpoints (the newest one resumes training)
+    config.json, model.safetensors, tokenizer files, edgespec_draft.json   the finished draft
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from edgespec.distill.data import DataConfig
+from edgespec.distill.train import TrainConfig
+from edgespec.runtime.errors import ExportError
+
+# Shares of the time budget. Chat continuations are the draft's real workload, so they get the most;
+# teacher forcing over local text is 7x cheaper per token and widens coverage.
+PHASE_SHARES = {"chat": 0.38, "corpus": 0.07, "train": 0.55}
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    target: str
+    out: Path
+    minutes: float = 60.0
+    corpus: tuple[str, ...] = ()
+    seed: int = 0
+    design: str = "cut"
+    threads: int | None = None
+    resume: bool = False
+    prompts: int = 6000
+    cache_dir: Path = Path(".")
+    data: DataConfig = DataConfig()
+    training: TrainConfig = TrainConfig()
+
+    def settings(self) -> dict:
+        """What must match for a resumption to continue the same run."""
+        return {"target": self.target, "minutes": self.minutes, "corpus": list(self.corpus), "seed": self.seed,
+                "design": self.design, "prompts": self.prompts}
+
+
+@dataclass
+class RunState:
+    settings: dict
+    used_s: dict = field(default_factory=lambda: {name: 0.0 for name in PHASE_SHARES})
+    finished: bool = False
+
+
+class RunLog:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, message: str) -> None:
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+        print(f"edgespec distill: {message}", flush=True)
+
+
+def _open_state(config: DistillConfig) -> RunState:
+    path = config.out / "state.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if not config.resume:
+            raise ExportError(f"{config.out} already holds a distill run; pass --resume to continue it "
+                              "or choose another --out")
+        if saved["settings"] != config.settings():
+            changed = sorted(k for k in config.settings() if saved["settings"].get(k) != config.settings()[k])
+            raise ExportError(f"cannot resume {config.out}: it was started with different settings ({', '.join(changed)})")
+        return RunState(**saved)
+    if config.out.exists() and any(config.out.iterdir()):
+        raise ExportError(f"{config.out} exists and is not a distill run folder; choose an empty or new --out")
+    config.out.mkdir(parents=True, exist_ok=True)
+    return RunState(settings=config.settings())
+
+
+def _save_state(config: DistillConfig, state: RunState) -> None:
+    partial = config.out / "state.json.partial"
+    partial.write_text(json.dumps(asdict(state), indent=1))
+    partial.replace(config.out / "state.json")
+
+
+def _phase(config: DistillConfig, state: RunState, name: str, log: RunLog, work) -> None:
+    """Runs `work(deadline)` with what is left of the phase's share, and books the time it used."""
+    left = PHASE_SHARES[name] * config.minutes * 60 - state.used_s[name]
+    if left <= 0:
+        log(f"{name}: time share used up, skipped")
+        return
+    started = time.time()
+    try:
+        work(started + left)
+    finally:
+        state.used_s[name] += time.time() - started
+        _save_state(config, state)
+
+
+def distill(config: DistillConfig) -> Path:
+    import torch
+    from tqdm import tqdm
+
+    from edgespec.distill import data, prompts
+    from edgespec.distill.train import train
+    from edgespec.exporters.sources import resolve_source
+
+    if config.minutes <= 0:
+        raise ExportError(f"--minutes must be positive, got {config.minutes}")
+    corpus = [Path(p) for p in config.corpus] or prompts.default_corpus()
+    missing = [str(p) for p in corpus if not p.exists()]
+    if missing:
+        raise ExportError(f"corpus paths not found: {', '.join(missing)}")
+    state = _open_state(config)
+    if state.finished:
+        log = RunLog(config.out / "log.txt")
+        log("already finished; nothing to do")
+        return config.out
+    log = RunLog(config.out / "log.txt")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    source = resolve_source(config.target, config.cache_dir)
+    model, tokenizer = source.load()
+    log(f"target {source.description}; budget {config.minutes:g} min; used so far {state.used_s}")
+    data_config = config.data
+
+    def chat(deadline: float) -> None:
+        texts = prompts.training_prompts(config.prompts, config.seed, corpus)
+        with tqdm(desc="target continuations", unit="tok") as bar:
+            written = data.generate_shards(model, tokenizer, texts, config.out / "data" / "chat", data_config,
+                                           deadline, progress=bar.update)
+        log(f"chat: {written} new shards, {len(data.shard_paths(config.out / 'data' / 'chat'))} in all")
+
+    def teacher_forced(deadline: float) -> None:
+        files = [f for root in corpus for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
+        windows = data.corpus_windows(tokenizer, files, window=256, limit=20000, seed=config.seed)
+        with tqdm(desc="target over local text", unit="tok") as bar:
+            written = data.teacher_forced_shards(model, windows, config.out / "data" / "corpus", data_config,
+                                                 deadline, progress=bar.update)
+        log(f"corpus: {written} new shards")
+
+    def training(deadline: float) -> None:
+        shards = data.shard_paths(config.out / "data" / "chat") + data.shard_paths(config.out / "data" / "corpus")
+        if not shards:
+            raise ExportError("no training data was produced: give the run more --minutes")
+        train(model, tokenizer, shards, config.out, replace(config.training, design=config.design, seed=config.seed),
+              deadline, log)
+
+    _phase(config, state, "chat", log, chat)
+    _phase(config, state, "corpus", log, teacher_forced)
+    _phase(config, state, "train", log, training)
+    state.finished = True
+    _save_state(config, state)
+    log(f"draft written to {config.out}")
+    return config.out

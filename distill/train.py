@@ -1,0 +1,227 @@
+"""Distillation: the draft learns the target's next-token distribution from precomputed top-k shards.
+
+Loss at each supervised position: cross-entropy of the draft's distribution over its head tokens against
+the target's top-k probabilities restricted to those tokens and renormalised (KL up to a constant).
+The learning rate follows the elapsed share of the time budget (warm-up, then cosine), so a resumed run
+continues the same schedule. One held-out shard measures top-1 agreement with the target's greedy token.
+
+State on disk: checkpoints/last.pt (trainable weights, optimizer, step, seconds used, head tokens),
+replaced atomically; the finished draft is written next to it as a Hugging Face folder.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.distill.data import load_shard
+from edgespec.distill.draft_model import build_draft
+from edgespec.distill.vocab import choose_head_tokens, coverage
+from edgespec.exporters.export import DRAFT_INFO
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    design: str = "cut"
+    seed: int = 0
+    head_size: int = 8192
+    window: int = 256
+    batch: int = 16
+    lr: float = 5e-4
+    warmup_share: float = 0.03
+    weight_decay: float = 0.01
+    checkpoint_s: float = 180.0
+    eval_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Sequence:
+    tokens: np.ndarray  # [L] int
+    first: int  # first supervised position
+    topk_ids: np.ndarray  # [L - first, k]: target's top-k for positions first..L-1
+    topk_logp: np.ndarray
+
+
+def read_sequences(paths: list[Path]) -> list[Sequence]:
+    sequences = []
+    for path in paths:
+        shard = load_shard(path)
+        sup = 0
+        for i in range(len(shard["first"])):
+            tokens = shard["tokens"][shard["starts"][i]:shard["starts"][i + 1]]
+            first = int(shard["first"][i])
+            count = len(tokens) - first
+            sequences.append(Sequence(tokens, first, shard["topk_ids"][sup:sup + count],
+                                      shard["topk_logp"][sup:sup + count].astype(np.float32)))
+            sup += count
+    return sequences
+
+
+def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator, kept_index: np.ndarray):
+    """One window per sequence, right-padded to [B, T], and for every supervised row:
+    where (batch, row), the target's top-k as head indices, their renormalised probabilities (all zero when
+    none of them is in the head: such a row only counts for agreement), and the target's greedy token."""
+    import torch
+
+    rows_in, where, target_idx, target_logp = [], [], [], []
+    for b, seq in enumerate(sequences):
+        length = len(seq.tokens)
+        if length <= window:
+            start = 0
+        else:  # a window that ends inside the supervised part, with some context before it
+            lo = min(max(0, seq.first - window // 2), length - window)
+            start = int(rng.integers(lo, length - window + 1))
+        stop = min(length, start + window)
+        rows_in.append(seq.tokens[start:stop])
+        for r in range(stop - start):
+            position = start + r + 1  # draft row r predicts the token at this position
+            if seq.first <= position < length:
+                where.append((b, r))
+                target_idx.append(seq.topk_ids[position - seq.first])
+                target_logp.append(seq.topk_logp[position - seq.first])
+    width = max(len(r) for r in rows_in)
+    ids = np.zeros((len(rows_in), width), dtype=np.int64)
+    mask = np.zeros((len(rows_in), width), dtype=np.int64)
+    for b, row in enumerate(rows_in):
+        ids[b, :len(row)] = row
+        mask[b, :len(row)] = 1
+    target_idx = np.array(target_idx)
+    idx = kept_index[target_idx]  # [M, k], -1 where the head does not hold the token
+    p = np.exp(np.array(target_logp)) * (idx >= 0)
+    mass = p.sum(axis=1, keepdims=True)
+    p = np.divide(p, mass, out=np.zeros_like(p), where=mass > 0)
+    return (torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(np.array(where)),
+            torch.from_numpy(np.maximum(idx, 0)), torch.from_numpy(p.astype(np.float32)), target_idx[:, 0])
+
+
+def draft_logits(draft, head, ids, mask, where):
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    return hidden[where[:, 0], where[:, 1]] @ head.T  # [M, head tokens]
+
+
+def distill_loss(logits, idx, p):
+    import torch
+
+    logq = torch.log_softmax(logits, dim=-1)
+    per_row = -(p * logq.gather(1, idx)).sum(dim=1)
+    return per_row.sum() / (p.sum(dim=1) > 0).sum().clamp(min=1)
+
+
+def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[Sequence], window: int) -> float:
+    """Share of held-out positions where the draft's argmax is the target's greedy token."""
+    import torch
+
+    hits = total = 0
+    rng = np.random.default_rng(0)
+    with torch.inference_mode():
+        for start in range(0, len(sequences), 8):
+            ids, mask, where, _, _, greedy = make_batch(sequences[start:start + 8], window, rng, kept_index)
+            proposed = head_tokens[draft_logits(draft, head, ids, mask, where).argmax(-1).numpy()]
+            hits += int((proposed == greedy).sum())
+            total += len(greedy)
+    return hits / max(total, 1)
+
+
+def learning_rate(config: TrainConfig, progress: float) -> float:
+    if progress < config.warmup_share:
+        return config.lr * progress / config.warmup_share
+    done = (progress - config.warmup_share) / (1 - config.warmup_share)
+    return config.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
+def _save_checkpoint(path: Path, payload: dict) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save(payload, partial)
+    partial.replace(path)
+
+
+def train(target, tokenizer, shards: list[Path], out: Path, config: TrainConfig, deadline: float, log) -> dict:
+    """Trains until `deadline` (resuming checkpoints/last.pt), then writes the draft folder into `out`."""
+    import torch
+
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    held_out, training = shards[-1:], shards[:-1] or shards
+    sequences, validation = read_sequences(training), read_sequences(held_out)
+    vocab = target.config.vocab_size
+    checkpoint = out / "checkpoints" / "last.pt"
+    draft, trainable = build_draft(target, config.design)
+    saved = torch.load(checkpoint, weights_only=True) if checkpoint.is_file() else None
+    if saved is not None:
+        head_tokens = saved["head_tokens"].numpy()
+    else:
+        top1 = np.concatenate([s.topk_ids[:, 0] for s in sequences])
+        always = {int(t) for t in (tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>"]))
+                  if t is not None and 0 <= int(t) < vocab}
+        head_tokens = choose_head_tokens(top1, vocab, config.head_size, always)
+    kept_index = np.full(vocab, -1, dtype=np.int64)
+    kept_index[head_tokens] = np.arange(len(head_tokens))
+    held_top1 = np.concatenate([s.topk_ids[:, 0] for s in validation])
+    head = draft.get_input_embeddings().weight[torch.from_numpy(head_tokens)]
+    parameters = [p for n, p in draft.named_parameters() if n in trainable]
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    step, used_s = 0, 0.0
+    if saved is not None:
+        draft.load_state_dict(saved["draft"], strict=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        step, used_s = saved["step"], saved["used_s"]
+    total_s = used_s + max(0.0, deadline - time.time())
+    tokens = sum(len(s.topk_ids) for s in sequences)
+    log(f"train: design {config.design}, {len(sequences)} sequences ({tokens} supervised tokens), "
+        f"head {len(head_tokens)} tokens covering {coverage(head_tokens, held_top1):.3f} of held-out greedy tokens, "
+        f"{sum(p.numel() for p in parameters) / 1e6:.1f}M trained parameters, resuming at step {step}")
+    started, last_checkpoint, last_eval = time.time(), time.time(), time.time()
+    draft.train()
+    while time.time() < deadline:
+        progress = (used_s + time.time() - started) / max(total_s, 1.0)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, progress)
+        picks = rng.integers(0, len(sequences), config.batch)
+        ids, mask, where, idx, p, _ = make_batch([sequences[i] for i in picks], config.window, rng, kept_index)
+        loss = distill_loss(draft_logits(draft, head, ids, mask, where), idx, p)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        step += 1
+        now = time.time()
+        if now - last_eval >= config.eval_s:
+            draft.eval()
+            log(f"train: step {step}, loss {loss.item():.3f}, held-out agreement "
+                f"{agreement(draft, head, head_tokens, kept_index, validation, config.window):.3f}")
+            draft.train()
+            last_eval = time.time()
+        if now - last_checkpoint >= config.checkpoint_s:
+            _save_checkpoint(checkpoint, {"draft": {n: draft.state_dict()[n] for n in trainable},
+                                          "optimizer": optimizer.state_dict(), "step": step,
+                                          "used_s": used_s + now - started,
+                                          "head_tokens": torch.from_numpy(head_tokens)})
+            last_checkpoint = now
+    draft.eval()
+    score = agreement(draft, head, head_tokens, kept_index, validation, config.window)
+    report = {"design": config.design, "steps": step, "train_seconds": round(used_s + time.time() - started),
+              "supervised_tokens": tokens, "head_tokens": len(head_tokens),
+              "head_coverage": round(coverage(head_tokens, held_top1), 4),
+              "held_out_agreement": round(score, 4), "train_config": asdict(config)}
+    _save_checkpoint(checkpoint, {"draft": {n: draft.state_dict()[n] for n in trainable},
+                                  "optimizer": optimizer.state_dict(), "step": step, "used_s": report["train_seconds"],
+                                  "head_tokens": torch.from_numpy(head_tokens)})
+    write_draft(draft, tokenizer, head_tokens, report, out)
+    log(f"train: finished at step {step}, held-out agreement {score:.3f}")
+    return report
+
+
+
+
+def write_draft(draft, tokenizer, head_tokens: np.ndarray, report: dict, out: Path) -> None:
+    """A Hugging Face folder (transformers loads it as is) plus the head tokens the exporter keeps."""
+    draft.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / DRAFT_INFO).write_text(json.dumps({"head_tokens": [int(t) for t in head_tokens], "training": report}))

@@ -1,0 +1,126 @@
+"""`edgespec distill` on a tiny random target: data, training, resumption, export, lossless generation."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from edgespec.distill.data import DataConfig, load_shard, shard_paths
+from edgespec.distill.run import DistillConfig, distill
+from edgespec.distill.train import TrainConfig, make_batch, read_sequences
+from edgespec.distill.vocab import choose_head_tokens, coverage
+from edgespec.runtime.errors import ExportError
+
+SMALL_DATA = DataConfig(batch=8, max_new_tokens=24, max_prompt_tokens=48, top_k=4, prompts_per_shard=8)
+SMALL_TRAIN = TrainConfig(head_size=96, window=32, batch=4, checkpoint_s=1.0, eval_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "tools.py").write_text('def add(a, b):\n    """Adds two numbers and returns the sum of them, '
+                                     'which is what a reader expects from a function with this name, '
+                                     'and nothing more than that."""\n'
+                                     + "".join(f"    x{i} = a + {i}\n" for i in range(8)) + "    return a + b\n" * 3)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def distilled(models, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill") / "draft"
+    config = DistillConfig(target=str(models["target"]), out=out, minutes=0.5, corpus=(str(corpus),), seed=0,
+                           prompts=64, data=SMALL_DATA, training=SMALL_TRAIN)
+    distill(config)
+    return config
+
+
+def test_shards_hold_target_top_k_for_every_supervised_position(distilled):
+    shard = load_shard(shard_paths(distilled.out / "data" / "chat")[0])
+    supervised = sum(int(shard["starts"][i + 1] - shard["starts"][i] - shard["first"][i])
+                     for i in range(len(shard["first"])))
+    assert shard["topk_ids"].shape == (supervised, SMALL_DATA.top_k)
+    assert np.all(np.diff(shard["topk_logp"].astype(np.float32), axis=1) <= 0)  # most likely first
+    assert np.all(shard["topk_logp"] <= 0)
+
+
+def test_target_greedy_tokens_are_what_it_generated(distilled):
+    """Continuations are greedy: the generated token at each position is the target's top-1 there."""
+    shard = load_shard(shard_paths(distilled.out / "data" / "chat")[0])
+    sup = 0
+    for i in range(len(shard["first"])):
+        tokens = shard["tokens"][shard["starts"][i]:shard["starts"][i + 1]]
+        first = int(shard["first"][i])
+        generated = tokens[first:]
+        assert np.array_equal(shard["topk_ids"][sup:sup + len(generated), 0], generated)
+        sup += len(generated)
+
+
+def test_the_draft_folder_loads_in_transformers_and_records_its_head(distilled, models):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(distilled.out)
+    info = json.loads((distilled.out / "edgespec_draft.json").read_text())
+    assert draft.config.num_hidden_layers == 2
+    assert len(info["head_tokens"]) == SMALL_TRAIN.head_size
+    assert info["training"]["steps"] > 0
+    assert (distilled.out / "log.txt").read_text().count("train: finished") == 1
+
+
+def test_a_finished_run_resumes_to_nothing_and_refuses_other_settings(distilled):
+    distill(replace(distilled, resume=True))  # finished: returns without work
+    with pytest.raises(ExportError, match="--resume"):
+        distill(distilled)
+    with pytest.raises(ExportError, match="seed"):
+        distill(replace(distilled, resume=True, seed=1))
+
+
+def test_an_interrupted_training_resumes_from_its_checkpoint(distilled, tmp_path):
+    import json
+    import shutil
+
+    copy = tmp_path / "draft"
+    shutil.copytree(distilled.out, copy)
+    state = json.loads((copy / "state.json").read_text())
+    state["finished"] = False
+    state["used_s"]["train"] -= 3  # three seconds of training left
+    (copy / "state.json").write_text(json.dumps(state))
+    steps_before = json.loads((copy / "edgespec_draft.json").read_text())["training"]["steps"]
+    distill(replace(distilled, out=copy, resume=True))
+    steps_after = json.loads((copy / "edgespec_draft.json").read_text())["training"]["steps"]
+    assert steps_after > steps_before  # continued counting from the checkpoint, not from zero
+
+
+def test_distilled_draft_exports_and_generates_losslessly(distilled, models, tmp_path):
+    from edgespec.exporters.export import ExportConfig, export
+    from edgespec.runtime.engine import GenerationConfig
+    from edgespec.runtime.pipeline import Pipeline
+
+    bundle = export(ExportConfig(model=str(models["target"]), draft=str(distilled.out), out=tmp_path / "b",
+                                 tree="topk:2x3", context=256))
+    pipeline = Pipeline(bundle, threads=1)
+    assert pipeline.draft.head_tokens is not None and len(pipeline.draft.head_tokens) == SMALL_TRAIN.head_size
+    config = GenerationConfig(max_new_tokens=40)
+    for prompt in ("def add(a, b):", "The quick brown fox"):
+        plain = pipeline.generate(prompt=prompt, config=config, speculate=False)
+        spec = pipeline.generate(prompt=prompt, config=config, speculate=True)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.target_passes < plain.stats.target_passes  # the draft's proposals were used
+
+
+def test_head_tokens_follow_target_frequency_and_keep_required_ids():
+    top1 = np.array([5, 5, 5, 7, 7, 9, 1])
+    head = choose_head_tokens(top1, vocab_size=12, size=3, always={11})
+    assert list(head) == [5, 7, 11]
+    assert coverage(head, top1) == pytest.approx(5 / 7)
+
+
+def test_batches_supervise_only_positions_after_the_prompt(distilled):
+    sequences = read_sequences(shard_paths(distilled.out / "data" / "chat")[:1])
+    kept = np.arange(1000)
+    ids, mask, where, idx, p, greedy = make_batch(sequences[:3], 1000, np.random.default_rng(0), kept)
+    expected = sum(len(s.tokens) - s.first for s in sequences[:3])
+    assert len(where) == expected == len(greedy)
+    for (b, r), token in zip(where.numpy(), greedy):
+        assert sequences[b].tokens[r + 1] == token  # row r predicts the next token, the target's greedy one
+    np.testing.assert_allclose(p.sum(dim=1).numpy(), 1.0, rtol=1e-5)
