@@ -1,4 +1,5 @@
-"""Cost of one target pass by the number of tree nodes N (chain masks), at a fixed past length.
+"""Cost of one target pass by the number of tree nodes N (chain masks), at a fixed past length, and of
+one draft step (one node) when the bundle has a draft model.
 
     python benchmarks/verify_cost.py [BUNDLE] [--past 256] [--repeats 30]
 """
@@ -16,7 +17,13 @@ parser.add_argument("--threads", type=int, default=None)
 args = parser.parse_args()
 
 pipeline = Pipeline(resolve_bundle(args.bundle), args.threads)
-seconds = pass_seconds(pipeline, (1, 2, 3, 4, 5, 6, 8, 10, 12, 16), args.past, args.repeats)
+chunk = pipeline.manifest.prefill_chunk
+seconds = pass_seconds(pipeline.target, chunk, (1, 2, 3, 4, 5, 6, 8, 10, 12, 16), args.past, args.repeats)
 print(f"past {args.past} tokens, {pipeline.threads} threads")
 for n, s in seconds.items():
-    print(f"N={n:3d}  {s * 1000:7.2f} ms per pass  ({s / seconds[1]:.2f}x of N=1)")
+    print(f"target N={n:3d}  {s * 1000:7.2f} ms per pass  ({s / seconds[1]:.2f}x of N=1)")
+if pipeline.draft is not None:
+    draft = pass_seconds(pipeline.draft, chunk, (1, 2, 4), args.past, args.repeats)
+    for n, s in draft.items():
+        print(f"draft  N={n:3d}  {s * 1000:7.2f} ms per pass  ({s / seconds[1]:.3f} of a target pass with N=1, "
+              f"{s / seconds[5]:.3f} of N=5)")

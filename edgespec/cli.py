@@ -17,11 +17,11 @@ def _stats_line(stats) -> str:
             f"first token {stats.first_token_s * 1000:.0f} ms]")
 
 
-def _pipeline(spec: str, threads: int | None):
+def _pipeline(args):
     from edgespec.defaults import resolve_bundle
     from edgespec.runtime.pipeline import Pipeline
 
-    return Pipeline(resolve_bundle(spec), threads)
+    return Pipeline(resolve_bundle(args.bundle), args.threads, getattr(args, "memory_budget", None))
 
 
 def _stream(pipeline, config, speculate, **ask):
@@ -62,7 +62,7 @@ def _generation_config(args):
 
 
 def cmd_generate(args) -> None:
-    pipeline = _pipeline(args.bundle, args.threads)
+    pipeline = _pipeline(args)
     config = _generation_config(args)
     ask = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.json:
@@ -74,7 +74,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    pipeline = _pipeline(args.bundle, args.threads)
+    pipeline = _pipeline(args)
     config = _generation_config(args)
     session = pipeline.new_session()
     drafter = pipeline.make_drafter(not args.no_speculate)
@@ -106,7 +106,7 @@ def cmd_bench(args) -> None:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
-    report = run_bench(_pipeline(args.bundle, args.threads), prompts, args.max_new_tokens, _sampling_config(args))
+    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, _sampling_config(args))
     if args.json:
         print(json.dumps(report))
     else:
@@ -198,10 +198,21 @@ def cmd_distill(args) -> None:
     print(f"draft model: {out}  (use it with: edgespec export {args.target} --draft {out} --out BUNDLE)")
 
 
+def cmd_plan(args) -> None:
+    from edgespec.defaults import resolve_bundle
+    from edgespec.runtime.budget import parse_size, plan_memory
+    from edgespec.runtime.bundle import open_bundle
+
+    folder = resolve_bundle(args.bundle)
+    budget = None if args.memory_budget is None else parse_size(args.memory_budget)
+    plan = plan_memory(open_bundle(folder), folder, budget)
+    print(json.dumps({**plan.__dict__, "total": plan.total}) if args.json else plan.describe())
+
+
 def cmd_demo(args) -> None:
     from edgespec.runtime.engine import GenerationConfig
 
-    pipeline = _pipeline("default", args.threads)
+    pipeline = _pipeline(argparse.Namespace(bundle="default", threads=args.threads))
     print(f"> {DEMO_QUESTION}", file=sys.stderr)
     _stream(pipeline, GenerationConfig(max_new_tokens=args.max_new_tokens), True,
             messages=[{"role": "user", "content": DEMO_QUESTION}])
@@ -217,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("bundle", help="bundle folder, or 'default'")
         p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+    def budget_arg(p):
+        p.add_argument("--memory-budget", default=None,
+                       help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
 
     def sampling_args(p):
         p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -260,11 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generation_args(p)
+    budget_arg(p)
     p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat")
     bundle_arg(p, optional=True)
     generation_args(p, max_new=256)
+    budget_arg(p)
     p.set_defaults(run=cmd_chat)
 
     p = sub.add_parser("bench", help="plain vs speculative decoding in one run")
@@ -273,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true")
     sampling_args(p)
+    budget_arg(p)
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("tune", help="choose the tree for this device from measured acceptance and cost")
@@ -301,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.set_defaults(run=cmd_distill)
+
+    p = sub.add_parser("plan", help="how a memory budget is split for a bundle, and the context that fits")
+    p.add_argument("bundle", help="bundle folder, or 'default'")
+    budget_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("demo", help="a short chat reply from the default bundle")
     p.add_argument("--threads", type=int, default=None)

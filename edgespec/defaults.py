@@ -1,4 +1,5 @@
-"""The built-in default bundle: SmolLM2-135M-Instruct, built once into the cache folder on first use."""
+"""The built-in default bundle: SmolLM2-135M-Instruct with the draft edgespec trained for it, built once
+into the cache folder on first use."""
 from __future__ import annotations
 
 import hashlib
@@ -8,19 +9,42 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_RECIPE = {"model": "default", "draft": "ngram", "tree": "chain:4", "context": 2048}
+# The draft ships packed (trained tensors only, float16) and is rebuilt against the target on first use.
+SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
+DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:4", "context": 2048}
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("EDGESPEC_CACHE", Path.home() / ".cache" / "edgespec"))
 
 
+def _shipped_draft_digest() -> str:
+    digest = hashlib.sha256()
+    for name in ("draft.json", "weights.safetensors"):
+        digest.update((SHIPPED_DRAFT / name).read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def default_bundle_path() -> Path:
-    """Named by edgespec's version and the recipe, so a changed recipe builds a new bundle."""
+    """Named by edgespec's version, the recipe and the shipped draft, so a change builds a new bundle."""
     from edgespec import __version__
 
-    recipe = hashlib.sha256(json.dumps(DEFAULT_RECIPE, sort_keys=True).encode()).hexdigest()[:8]
-    return cache_dir() / "bundles" / f"default-{__version__}-{recipe}"
+    recipe = json.dumps({**DEFAULT_RECIPE, "draft": _shipped_draft_digest()}, sort_keys=True)
+    return cache_dir() / "bundles" / f"default-{__version__}-{hashlib.sha256(recipe.encode()).hexdigest()[:8]}"
+
+
+def _default_draft_folder() -> Path:
+    """The shipped draft as a Hugging Face folder, rebuilt once against the reference target."""
+    from edgespec.distill.pack import unpack_draft
+    from edgespec.exporters.sources import resolve_source
+
+    folder = cache_dir() / "models" / f"smollm2-135m-instruct-draft-{_shipped_draft_digest()}"
+    if not (folder / "config.json").is_file():
+        target, tokenizer = resolve_source("default", cache_dir()).load()
+        partial = folder.with_name(folder.name + ".partial")
+        unpack_draft(SHIPPED_DRAFT, target, tokenizer, partial)
+        partial.replace(folder)
+    return folder
 
 
 def ensure_default_bundle() -> Path:
@@ -33,10 +57,10 @@ def ensure_default_bundle() -> Path:
     except ImportError as err:
         raise SystemExit(f"edgespec: building the default bundle needs the export extra "
                          f"(pip install 'edgespec[export]'): {err}") from err
-    print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct, n-gram drafter) into {path}; "
-          "this takes about a minute and is reused afterwards.", file=sys.stderr)
+    print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct and its distilled draft) into "
+          f"{path}; this takes about a minute and is reused afterwards.", file=sys.stderr)
     started = time.perf_counter()
-    export(ExportConfig(**DEFAULT_RECIPE, out=path, cache_dir=cache_dir()))
+    export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, out=path, cache_dir=cache_dir()))
     print(f"edgespec: default bundle ready in {time.perf_counter() - started:.0f}s", file=sys.stderr)
     return path
 

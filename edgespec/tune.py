@@ -19,7 +19,7 @@ from edgespec.bench import load_prompts, prompt_kwargs, run_bench
 from edgespec.runtime.bundle import MANIFEST
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import prefill
+from edgespec.runtime.model import ModelRunner, prefill
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.runtime.treeopt import choose_tree
@@ -69,18 +69,19 @@ class RankCounter:
 
 
 
-def pass_seconds(pipeline: Pipeline, sizes, past: int, repeats: int) -> dict[int, float]:
-    """Median time of one target pass with n chain-masked nodes after `past` cached tokens."""
-    facts = pipeline.manifest.target.facts
+def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repeats: int) -> dict[int, float]:
+    """Median time of one pass of `runner` (target or draft) with n chain-masked nodes after `past` cached
+    tokens, logits for every node."""
+    facts = runner.facts
     cache = KVCache(facts, max(past + max(sizes) + 1, 8))
     rng = np.random.default_rng(0)
-    prefill(pipeline.target, cache, list(rng.integers(3, facts.vocab_size, past)), pipeline.manifest.prefill_chunk)
+    prefill(runner, cache, list(rng.integers(3, facts.vocab_size, past)), prefill_chunk)
     out = {}
     for n in sizes:
         tokens, times = rng.integers(3, facts.vocab_size, n), []
         for _ in range(repeats):
             start = time.perf_counter()
-            pipeline.target.forward(cache, tokens, range(past, past + n), np.tril(np.ones((n, n), bool)), range(n))
+            runner.forward(cache, tokens, range(past, past + n), np.tril(np.ones((n, n), bool)), range(n))
             times.append(time.perf_counter() - start)
         out[n] = statistics.median(times)
     return out
@@ -99,7 +100,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     accept = counter.acceptance
     # 2. cost of a step by node count: the target pass plus drafting (per level of depth)
     past = min(256, pipeline.context // 2)
-    verify = pass_seconds(pipeline, range(1, max_nodes + 1), past, repeats=15)
+    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + 1), past, repeats=15)
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
     # 3. choose
     # drafting costs per level of depth; a tree of n nodes is at most n - 1 deep (exact for chains)

@@ -19,3 +19,7 @@ class UnsupportedArchitectureError(ExportError):
 
 class ContextOverflowError(EdgespecError):
     """The prompt (or prompt + generation) does not fit the bundle's context."""
+
+
+class BudgetError(EdgespecError):
+    """The memory budget cannot be read, or is too small for the bundle."""

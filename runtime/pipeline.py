@@ -6,6 +6,7 @@ from pathlib import Path
 
 from edgespec.targets.profiles import get_profile
 
+from .budget import parse_size, plan_memory
 from .bundle import Manifest, open_bundle, read_head_tokens
 from .dynamic_tree import DynamicDrafter
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
@@ -24,9 +25,13 @@ def default_threads() -> int:
 class Pipeline:
     """A loaded bundle. `generate` is the whole job; `new_session` keeps a conversation's caches."""
 
-    def __init__(self, folder, threads: int | None = None):
+    def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None):
+        """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
+        it; the caches hold the context that fits (`memory.context`), refused below the minimum."""
         self.folder = Path(folder)
         self.manifest: Manifest = open_bundle(self.folder)
+        self.memory = plan_memory(self.manifest, self.folder,
+                                  None if memory_budget is None else parse_size(memory_budget))
         self.threads = threads or default_threads()
         profile = get_profile(self.manifest.profile)
         m = self.manifest
@@ -44,7 +49,7 @@ class Pipeline:
 
     @property
     def context(self) -> int:
-        return self.manifest.target.facts.max_context
+        return self.memory.context
 
     def new_session(self) -> Session:
         return Session(cache=KVCache(self.manifest.target.facts, self.context))

@@ -124,3 +124,22 @@ def test_batches_supervise_only_positions_after_the_prompt(distilled):
     for (b, r), token in zip(where.numpy(), greedy):
         assert sequences[b].tokens[r + 1] == token  # row r predicts the next token, the target's greedy one
     np.testing.assert_allclose(p.sum(dim=1).numpy(), 1.0, rtol=1e-5)
+
+
+def test_packed_draft_rebuilds_the_same_draft_against_its_target(distilled, models, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edgespec.distill.pack import pack_draft, unpack_draft
+    from edgespec.exporters.sources import resolve_source
+
+    packed = pack_draft(distilled.out, tmp_path / "packed", {"command": "test"})
+    target, tokenizer = resolve_source(str(models["target"]), tmp_path).load()
+    rebuilt = AutoModelForCausalLM.from_pretrained(unpack_draft(packed, target, tokenizer, tmp_path / "rebuilt"))
+    original = AutoModelForCausalLM.from_pretrained(distilled.out)
+    for name, value in original.state_dict().items():
+        expected = value if "embed" in name or "lm_head" in name else value.half().float()
+        assert torch.equal(rebuilt.state_dict()[name], expected), name
+    other, _ = resolve_source(str(models["qwen2"]), tmp_path).load()
+    with pytest.raises(ExportError, match="does not fit"):
+        unpack_draft(packed, other, tokenizer, tmp_path / "wrong")

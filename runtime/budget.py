@@ -1,0 +1,114 @@
+"""One memory budget: how the bytes a user allows are split between weights, KV caches and scratch.
+
+The plan is arithmetic over what the bundle says (weight files, model facts, tree and prefill sizes);
+peak RSS is measured by `bench`, never taken from here. Weights are all resident: a bundle whose
+weights do not fit is refused with the minimum it needs (streaming the target's layers in stages is
+the part of issue 6 still to come).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .bundle import Manifest
+from .errors import BudgetError
+
+# The process before any weight: Python, numpy, onnxruntime and tokenizers imported (57 MiB resident on
+# x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
+RUNTIME_BASE_BYTES = 90 * 2**20
+MIN_CONTEXT = 256  # tokens: below this a chat turn does not fit
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """'300MB', '1.5GiB', '250000000' -> bytes (KB/MB/GB are decimal, KiB/MiB/GiB binary)."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).upper() not in _UNITS:
+        raise BudgetError(f"cannot read the memory budget {text!r}: give bytes or a size like 300MB or 1.5GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int | None  # None: unconstrained (the bundle's full context)
+    runtime: int
+    target_weights: int
+    draft_weights: int
+    scratch: int
+    target_kv_per_token: int
+    draft_kv_per_token: int
+    context: int  # tokens both caches hold
+    tree_slots: int  # of the context, rows a tree pass may occupy beyond the committed tokens
+
+    @property
+    def target_kv(self) -> int:
+        return self.context * self.target_kv_per_token
+
+    @property
+    def draft_kv(self) -> int:
+        return self.context * self.draft_kv_per_token
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.target_weights + self.draft_weights + self.scratch + self.target_kv + self.draft_kv
+
+    def describe(self) -> str:
+        lines = [f"memory budget   {'none (the bundle full context)' if self.budget is None else mib(self.budget)}",
+                 f"  runtime        {mib(self.runtime):>12}  (interpreter and libraries)",
+                 f"  target weights {mib(self.target_weights):>12}  resident",
+                 f"  draft weights  {mib(self.draft_weights):>12}  resident",
+                 f"  target KV      {mib(self.target_kv):>12}  {self.context} tokens",
+                 f"  draft KV       {mib(self.draft_kv):>12}  {self.context} tokens",
+                 f"  scratch        {mib(self.scratch):>12}  activations of the largest pass",
+                 f"  total          {mib(self.total):>12}",
+                 f"context that fits: {self.context} tokens ({self.tree_slots} of them reserved for tree nodes)"]
+        return "\n".join(lines)
+
+
+def _files_bytes(folder: Path, names) -> int:
+    return sum((folder / name).stat().st_size for name in names)
+
+
+def scratch_bytes(manifest: Manifest) -> int:
+    """Activations of the largest pass (a prefill chunk or a tree) kept by onnxruntime's arena, and the
+    logits numpy receives: every layer's intermediates may be live at once in the planner's worst case."""
+    f = manifest.target.facts
+    rows = max(manifest.prefill_chunk, manifest.tree.size, 2)
+    per_layer = rows * (4 * f.hidden_size + 3 * f.intermediate_size) + f.num_heads * rows * f.max_context
+    return 4 * (2 * per_layer + rows * f.vocab_size * 2)
+
+
+def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryPlan:
+    folder = Path(folder)
+    target = manifest.target
+    target_weights = _files_bytes(folder, [target.graph.file, *target.graph.weights])
+    draft_weights, draft_kv_token = 0, 0
+    if manifest.draft is not None:
+        draft_weights = _files_bytes(folder, [manifest.draft.graph.file, *manifest.draft.graph.weights])
+        draft_kv_token = manifest.draft.facts.kv_bytes_per_token()
+    target_kv_token = target.facts.kv_bytes_per_token()
+    per_token = target_kv_token + draft_kv_token
+    fixed = RUNTIME_BASE_BYTES + target_weights + draft_weights + scratch_bytes(manifest)
+    full = target.facts.max_context
+    if budget is None:
+        context = full
+    else:
+        least = min(MIN_CONTEXT, full)
+        minimum = fixed + least * per_token
+        if budget < minimum:
+            raise BudgetError(
+                f"a memory budget of {mib(budget)} is below this bundle's minimum of {mib(minimum)} "
+                f"(weights {mib(target_weights + draft_weights)}, KV for {least} tokens {mib(least * per_token)}, "
+                f"scratch {mib(scratch_bytes(manifest))}, runtime {mib(RUNTIME_BASE_BYTES)})")
+        context = min(full, (budget - fixed) // per_token)
+    return MemoryPlan(budget=budget, runtime=RUNTIME_BASE_BYTES, target_weights=target_weights,
+                      draft_weights=draft_weights, scratch=scratch_bytes(manifest),
+                      target_kv_per_token=target_kv_token, draft_kv_per_token=draft_kv_token,
+                      context=int(context), tree_slots=manifest.tree.size)
