@@ -151,7 +151,7 @@ def train(target, tokenizer, shards: list[Path], out: Path, config: TrainConfig,
     held_out, training = shards[-1:], shards[:-1] or shards
     sequences, validation = read_sequences(training), read_sequences(held_out)
     vocab = target.config.vocab_size
-    checkpoint = out / "checkpoints" / "last.pt"
+    checkpoint, best_file = out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt"
     draft, trainable = build_draft(target, config.design)
     saved = torch.load(checkpoint, weights_only=True) if checkpoint.is_file() else None
     if saved is not None:
@@ -172,6 +172,8 @@ def train(target, tokenizer, shards: list[Path], out: Path, config: TrainConfig,
         draft.load_state_dict(saved["draft"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
         step, used_s = saved["step"], saved["used_s"]
+    # the draft that agreed best on held-out data so far: with little target data, later steps can overfit
+    best = torch.load(best_file, weights_only=True) if best_file.is_file() else {"agreement": -1.0, "step": 0}
     total_s = used_s + max(0.0, deadline - time.time())
     tokens = sum(len(s.topk_ids) for s in sequences)
     log(f"train: design {config.design}, {len(sequences)} sequences ({tokens} supervised tokens), "
@@ -194,28 +196,40 @@ def train(target, tokenizer, shards: list[Path], out: Path, config: TrainConfig,
         now = time.time()
         if now - last_eval >= config.eval_s:
             draft.eval()
-            log(f"train: step {step}, loss {loss.item():.3f}, held-out agreement "
-                f"{agreement(draft, head, head_tokens, kept_index, validation, config.window):.3f}")
+            score = agreement(draft, head, head_tokens, kept_index, validation, config.window)
+            log(f"train: step {step}, loss {loss.item():.3f}, held-out agreement {score:.3f}")
+            if score > best["agreement"]:
+                best = {"agreement": score, "step": step, "draft": _trained_state(draft, trainable)}
+                _save_checkpoint(best_file, best)
             draft.train()
             last_eval = time.time()
         if now - last_checkpoint >= config.checkpoint_s:
-            _save_checkpoint(checkpoint, {"draft": {n: draft.state_dict()[n] for n in trainable},
+            _save_checkpoint(checkpoint, {"draft": _trained_state(draft, trainable),
                                           "optimizer": optimizer.state_dict(), "step": step,
                                           "used_s": used_s + now - started,
                                           "head_tokens": torch.from_numpy(head_tokens)})
             last_checkpoint = now
     draft.eval()
     score = agreement(draft, head, head_tokens, kept_index, validation, config.window)
-    report = {"design": config.design, "steps": step, "train_seconds": round(used_s + time.time() - started),
+    seconds = round(used_s + time.time() - started)
+    _save_checkpoint(checkpoint, {"draft": _trained_state(draft, trainable), "optimizer": optimizer.state_dict(),
+                                  "step": step, "used_s": seconds, "head_tokens": torch.from_numpy(head_tokens)})
+    kept_step = step
+    if best["agreement"] > score:
+        draft.load_state_dict(best["draft"], strict=False)
+        score, kept_step = best["agreement"], best["step"]
+    report = {"design": config.design, "steps": step, "kept_step": kept_step, "train_seconds": seconds,
               "supervised_tokens": tokens, "head_tokens": len(head_tokens),
               "head_coverage": round(coverage(head_tokens, held_top1), 4),
               "held_out_agreement": round(score, 4), "train_config": asdict(config)}
-    _save_checkpoint(checkpoint, {"draft": {n: draft.state_dict()[n] for n in trainable},
-                                  "optimizer": optimizer.state_dict(), "step": step, "used_s": report["train_seconds"],
-                                  "head_tokens": torch.from_numpy(head_tokens)})
     write_draft(draft, tokenizer, head_tokens, report, out)
-    log(f"train: finished at step {step}, held-out agreement {score:.3f}")
+    log(f"train: finished at step {step}, keeping step {kept_step}: held-out agreement {score:.3f}")
     return report
+
+
+def _trained_state(draft, trainable: list[str]) -> dict:
+    state = draft.state_dict()
+    return {name: state[name].detach().clone() for name in trainable}
 
 
 
