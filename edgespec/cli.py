@@ -58,7 +58,7 @@ def _generation_config(args):
     from edgespec.runtime.engine import GenerationConfig
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()),
-                            sampling=_sampling_config(args))
+                            sampling=_sampling_config(args), kv_policy=args.kv_policy)
 
 
 def cmd_generate(args) -> None:
@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=max_new)
         p.add_argument("--stop", action="append", help="stop string (repeatable)")
         p.add_argument("--no-speculate", action="store_true", help="plain decoding of the same bundle")
+        p.add_argument("--kv-policy", default="error", choices=("error", "sliding"),
+                       help="when the context fills the cache: stop with an error (default), or keep 4 attention "
+                            "sinks and the most recent tokens (StreamingLLM)")
         sampling_args(p)
 
     p = sub.add_parser("export", help="export a target (+ draft) model to a device bundle")

@@ -17,6 +17,8 @@ Subclasses override only what differs from Llama (architectures.py).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from edgespec.runtime.errors import ExportError
@@ -55,6 +57,10 @@ class LlamaBuilder:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             sliding_window=self.sliding_window(cfg, max_context),
         )
+        cos, sin = self.rope_tables()
+        half = head_dim // 2
+        self.facts = replace(self.facts, rope_frequencies=tuple(
+            float(a) for a in np.arctan2(sin[1, :half].astype(np.float64), cos[1, :half].astype(np.float64))))
         self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
         self.head_tokens = head_tokens
         if head_tokens is not None and (len(head_tokens) < 2 or len(np.unique(head_tokens)) != len(head_tokens)

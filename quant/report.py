@@ -35,7 +35,7 @@ def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 64) -> float:
 def greedy_continuation(runner: ModelRunner, prompt: list[int], new_tokens: int, chunk: int = 64) -> list[int]:
     session = Session(cache=KVCache(runner.facts, len(prompt) + new_tokens + 2))
     logits = prefill(runner, session.cache, prompt, chunk)
-    session.committed = list(prompt) + [int(np.argmax(logits))]
+    session.begin(list(prompt) + [int(np.argmax(logits))])
     while len(session.committed) < len(prompt) + new_tokens:
         speculative_step(runner, session, NoDrafter())
     return session.committed[len(prompt) : len(prompt) + new_tokens]

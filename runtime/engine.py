@@ -1,9 +1,11 @@
 """The decode loop: prefill, then draft -> verify -> accept -> commit until a stop condition.
 
 State ownership (who holds what):
-- the caller's `Session` owns the committed token ids (prompt + emitted) and the target cache;
-  invariant between steps: target cache length == len(committed) - 1, because the newest committed
-  token (the root of the next tree) has not been through the target yet;
+- the caller's `Session` owns the committed token ids (prompt + emitted), the target cache, and
+  `window`: the committed tokens the cache holds plus the newest one. Invariant between steps: target
+  cache length == len(window) - 1, because the newest committed token (the root of the next tree)
+  has not been through the target yet. `window` equals `committed` until the `sliding` KV policy
+  evicts rows; drafters see `window`, so their positions are the cache's;
 - a draft-model drafter owns its own cache (see drafters.py); the target never reads it;
 - `TextSink` owns what text has been shown, and holds back any tail that may begin a stop string.
 """
@@ -23,14 +25,25 @@ from .sampling import Sampler, SamplingConfig, sample
 from .tokenizer import TextCodec, TextStream
 
 
+KV_POLICIES = ("error", "sliding")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 128
     stop_strings: tuple[str, ...] = ()
     stop_at_eos: bool = True
     sampling: SamplingConfig = SamplingConfig()  # greedy unless temperature > 0
+    # when the context fills the KV cache: "error" says so; "sliding" keeps the first `attention_sinks`
+    # tokens and the most recent ones, evicting a quarter of the cache at a time (StreamingLLM)
+    kv_policy: str = "error"
+    attention_sinks: int = 4
 
     def __post_init__(self):
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"unknown KV policy {self.kv_policy!r}; choose one of {', '.join(KV_POLICIES)}")
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0 (got {self.attention_sinks})")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
         if any(not s for s in self.stop_strings):
@@ -79,13 +92,19 @@ class Session:
 
     cache: KVCache
     committed: list[int] = field(default_factory=list)
+    window: list[int] = field(default_factory=list)  # committed minus the rows a sliding cache evicted
+
+    def begin(self, tokens: list[int]) -> None:
+        """The conversation is now `tokens`; the caller brings the cache in line."""
+        self.committed = list(tokens)
+        self.window = list(tokens)
 
 
 def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
                      sampler: Sampler | None = None) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens)."""
     cache = session.cache
-    tree = drafter.propose(session.committed, cache.room(), sampler)             # 1. draft what fits
+    tree = drafter.propose(session.window, cache.room(), sampler)                # 1. draft what fits
     topo = tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
@@ -97,6 +116,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     cache.append(out.new_kv, path)                                            # 4. compact to the path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
     session.committed.extend(new_tokens)
+    session.window.extend(new_tokens)
     drafter.observe(new_tokens, tree.tokens, out.logits)
     return new_tokens, len(path) - 1
 
@@ -153,17 +173,23 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
         raise ContextOverflowError(
             f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "
             f"shorten the prompt or export with a larger --context")
+    if config.kv_policy == "sliding" and target.facts.rope_frequencies is None:
+        raise ContextOverflowError("this bundle's manifest has no rope frequencies, which the sliding KV policy "
+                                   "needs: export it again with this edgespec")
     stats = Stats(prompt_tokens=len(context_ids))
     started = time.perf_counter()
-    keep = min(_common_prefix(session.committed, context_ids), len(context_ids) - 1, cache.length)
+    # a slid cache no longer holds a prefix of the conversation: nothing of it can be reused
+    reusable = session.window if session.window == session.committed else []
+    keep = min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
     cache.trim(keep)
     drafter.rewind(keep)
-    session.committed = list(context_ids)
+    session.begin(context_ids)
     sampler = None if config.sampling.greedy else Sampler(config.sampling)
     logits = prefill(target, cache, context_ids[keep:], prefill_chunk)            # prefill
     first = int(np.argmax(logits)) if sampler is None else \
         sample(sampler.distributions(logits[None], session.committed, [[]])[0], sampler.rng)
     session.committed.append(first)
+    session.window.append(first)
     drafter.observe(session.committed[-1:])
     stats.prefill_s = stats.first_token_s = time.perf_counter() - started
 
@@ -187,6 +213,8 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
             if reason:
                 break
         if reason is None:
+            if cache.room() < 1 and config.kv_policy == "sliding":
+                slide(session, drafter, config.attention_sinks, target.facts.rope_frequencies)
             if cache.room() < 1:
                 raise ContextOverflowError(f"the context is full ({cache.capacity} tokens) after {len(emitted)} "
                                            "new tokens; lower --max-new-tokens or export with a larger --context")
@@ -199,9 +227,23 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
     stats.new_tokens = len(emitted)
     stats.decode_s = time.perf_counter() - decode_start
     # Forget what was accepted past the stop, so the next turn continues from what the user saw.
-    session.committed = session.committed[: len(context_ids) + len(emitted) + (reason == "eos")]
-    cache.trim(min(cache.length, len(session.committed) - 1))
+    unseen = len(session.committed) - (len(context_ids) + len(emitted) + (reason == "eos"))
+    session.committed = session.committed[: len(session.committed) - unseen]
+    session.window = session.window[: len(session.window) - unseen]
+    cache.trim(min(cache.length, len(session.window) - 1))
     return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason)
+
+
+def slide(session: Session, drafter: Drafter, sinks: int, rope_frequencies) -> None:
+    """Makes room in a full cache: evicts a quarter of the rows after the attention sinks."""
+    cache = session.cache
+    count = max(1, (cache.capacity - sinks) // 4)
+    if sinks + count > cache.length:
+        raise ContextOverflowError(f"the KV cache ({cache.capacity} tokens) is too small to keep "
+                                   f"{sinks} attention sinks and slide")
+    cache.evict(sinks, count, rope_frequencies)
+    del session.window[sinks : sinks + count]
+    drafter.rewind(sinks)  # drafters rebuild what they kept past the sinks from the new window
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

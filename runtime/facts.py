@@ -19,11 +19,17 @@ class ModelFacts:
     rope_theta: float
     tie_word_embeddings: bool
     sliding_window: int | None = None
+    # rotary angle per position for each of the head_dim / 2 frequency pairs (radians), read from the
+    # exported tables; the cache needs it to move keys to new positions (the `sliding` KV policy)
+    rope_frequencies: tuple[float, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelFacts":
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("rope_frequencies") is not None:
+            values["rope_frequencies"] = tuple(values["rope_frequencies"])
+        return cls(**values)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -45,6 +45,25 @@ class KVCache:
             self.data[:, :, self.length : end] = new_kv[:, :, rows]
         self.length = end
 
+    def evict(self, start: int, count: int, rope_frequencies) -> None:
+        """Forgets rows [start, start + count) and moves the later rows down by `count`. Their keys carry
+        rotary position embeddings, so they are rotated back by `count` positions: every row's position
+        stays its index, as the graphs assume (StreamingLLM's positions within the cache)."""
+        if not (0 <= start and count > 0 and start + count <= self.length):
+            raise ValueError(f"cannot evict rows {start}..{start + count} of a cache of {self.length}")
+        moved = slice(start + count, self.length)
+        kept = slice(start, self.length - count)
+        freqs = np.asarray(rope_frequencies, dtype=np.float64)
+        cos = np.cos(-count * freqs).astype(np.float32)
+        sin = np.sin(-count * freqs).astype(np.float32)
+        keys = self.data[:, 0, moved].copy()  # [layers, m, kv_heads, head_dim]
+        half = len(freqs)
+        first, second = keys[..., :half], keys[..., half:]
+        self.data[:, 0, kept, :, :half] = first * cos - second * sin
+        self.data[:, 0, kept, :, half:] = second * cos + first * sin
+        self.data[:, 1, kept] = self.data[:, 1, moved].copy()
+        self.length -= count
+
     def trim(self, length: int) -> None:
         """Forgets every row from `length` on."""
         if not 0 <= length <= self.length:

@@ -1,0 +1,65 @@
+"""The sliding KV policy: attention sinks + recent tokens, lossless between plain and speculative."""
+import numpy as np
+import pytest
+
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.errors import ContextOverflowError
+from edgespec.runtime.facts import ModelFacts
+from edgespec.runtime.kvcache import KVCache
+
+LONG = GenerationConfig(max_new_tokens=150, stop_at_eos=False)
+SLIDING = GenerationConfig(max_new_tokens=150, stop_at_eos=False, kv_policy="sliding")
+
+
+def _rope(x, position, freqs):
+    half = len(freqs)
+    cos, sin = np.cos(position * freqs), np.sin(position * freqs)
+    return np.concatenate([x[:half] * cos - x[half:] * sin, x[half:] * cos + x[:half] * sin])
+
+
+def test_evicted_cache_holds_keys_as_if_computed_at_their_new_positions():
+    dim = 8
+    freqs = 1 / 10000 ** (np.arange(0, dim, 2) / dim)
+    facts = ModelFacts("llama", 1, dim, 1, 1, dim, dim, 10, 64, 1e-5, 1e4, True)
+    cache = KVCache(facts, 16)
+    raw = np.random.default_rng(0).normal(size=(10, dim)).astype(np.float32)
+    for p in range(10):
+        cache.data[0, 0, p, 0], cache.data[0, 1, p, 0] = _rope(raw[p], p, freqs), raw[p]
+    cache.length = 10
+    cache.evict(2, 3, freqs)
+    kept = [0, 1, 5, 6, 7, 8, 9]
+    expected = [_rope(raw[p], row, freqs) for row, p in enumerate(kept)]
+    np.testing.assert_allclose(cache.data[0, 0, :7, 0], expected, atol=1e-6)
+    np.testing.assert_array_equal(cache.data[0, 1, :7, 0], raw[kept])
+    assert cache.length == 7
+    with pytest.raises(ValueError):
+        cache.evict(5, 3, freqs)
+
+
+def test_sliding_generates_past_the_context_and_speculation_stays_exact(bundle_factory):
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2", context=64), threads=1)
+    with pytest.raises(ContextOverflowError, match="context is full"):
+        pipeline.generate(prompt="The quick brown fox", config=LONG)
+    for prompt in ("The quick brown fox", "def add(a, b):"):
+        plain = pipeline.generate(prompt=prompt, config=SLIDING, speculate=False)
+        spec = pipeline.generate(prompt=prompt, config=SLIDING, speculate=True)
+        assert len(plain.token_ids) == 150
+        assert spec.token_ids == plain.token_ids
+
+
+def test_the_sinks_stay_and_the_cache_never_grows(bundle_factory):
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(bundle_factory(draft="ngram", context=64), threads=1)
+    session = pipeline.new_session()
+    prompt_ids = pipeline.encode("The quick brown fox", None)
+    result = pipeline.generate(prompt="The quick brown fox", config=SLIDING, session=session)
+    assert session.cache.capacity == 64 and session.cache.length == len(session.window) - 1 <= 64
+    assert session.window[:4] == prompt_ids[:4]
+    assert session.committed == prompt_ids + result.token_ids
+    assert len(session.window) < len(session.committed)
+    # the next turn cannot reuse a slid cache: it starts again, and still decodes
+    again = pipeline.generate(prompt="The quick brown fox", config=SLIDING, session=session, speculate=False)
+    assert again.token_ids == result.token_ids
