@@ -84,5 +84,5 @@ class Pipeline:
         return generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk, on_text)
 
 
-def load(folder, threads: int | None = None) -> Pipeline:
-    return Pipeline(folder, threads)
+def load(folder, threads: int | None = None, memory_budget: int | str | None = None) -> Pipeline:
+    return Pipeline(folder, threads, memory_budget)
