@@ -44,7 +44,7 @@ def cmd_export(args) -> None:
                         quant=args.quant, draft_quant=args.draft_quant, block=args.block,
                         symmetric=not args.asymmetric, accuracy_level=args.accuracy_level,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
-                        force=args.force, cache_dir=cache_dir()))
+                        force=args.force, stages=args.stages, cache_dir=cache_dir()))
 
 
 def _sampling_config(args):
@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MatMulNBits activations: 4 = int8 (fast), 1 = fp32")
     p.add_argument("--quant-policy", default=None,
                    help='JSON {"tensors": {"embed_tokens": "int8", "layers.0.*": "fp32"}} for the target')
+    p.add_argument("--stages", type=int, default=0,
+                   help="also write the target as stages with this many groups of layers, so that a memory budget "
+                        "smaller than its weights streams them (0: single graph only)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.set_defaults(run=cmd_export)
 

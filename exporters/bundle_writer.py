@@ -22,34 +22,56 @@ from .llama import LlamaBuilder
 from .weights import externalize
 
 
-def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy) -> dict:
-    """Writes `role`.onnx and `role`.weights, quantized by `policy`; returns the manifest entry."""
+def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
+                stages: int = 0) -> dict:
+    """Writes `role`.onnx and `role`.weights, quantized by `policy`, and with `stages` > 0 the same model
+    again as stages (embedding, `stages` groups of layers, head) that a runtime short of memory loads
+    one after another; returns the manifest entry."""
     model, applied = save_graph(folder, role, builder, policy)
-    weights_file = f"{role}.weights"
+    entry = {"facts": builder.facts.to_dict(), "source": source, "graph": _graph_entry(role, model, applied, policy)}
+    if stages:
+        entry["stages"] = []
+        for i, (layers, embed, head) in enumerate(stage_plan(builder.facts.num_layers, stages)):
+            name = f"{role}.stage{i}"
+            stage, stage_applied = save_graph(folder, name, builder, policy,
+                                              dict(layers=layers, embed=embed, head=head), strict=False)
+            entry["stages"].append({**_graph_entry(name, stage, stage_applied, policy),
+                                    "layers": [layers.start, layers.stop]})
+    return entry
+
+
+def stage_plan(num_layers: int, groups: int) -> list[tuple[range, bool, bool]]:
+    """(layers, embedding?, head?) per stage: the embedding alone, `groups` even groups of layers, the head alone."""
+    if not 1 <= groups <= num_layers:
+        raise ExportError(f"--stages must be between 1 and the model's {num_layers} layers (got {groups})")
+    bounds = [round(num_layers * g / groups) for g in range(groups + 1)]
+    return ([(range(0, 0), True, False)] + [(range(a, b), False, False) for a, b in zip(bounds, bounds[1:])]
+            + [(range(num_layers, num_layers), False, True)])
+
+
+def _graph_entry(name: str, model: onnx.ModelProto, applied: dict, policy: QuantPolicy) -> dict:
     return {
-        "facts": builder.facts.to_dict(),
-        "source": source,
-        "graph": {
-            "file": f"{role}.onnx",
-            "weights": [weights_file],
-            "inputs": {i.name: _shape(i) for i in model.graph.input},
-            "outputs": {o.name: _shape(o) for o in model.graph.output},
-            "quantization": {**policy.default.to_dict(any(s in ("int4", "int8") for s in applied.values())),
-                             "tensors": applied},
-        },
+        "file": f"{name}.onnx",
+        "weights": [f"{name}.weights"],
+        "inputs": {i.name: _shape(i) for i in model.graph.input},
+        "outputs": {o.name: _shape(o) for o in model.graph.output},
+        "quantization": {**policy.default.to_dict(any(s in ("int4", "int8") for s in applied.values())),
+                         "tensors": applied},
     }
 
 
-def save_graph(folder: Path, role: str, builder: LlamaBuilder, policy: QuantPolicy):
-    """Builds, quantizes and saves `role`.onnx with its weights in `role`.weights."""
-    model = builder.build(f"edgespec_{role}").to_model()
+def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPolicy, parts: dict | None = None,
+               strict: bool = True):
+    """Builds (all of the model, or `parts` of it), quantizes and saves `name`.onnx with its weights in
+    `name`.weights. `strict`: a policy pattern that matches no weight here is an error."""
+    model = builder.build(f"edgespec_{name.replace('.', '_')}", **(parts or {})).to_model()
     try:
-        applied = quantize_model(model, policy)
+        applied = quantize_model(model, policy, strict)
     except ValueError as err:
         raise ExportError(str(err)) from err
-    externalize(model, folder / f"{role}.weights")
-    onnx.save_model(model, folder / f"{role}.onnx")
-    onnx.checker.check_model(str(folder / f"{role}.onnx"))
+    externalize(model, folder / f"{name}.weights")
+    onnx.save_model(model, folder / f"{name}.onnx")
+    onnx.checker.check_model(str(folder / f"{name}.onnx"))
     return model, applied
 
 

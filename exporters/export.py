@@ -38,6 +38,7 @@ class ExportConfig:
     accuracy_level: int = 4
     quant_policy: Path | None = None  # applies to the target
     force: bool = False
+    stages: int = 0  # > 0: the target also as stages with this many groups of layers (streamed under a budget)
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
 
 
@@ -106,7 +107,8 @@ def export(config: ExportConfig) -> Path:
         sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
              f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)
-        sections["target"] = write_model(folder, "target", target_builder, target_source.description, target_policy)
+        sections["target"] = write_model(folder, "target", target_builder, target_source.description, target_policy,
+                                         stages=config.stages)
         draft_builder = None
         if draft_source is None:
             sections["draft"] = {"kind": config.draft}

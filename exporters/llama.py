@@ -102,44 +102,61 @@ class LlamaBuilder:
         return out
 
     # --- the graph ---------------------------------------------------------------------------
-    def build(self, name: str, nodes: int | str = "nodes") -> GraphBuilder:
+    def build(self, name: str, nodes: int | str = "nodes", layers: range | None = None,
+              embed: bool = True, head: bool = True) -> GraphBuilder:
+        """The whole model, or one stage of it: the embedding, `layers`, and the head, each optional.
+
+        A stage that starts after the embedding takes the residual stream as `hidden` and the last
+        block's output not yet added to it as `branch` ([1, N, H] each); a stage that ends before the
+        head returns them as `hidden_out` and `branch_out`. Handing both over keeps the fused add-and-norm of the
+        single graph, so the stages compute what the single graph computes.
+        """
         f = self.facts
+        layers = range(f.num_layers) if layers is None else layers
         g = GraphBuilder(name)
-        ids = g.input("input_ids", INT64, [1, nodes])
+        if embed:
+            ids = g.input("input_ids", INT64, [1, nodes])
+            table = g.weight("embed_tokens", self.state["model.embed_tokens.weight"])
+            x, branch = g.op("Gather", [table, ids], "embed", axis=0), None  # [1, N, H]
+        else:
+            table = None
+            x = g.input("hidden", FLOAT, [1, nodes, f.hidden_size])
+            branch = g.input("branch", FLOAT, [1, nodes, f.hidden_size]) if layers.start > 0 else None
+        if len(layers):
+            x, branch, new_kv = self.decoder_layers(g, x, branch, layers, nodes)
+            stacked = g.op("Concat", new_kv, axis=0)  # [layers * 2 * N, kvH, D]
+            stacked = g.op("Reshape", [stacked, g.const([len(layers), 2, -1, f.num_kv_heads, f.head_dim])])
+            g.output(stacked, "new_kv", FLOAT, [len(layers), 2, nodes, f.num_kv_heads, f.head_dim])
+        if head:
+            logit_rows = g.input("logit_rows", INT64, ["rows"])
+            x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
+            x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
+            g.output(self.lm_head(g, x, table), "logits", FLOAT, [1, "rows", self.head_size])
+        else:
+            g.output(x, "hidden_out", FLOAT, [1, nodes, f.hidden_size])
+            if branch is not None:
+                g.output(branch, "branch_out", FLOAT, [1, nodes, f.hidden_size])
+        return g
+
+    def decoder_layers(self, g: GraphBuilder, x: str, branch: str | None, layers: range, nodes):
+        f = self.facts
         pos = g.input("position_ids", INT64, [1, nodes])
         mask = g.input("attention_mask", BOOL, [nodes, "total"])
-        past = [
-            (g.input(f"past_key_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]),
-             g.input(f"past_value_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]))
-            for l in range(f.num_layers)
-        ]
-        logit_rows = g.input("logit_rows", INT64, ["rows"])
-
-        embed = g.weight("embed_tokens", self.state["model.embed_tokens.weight"])
-        x = g.op("Gather", [embed, ids], "embed", axis=0)  # [1, N, H]
         cos_table, sin_table = self.rope_tables()
         half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half
         rope = (g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half]), pos)
         keep = g.op("Unsqueeze", [mask, g.const([0, 1])])  # [1, 1, N, P+N]
-
         new_kv = []
-        branch = None  # the last block's output, not yet added to the residual stream x
-        for l in range(f.num_layers):
+        for l in layers:  # branch: the last block's output, not yet added to the residual stream x
+            past = (g.input(f"past_key_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]),
+                    g.input(f"past_value_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]))
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
             h, x = self.add_and_norm(g, x, branch, w["input_norm"])
-            attn, k_new, v_new = self.attention(g, h, w, rope, keep, past[l])
+            attn, k_new, v_new = self.attention(g, h, w, rope, keep, past)
             h, x = self.add_and_norm(g, x, attn, w["post_norm"])
             branch = self.mlp(g, h, w)
             new_kv += [k_new, v_new]
-
-        x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
-        x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
-        logits = self.lm_head(g, x)
-        g.output(logits, "logits", FLOAT, [1, "rows", self.head_size])
-        stacked = g.op("Concat", new_kv, axis=0)  # [layers * 2 * N, kvH, D]
-        stacked = g.op("Reshape", [stacked, g.const([f.num_layers, 2, -1, f.num_kv_heads, f.head_dim])])
-        g.output(stacked, "new_kv", FLOAT, [f.num_layers, 2, nodes, f.num_kv_heads, f.head_dim])
-        return g
+        return x, branch, new_kv
 
     def add_and_norm(self, g: GraphBuilder, x: str, branch: str | None, weight: str) -> tuple[str, str]:
         """(rms_norm(x + branch), x + branch) in one fused kernel (one node instead of two)."""
@@ -199,13 +216,16 @@ class LlamaBuilder:
     def head_size(self) -> int:
         return self.facts.vocab_size if self.head_tokens is None else len(self.head_tokens)
 
-    def lm_head(self, g, x):
+    def lm_head(self, g, x, table: str | None):
+        """`table`: the embedding table's name when this graph holds it (a tied head then reads it)."""
         f = self.facts
         full = self.state["model.embed_tokens.weight" if f.tie_word_embeddings else "lm_head.weight"]
         if self.head_tokens is not None:
             name = g.weight("lm_head", full[self.head_tokens])
+        elif f.tie_word_embeddings:
+            name = table or g.weight("embed_tokens", full)
         else:
-            name = "embed_tokens" if f.tie_word_embeddings else g.weight("lm_head", full)
+            name = g.weight("lm_head", full)
         flat = g.op("Reshape", [x, g.const([-1, f.hidden_size])])
         logits = g.op("Gemm", [flat, name], transB=1)
         return g.op("Reshape", [logits, g.const([1, -1, self.head_size])])

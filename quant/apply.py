@@ -37,6 +37,12 @@ def untie_head(model: onnx.ModelProto, head_name: str = "lm_head") -> None:
         del node.attribute[:]
 
 
+def _drop_unused_initializers(model: onnx.ModelProto) -> None:
+    used = {name for node in model.graph.node for name in node.input}
+    for tensor in [t for t in model.graph.initializer if t.name not in used]:
+        model.graph.initializer.remove(tensor)
+
+
 def _weight_nodes(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     inits = _initializers(model)
     users: dict[str, list[onnx.NodeProto]] = {}
@@ -59,15 +65,18 @@ def _store_half(model: onnx.ModelProto, names: list[str]) -> None:
                                                     to=onnx.TensorProto.FLOAT))
 
 
-def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str]:
-    """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight."""
+def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = True) -> dict[str, str]:
+    """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight.
+    `strict`: a policy pattern that names no weight of this graph is an error (a stage holds only
+    some of the model's weights, so its patterns are checked on the whole model instead)."""
     head, embedding = policy.scheme_for("lm_head"), policy.scheme_for("embed_tokens")
     if head.bits or head.name != embedding.name:  # MatMulNBits needs a MatMul; a tied head needs its own copy
         untie_head(model)
+        _drop_unused_initializers(model)  # a head-only stage no longer needs the embedding table
     users = _weight_nodes(model)
     unmatched = [pattern for pattern, _ in policy.overrides
                  if not any(fnmatch.fnmatchcase(name, pattern) for name in set(users) | {"lm_head"})]
-    if unmatched:
+    if unmatched and strict:
         raise ValueError(f"the quantization policy names no weight of this model: {', '.join(unmatched)} "
                          f"(weights are named like {', '.join(sorted(users)[:4])}, ...)")
     applied = {name: policy.scheme_for(name).name for name in users}
@@ -78,7 +87,7 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy) -> dict[str, str
     if not policy.default.symmetric:
         _apply_offsets(model, users, applied, policy)
     _apply_nbits(model, applied, policy)
-    if "lm_head" not in applied:  # a tied head reads the embedding table as it is stored
+    if "lm_head" not in applied and "embed_tokens" in applied:  # a tied head reads the embedding table as stored
         applied["lm_head"] = applied["embed_tokens"]
     return applied
 

@@ -1,9 +1,13 @@
 """One memory budget: how the bytes a user allows are split between weights, KV caches and scratch.
 
 The plan is arithmetic over what the bundle says (weight files, model facts, tree and prefill sizes);
-peak RSS is measured by `bench`, never taken from here. Weights are all resident: a bundle whose
-weights do not fit is refused with the minimum it needs (streaming the target's layers in stages is
-the part of issue 6 still to come).
+peak RSS is measured by `bench`, never taken from here.
+
+When the target's weights do not fit and the bundle carries the target as stages, the target streams:
+the KV caches are sized first (the full context if the budget allows it, down to MIN_CONTEXT), and
+the stage window takes what is left — the first stages pinned, the rest passing through two slots
+(runtime/staged.py). Below the smallest window (the embedding stage and the two largest others) the
+budget is refused with the minimum it needs.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from .errors import BudgetError
 # The process before any weight: Python, numpy, onnxruntime and tokenizers imported (57 MiB resident on
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
 RUNTIME_BASE_BYTES = 90 * 2**20
-MIN_CONTEXT = 256  # tokens: below this a chat turn does not fit
+MIN_CONTEXT = 128  # tokens: below this a chat turn does not fit
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -46,6 +50,16 @@ class MemoryPlan:
     draft_kv_per_token: int
     context: int  # tokens both caches hold
     tree_slots: int  # of the context, rows a tree pass may occupy beyond the committed tokens
+    stage_bytes: tuple[int, ...] = ()  # the target's stages, when it streams
+    resident_stages: int = 0  # the window: stages loaded at once (the first resident - 2 stay pinned)
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.stage_bytes) and self.resident_stages < len(self.stage_bytes)
+
+    @property
+    def streamed_bytes_per_pass(self) -> int:
+        return sum(self.stage_bytes[max(0, self.resident_stages - 2):]) if self.streams else 0
 
     @property
     def target_kv(self) -> int:
@@ -62,7 +76,10 @@ class MemoryPlan:
     def describe(self) -> str:
         lines = [f"memory budget   {'none (the bundle full context)' if self.budget is None else mib(self.budget)}",
                  f"  runtime        {mib(self.runtime):>12}  (interpreter and libraries)",
-                 f"  target weights {mib(self.target_weights):>12}  resident",
+                 f"  target weights {mib(self.target_weights):>12}  " + (
+                     f"at most resident: {self.resident_stages} of {len(self.stage_bytes)} stages, the first "
+                     f"{self.resident_stages - 2} pinned, {mib(self.streamed_bytes_per_pass)} loaded per pass"
+                     if self.streams else "resident"),
                  f"  draft weights  {mib(self.draft_weights):>12}  resident",
                  f"  target KV      {mib(self.target_kv):>12}  {self.context} tokens",
                  f"  draft KV       {mib(self.draft_kv):>12}  {self.context} tokens",
@@ -95,20 +112,34 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
         draft_kv_token = manifest.draft.facts.kv_bytes_per_token()
     target_kv_token = target.facts.kv_bytes_per_token()
     per_token = target_kv_token + draft_kv_token
-    fixed = RUNTIME_BASE_BYTES + target_weights + draft_weights + scratch_bytes(manifest)
+    others = RUNTIME_BASE_BYTES + draft_weights + scratch_bytes(manifest)
     full = target.facts.max_context
+    least = min(MIN_CONTEXT, full)
+    plan = dict(budget=budget, runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights,
+                scratch=scratch_bytes(manifest), target_kv_per_token=target_kv_token,
+                draft_kv_per_token=draft_kv_token, tree_slots=manifest.tree.size)
     if budget is None:
-        context = full
-    else:
-        least = min(MIN_CONTEXT, full)
-        minimum = fixed + least * per_token
-        if budget < minimum:
-            raise BudgetError(
-                f"a memory budget of {mib(budget)} is below this bundle's minimum of {mib(minimum)} "
-                f"(weights {mib(target_weights + draft_weights)}, KV for {least} tokens {mib(least * per_token)}, "
-                f"scratch {mib(scratch_bytes(manifest))}, runtime {mib(RUNTIME_BASE_BYTES)})")
-        context = min(full, (budget - fixed) // per_token)
-    return MemoryPlan(budget=budget, runtime=RUNTIME_BASE_BYTES, target_weights=target_weights,
-                      draft_weights=draft_weights, scratch=scratch_bytes(manifest),
-                      target_kv_per_token=target_kv_token, draft_kv_per_token=draft_kv_token,
-                      context=int(context), tree_slots=manifest.tree.size)
+        return MemoryPlan(target_weights=target_weights, context=full, **plan)
+    if budget >= others + target_weights + least * per_token:
+        context = min(full, (budget - others - target_weights) // per_token)
+        return MemoryPlan(target_weights=target_weights, context=int(context), **plan)
+    stages = [_files_bytes(folder, [s.file, *s.weights]) for s in target.stages]
+    smallest_window = window_bytes(stages, 3) if len(stages) >= 3 else target_weights
+    minimum = others + smallest_window + least * per_token
+    if budget < minimum:
+        streaming = "streaming its stages" if stages else "its target weights all resident (export with --stages to stream them)"
+        raise BudgetError(
+            f"a memory budget of {mib(budget)} is below this bundle's minimum of {mib(minimum)} with {streaming} "
+            f"(target weights {mib(smallest_window)}, draft weights {mib(draft_weights)}, KV for {least} tokens "
+            f"{mib(least * per_token)}, scratch {mib(scratch_bytes(manifest))}, runtime {mib(RUNTIME_BASE_BYTES)})")
+    context = min(full, (budget - others - smallest_window) // per_token)
+    left = budget - others - context * per_token
+    resident = max(r for r in range(3, len(stages) + 1) if window_bytes(stages, r) <= left)
+    return MemoryPlan(target_weights=window_bytes(stages, resident), context=int(context), stage_bytes=tuple(stages),
+                      resident_stages=resident, **plan)
+
+
+def window_bytes(stages: list[int], resident: int) -> int:
+    """Weights loaded at once by a window of `resident` stages: the pinned ones and the two largest streamed."""
+    pinned = resident - 2
+    return sum(stages[:pinned]) + sum(sorted(stages[pinned:], reverse=True)[:2])

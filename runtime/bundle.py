@@ -43,11 +43,13 @@ class ModelEntry:
     graph: GraphSpec
     source: str
     head_tokens: str | None = None  # a draft's trimmed head: JSON file of the vocabulary ids its logits cover
+    stages: tuple[GraphSpec, ...] = ()  # the same model as stages run in order (embedding, layer groups, head)
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelEntry":
         return cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
-                   source=data.get("source", ""), head_tokens=data.get("head_tokens"))
+                   source=data.get("source", ""), head_tokens=data.get("head_tokens"),
+                   stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())))
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def used_files(manifest: Manifest) -> list[str]:
     for entry in (manifest.target, manifest.draft):
         if entry is not None:
             names += [entry.graph.file, *entry.graph.weights] + ([entry.head_tokens] if entry.head_tokens else [])
+            names += [name for stage in entry.stages for name in (stage.file, *stage.weights)]
     return names
 
 

@@ -38,31 +38,37 @@ class ModelRunner:
         tree_mask [n, n]: which new tokens each new token may see (itself included);
         past_mask [n, cache.length]: which cached rows it may see (default: all).
         """
-        n = len(tokens)
-        past_len = cache.length
-        rows = max(n, MIN_ROWS)
-        mask = np.zeros((rows, past_len + rows), dtype=bool)
-        mask[:n, :past_len] = True if past_mask is None else past_mask
-        mask[:n, past_len : past_len + n] = tree_mask
-        ids = np.zeros((1, rows), dtype=np.int64)
-        ids[0, :n] = tokens
-        pos = np.zeros((1, rows), dtype=np.int64)
-        pos[0, :n] = positions
-        for pad in range(n, rows):
-            mask[pad, past_len + pad] = True  # padding rows see only themselves
-            pos[0, pad] = positions[-1]
-        wanted = np.asarray(logit_rows, dtype=np.int64)
-        head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], MIN_ROWS - len(wanted))]) if len(wanted) < MIN_ROWS \
-            else wanted
-        feed = cache.past()
-        feed.update(input_ids=ids, position_ids=pos, attention_mask=mask, logit_rows=head_rows)
-        logits, new_kv = self.session.run(None, feed)
+        feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask)
+        logits, new_kv = self.session.run(["logits", "new_kv"], feed)
         logits = logits[0, : len(wanted)]
         if self.head_tokens is not None:
             full = np.full((len(wanted), self.facts.vocab_size), -np.inf, dtype=logits.dtype)
             full[:, self.head_tokens] = logits
             logits = full
         return Pass(logits=logits, new_kv=new_kv[:, :, :n])
+
+
+def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows, past_mask=None):
+    """The graph inputs of one pass, padded to MIN_ROWS rows; returns (feed, n real rows, wanted logit rows)."""
+    n = len(tokens)
+    past_len = cache.length
+    rows = max(n, MIN_ROWS)
+    mask = np.zeros((rows, past_len + rows), dtype=bool)
+    mask[:n, :past_len] = True if past_mask is None else past_mask
+    mask[:n, past_len : past_len + n] = tree_mask
+    ids = np.zeros((1, rows), dtype=np.int64)
+    ids[0, :n] = tokens
+    pos = np.zeros((1, rows), dtype=np.int64)
+    pos[0, :n] = positions
+    for pad in range(n, rows):
+        mask[pad, past_len + pad] = True  # padding rows see only themselves
+        pos[0, pad] = positions[-1]
+    wanted = np.asarray(logit_rows, dtype=np.int64)
+    head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], MIN_ROWS - len(wanted))]) if len(wanted) < MIN_ROWS \
+        else wanted
+    feed = cache.past()
+    feed.update(input_ids=ids, position_ids=pos, attention_mask=mask, logit_rows=head_rows)
+    return feed, n, wanted
 
 
 def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int) -> np.ndarray:

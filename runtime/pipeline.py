@@ -15,6 +15,7 @@ from .errors import BundleError
 from .kvcache import KVCache
 from .model import ModelRunner
 from .sessions import make_session
+from .staged import StagedRunner, StageWindow
 from .tokenizer import TextCodec
 
 
@@ -36,8 +37,14 @@ class Pipeline:
         profile = get_profile(self.manifest.profile)
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)
-        self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
-                                               self.threads), m.target.facts)
+        if self.memory.stage_bytes:  # the single graph does not fit: stages, through a window
+            stages = m.target.stages
+            window = StageWindow(lambda i: make_session(self.folder / stages[i].file, profile.verify_providers,
+                                                        self.threads), len(stages), self.memory.resident_stages)
+            self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts)
+        else:
+            self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
+                                                   self.threads), m.target.facts)
         self.tree = m.tree  # the tree drafters fill: the manifest's, unless a caller (tune) tries another
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters

@@ -1,0 +1,83 @@
+"""The target run as stages (embedding, groups of layers, head) when its weights do not fit the budget.
+
+`StageWindow` keeps at most `resident` stage sessions loaded. Every pass visits the stages in the same
+order, so least-recently-used would miss every time; instead the first `resident - 2` stages stay
+pinned and the rest stream through two slots: while one stage computes, the next is loaded by a
+background thread, and the stage behind is released. When every stage fits, each is loaded once.
+
+`StagedRunner.forward` has ModelRunner's signature and returns the same Pass: the engine, drafters and
+the budget's KV caches do not know whether the target streams.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from .facts import ModelFacts
+from .kvcache import KVCache
+from .model import Pass, pass_feed
+
+
+class StageWindow:
+    def __init__(self, load: Callable[[int], ort.InferenceSession], count: int, resident: int):
+        if resident < min(count, 3):
+            raise ValueError(f"a window of {resident} stages cannot stream {count} stages (3 at least)")
+        self.load, self.count, self.resident = load, count, resident
+        self.pinned = set(range(count)) if resident >= count else set(range(resident - 2))
+        self.sessions: dict[int, ort.InferenceSession] = {}
+        self.pending: dict[int, Future] = {}
+        self.loads = 0  # stage loads so far (a fitted window stops counting after the first pass)
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-stage-loader")
+
+    def get(self, i: int) -> ort.InferenceSession:
+        if i not in self.sessions:
+            future = self.pending.pop(i, None)
+            self._release_streamed(keep=i)
+            self.sessions[i] = future.result() if future is not None else self._load(i)
+        self._prefetch((i + 1) % self.count)
+        return self.sessions[i]
+
+    def _load(self, i: int) -> ort.InferenceSession:
+        self.loads += 1
+        return self.load(i)
+
+    def _release_streamed(self, keep: int) -> None:
+        """Makes room for stage `keep`: streamed stages other than it and the one being fetched go."""
+        while len(self.sessions) + len(self.pending) >= self.resident:
+            behind = [s for s in self.sessions if s not in self.pinned and s != keep]
+            if not behind:
+                break
+            del self.sessions[behind[0]]
+
+    def _prefetch(self, i: int) -> None:
+        if i in self.sessions or i in self.pending:
+            return
+        if i not in self.pinned:
+            self._release_streamed(keep=i)
+        if len(self.sessions) + len(self.pending) < self.resident:
+            self.pending[i] = self.loader.submit(self._load, i)
+
+    def close(self) -> None:
+        self.loader.shutdown(wait=True)
+
+
+class StagedRunner:
+    def __init__(self, window: StageWindow, stage_inputs: list[list[str]], facts: ModelFacts):
+        self.window, self.stage_inputs, self.facts = window, stage_inputs, facts
+
+    def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
+                past_mask: np.ndarray | None = None) -> Pass:
+        feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask)
+        new_kv, logits = [], None
+        for i, names in enumerate(self.stage_inputs):
+            session = self.window.get(i)
+            outputs = [o.name for o in session.get_outputs()]
+            values = dict(zip(outputs, session.run(outputs, {name: feed[name] for name in names})))
+            feed.update({k: values[f"{k}_out"] for k in ("hidden", "branch") if f"{k}_out" in values})
+            if "new_kv" in values:
+                new_kv.append(values["new_kv"])
+            logits = values.get("logits", logits)
+        return Pass(logits=logits[0, : len(wanted)], new_kv=np.concatenate(new_kv, axis=0)[:, :, :n])

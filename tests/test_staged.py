@@ -1,0 +1,103 @@
+"""The target as stages under a memory budget: same bits as the single graph, streamed through a window."""
+import numpy as np
+import pytest
+
+from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
+from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.errors import BudgetError
+from edgespec.runtime.staged import StageWindow
+
+CONFIG = GenerationConfig(max_new_tokens=30)
+
+
+@pytest.fixture(scope="module")
+def staged_bundle(models, tmp_path_factory):
+    """A six-layer target in six stages of one layer, plus embedding and head stages."""
+    from tiny import make_model
+
+    from edgespec.exporters.export import ExportConfig, export
+
+    root = tmp_path_factory.mktemp("staged")
+    make_model(root / "deep", "llama", seed=5, layers=6)
+    return export(ExportConfig(model=str(root / "deep"), draft=str(models["draft"]), tree="topk:2x2",
+                               out=root / "b", context=128, stages=6))
+
+
+def _budget_for(folder, resident):
+    """The budget whose plan streams with a window of `resident` stages at the minimum context."""
+    manifest = open_bundle(folder)
+    full = plan_memory(manifest, folder, None)
+    stages = [sum((folder / n).stat().st_size for n in (s.file, *s.weights)) for s in manifest.target.stages]
+    per_token = full.target_kv_per_token + full.draft_kv_per_token
+    return full.runtime + full.draft_weights + full.scratch + MIN_CONTEXT * per_token + window_bytes(stages, resident)
+
+
+def test_stages_reproduce_the_single_graph_bit_for_bit(staged_bundle):
+    from edgespec.runtime.pipeline import Pipeline
+
+    whole = Pipeline(staged_bundle, threads=1)
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, 3))
+    assert streamed.memory.streams and streamed.memory.resident_stages == 3
+    for prompt in ("The quick brown fox", "def add(a, b):"):
+        a = whole.generate(prompt=prompt, config=CONFIG, speculate=False)
+        b = streamed.generate(prompt=prompt, config=CONFIG, speculate=False)
+        c = streamed.generate(prompt=prompt, config=CONFIG, speculate=True)
+        assert a.token_ids == b.token_ids == c.token_ids
+
+
+def test_logits_of_a_tree_pass_are_identical(staged_bundle):
+    from edgespec.runtime.kvcache import KVCache
+    from edgespec.runtime.pipeline import Pipeline
+
+    whole = Pipeline(staged_bundle, threads=1)
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, 3))
+    tokens = np.arange(5, 25)
+    outs = []
+    for runner in (whole.target, streamed.target):
+        cache = KVCache(runner.facts, 64)
+        out = runner.forward(cache, tokens, range(20), np.tril(np.ones((20, 20), bool)), range(20))
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
+    np.testing.assert_array_equal(outs[0].new_kv, outs[1].new_kv)
+
+
+def test_window_loads_each_stage_once_when_all_fit_and_streams_otherwise():
+    loaded = []
+
+    def load(i):
+        loaded.append(i)
+        return f"session {i}"
+
+    window = StageWindow(load, count=5, resident=5)
+    for _ in range(3):
+        assert [window.get(i) for i in range(5)] == [f"session {i}" for i in range(5)]
+    assert sorted(loaded) == [0, 1, 2, 3, 4]
+    window.close()
+
+    loaded.clear()
+    window = StageWindow(load, count=5, resident=3)
+    for _ in range(3):
+        for i in range(5):
+            window.get(i)
+            assert len(window.sessions) + len(window.pending) <= 3
+    window.close()
+    assert loaded.count(0) == 1  # pinned
+    assert all(loaded.count(i) == 3 for i in range(1, 5))  # streamed every pass
+
+
+def test_plan_streams_below_the_weights_and_refuses_below_the_smallest_window(staged_bundle):
+    manifest = open_bundle(staged_bundle)
+    budget = _budget_for(staged_bundle, 3)
+    plan = plan_memory(manifest, staged_bundle, budget)
+    assert plan.streams and plan.total <= budget
+    assert "stages" in plan.describe()
+    with pytest.raises(BudgetError, match="minimum"):
+        plan_memory(manifest, staged_bundle, budget - 1)
+
+
+def test_a_bundle_without_stages_says_how_to_get_them(bundle_factory):
+    folder = bundle_factory(draft="draft", context=256)
+    full = plan_memory(open_bundle(folder), folder, None)
+    with pytest.raises(BudgetError, match="--stages"):
+        plan_memory(open_bundle(folder), folder, full.total - full.target_weights)
