@@ -89,33 +89,44 @@ def _generate_batch(model, prompt_ids: list[list[int]], config: DataConfig, eos_
     return sequences
 
 
-def generate_shards(model, tokenizer, prompts: list[str], folder: Path, config: DataConfig,
-                    deadline: float, progress=None) -> int:
-    """Continues writing shards into `folder` until the prompts or the time run out; returns shards written."""
+def _fill_shards(folder: Path, items: list, per_shard: int, batch: int, deadline: float, run_batch,
+                 progress=None) -> int:
+    """Writes shards of `per_shard` items each, after those already in `folder`, until the items or the
+    time run out; `run_batch(items)` returns their sequences. Returns how many shards were written."""
     folder.mkdir(parents=True, exist_ok=True)
-    done = len(shard_paths(folder))
-    eos_ids = {int(tokenizer.eos_token_id)} | {int(i) for i in tokenizer.convert_tokens_to_ids(["<|im_end|>"])
-                                               if i is not None and i >= 0}
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     written = 0
-    for shard_index in range(done, len(prompts) // config.prompts_per_shard):
+    for shard_index in range(len(shard_paths(folder)), len(items) // per_shard):
         if time.time() >= deadline:
             break
-        chunk = prompts[shard_index * config.prompts_per_shard:(shard_index + 1) * config.prompts_per_shard]
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False) for p in chunk]
-        # the template supplies every special token itself (no extra BOS)
-        encoded = [tokenizer.encode(t, add_special_tokens=False)[-config.max_prompt_tokens:] for t in texts]
-        encoded.sort(key=len)  # similar lengths in a batch waste less on padding
+        chunk = items[shard_index * per_shard:(shard_index + 1) * per_shard]
         sequences = []
-        for start in range(0, len(encoded), config.batch):
-            made = _generate_batch(model, encoded[start:start + config.batch], config, eos_ids, pad_id)
+        for start in range(0, len(chunk), batch):
+            made = run_batch(chunk[start:start + batch])
             sequences.extend(made)
             if progress is not None:
                 progress(sum(len(s[2]) for s in made))
         _write_shard(folder / f"shard-{shard_index:05d}.npz", sequences)
         written += 1
     return written
+
+
+def generate_shards(model, tokenizer, prompts: list[str], folder: Path, config: DataConfig,
+                    deadline: float, progress=None) -> int:
+    """Greedy target continuations of `prompts`, shard after shard; returns shards written."""
+    eos_ids = {int(tokenizer.eos_token_id)} | {int(i) for i in tokenizer.convert_tokens_to_ids(["<|im_end|>"])
+                                               if i is not None and i >= 0}
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    # one shard's prompts, sorted by length: similar lengths in a batch waste less on padding
+    per_shard = config.prompts_per_shard
+    encoded = []
+    for start in range(0, len(prompts) - per_shard + 1, per_shard):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in prompts[start:start + per_shard]]
+        # the template supplies every special token itself (no extra BOS)
+        encoded += sorted((tokenizer.encode(t, add_special_tokens=False)[-config.max_prompt_tokens:] for t in texts),
+                          key=len)
+    return _fill_shards(folder, encoded, per_shard, config.batch, deadline,
+                        lambda batch: _generate_batch(model, batch, config, eos_ids, pad_id), progress)
 
 
 def corpus_windows(tokenizer, files: list[Path], window: int, limit: int, seed: int) -> list[np.ndarray]:
@@ -139,23 +150,11 @@ def teacher_forced_shards(model, windows: list[np.ndarray], folder: Path, config
     """The target's top-k at every position of each window (one forward pass per batch, no generation)."""
     import torch
 
-    folder.mkdir(parents=True, exist_ok=True)
-    per_shard = config.prompts_per_shard
-    written = 0
-    for shard_index in range(len(shard_paths(folder)), len(windows) // per_shard):
-        if time.time() >= deadline:
-            break
-        chunk = windows[shard_index * per_shard:(shard_index + 1) * per_shard]
-        sequences = []
-        for start in range(0, len(chunk), batch):
-            rows = torch.tensor(np.stack(chunk[start:start + batch]), dtype=torch.long)
-            with torch.inference_mode():
-                logits = model(input_ids=rows).logits[:, :-1]  # position j predicts token j + 1
-            ids, logp = _topk(logits, config.top_k)
-            made = [(row.numpy(), 1, ids[i], logp[i]) for i, row in enumerate(rows)]
-            sequences.extend(made)
-            if progress is not None:
-                progress(sum(len(s[2]) for s in made))
-        _write_shard(folder / f"shard-{shard_index:05d}.npz", sequences)
-        written += 1
-    return written
+    def run_batch(chunk):
+        rows = torch.tensor(np.stack(chunk), dtype=torch.long)
+        with torch.inference_mode():
+            logits = model(input_ids=rows).logits[:, :-1]  # position j predicts token j + 1
+        ids, logp = _topk(logits, config.top_k)
+        return [(row.numpy(), 1, ids[i], logp[i]) for i, row in enumerate(rows)]
+
+    return _fill_shards(folder, windows, config.prompts_per_shard, batch, deadline, run_batch, progress)
