@@ -29,13 +29,14 @@ parser.add_argument("--chain", type=int, default=4)
 args = parser.parse_args()
 
 run = Path(args.run)
-shards = shard_paths(run / "data" / "chat") + shard_paths(run / "data" / "corpus")
+chat = shard_paths(run / "data" / "chat")
 target, tokenizer = resolve_source(args.target, cache_dir()).load()
 rows = []
 for design in args.designs.split(","):
     out = run / "designs" / design
     out.mkdir(parents=True, exist_ok=True)
-    report = train(target, tokenizer, shards, out, replace(TrainConfig(), design=design),
+    report = train(target, tokenizer, chat[:-1] + shard_paths(run / "data" / "corpus"), chat[-1:], out,
+                   replace(TrainConfig(), design=design),
                    time.time() + args.minutes * 60, log=print)
     with tempfile.TemporaryDirectory() as tmp:
         bundle = export(ExportConfig(model=args.target, draft=str(out), out=Path(tmp) / "b", cache_dir=cache_dir()))

@@ -137,18 +137,21 @@ def distill(config: DistillConfig) -> Path:
 
     def teacher_forced(deadline: float) -> None:
         files = [f for root in corpus for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
-        windows = data.corpus_windows(tokenizer, files, window=256, limit=20000, seed=config.seed)
+        # in file order from a seeded shuffle: a longer phase takes more of the same sequence
+        windows = data.corpus_windows(tokenizer, files, window=256, limit=4000, seed=config.seed)
         with tqdm(desc="target over local text", unit="tok") as bar:
             written = data.teacher_forced_shards(model, windows, config.out / "data" / "corpus", data_config,
                                                  deadline, progress=bar.update)
         log(f"corpus: {written} new shards")
 
     def training(deadline: float) -> None:
-        shards = data.shard_paths(config.out / "data" / "chat") + data.shard_paths(config.out / "data" / "corpus")
-        if not shards:
-            raise ExportError("no training data was produced: give the run more --minutes")
-        train(model, tokenizer, shards, config.out, replace(config.training, design=config.design, seed=config.seed),
-              deadline, log)
+        chat_shards = data.shard_paths(config.out / "data" / "chat")
+        if len(chat_shards) < 2:
+            raise ExportError("too little training data was produced (two shards of target answers at least): "
+                              "give the run more --minutes")
+        # the last shard of target answers is held out: agreement is measured where the draft will work
+        train(model, tokenizer, chat_shards[:-1] + data.shard_paths(config.out / "data" / "corpus"), chat_shards[-1:],
+              config.out, replace(config.training, design=config.design, seed=config.seed), deadline, log)
 
     _phase(config, state, "chat", log, chat)
     _phase(config, state, "corpus", log, teacher_forced)

@@ -3,7 +3,7 @@
 Loss at each supervised position: cross-entropy of the draft's distribution over its head tokens against
 the target's top-k probabilities restricted to those tokens and renormalised (KL up to a constant).
 The learning rate follows the elapsed share of the time budget (warm-up, then cosine), so a resumed run
-continues the same schedule. One held-out shard measures top-1 agreement with the target's greedy token.
+continues the same schedule. A held-out shard of target answers measures top-1 agreement with the target's greedy token.
 
 State on disk: checkpoints/last.pt (trainable weights, optimizer, step, seconds used, head tokens),
 replaced atomically; the finished draft is written next to it as a Hugging Face folder.
@@ -142,14 +142,15 @@ def _save_checkpoint(path: Path, payload: dict) -> None:
     partial.replace(path)
 
 
-def train(target, tokenizer, shards: list[Path], out: Path, config: TrainConfig, deadline: float, log) -> dict:
-    """Trains until `deadline` (resuming checkpoints/last.pt), then writes the draft folder into `out`."""
+def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path, config: TrainConfig,
+          deadline: float, log) -> dict:
+    """Trains on `shards` until `deadline` (resuming checkpoints/last.pt), measures agreement on
+    `held_out`, then writes the draft folder into `out`."""
     import torch
 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
-    held_out, training = shards[-1:], shards[:-1] or shards
-    sequences, validation = read_sequences(training), read_sequences(held_out)
+    sequences, validation = read_sequences(shards), read_sequences(held_out)
     vocab = target.config.vocab_size
     checkpoint, best_file = out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt"
     draft, trainable = build_draft(target, config.design)
