@@ -143,3 +143,19 @@ def test_packed_draft_rebuilds_the_same_draft_against_its_target(distilled, mode
     other, _ = resolve_source(str(models["qwen2"]), tmp_path).load()
     with pytest.raises(ExportError, match="does not fit"):
         unpack_draft(packed, other, tokenizer, tmp_path / "wrong")
+
+
+def test_bad_distill_arguments_are_refused_before_any_work(models, tmp_path, capsys):
+    from edgespec.cli import main
+
+    target = str(models["target"])
+    assert main(["distill", target, "--out", str(tmp_path / "a"), "--minutes", "0"]) == 2
+    assert "--minutes must be positive" in capsys.readouterr().err
+    assert main(["distill", target, "--out", str(tmp_path / "b"), "--corpus", str(tmp_path / "nowhere")]) == 2
+    assert "corpus paths not found" in capsys.readouterr().err
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    assert main(["distill", target, "--out", str(tmp_path / "c"), "--minutes", "1"]) == 2
+    assert "not a distill run folder" in capsys.readouterr().err
+    assert (tmp_path / "c" / "notes.txt").read_text() == "mine"  # nothing lost
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
