@@ -28,7 +28,13 @@ def test_chat_template_and_tokenizer_round_trip(pipeline):
     assert pipeline.codec.decode(pipeline.codec.encode(text)) == text
 
 
-def test_ngram_speculation_is_lossless_on_the_reference_model(pipeline):
+def test_default_bundle_drafts_with_the_shipped_distilled_draft(pipeline):
+    assert pipeline.manifest.drafter == "model"
+    assert pipeline.draft.head_tokens is not None and len(pipeline.draft.head_tokens) == 8192
+    assert pipeline.manifest.draft.facts.num_layers == 2
+
+
+def test_draft_speculation_is_lossless_on_the_reference_model(pipeline):
     config = GenerationConfig(max_new_tokens=64, stop_at_eos=False)  # 64 tokens each, past any EOS
     prompts = load_prompts(None)[:5] + [{"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"}]
     for item in prompts:
