@@ -9,6 +9,19 @@ ALIGN = 4096
 INLINE_LIMIT = 1024  # bytes: smaller tensors (shape constants, scalars) stay inside the graph
 
 
+def external_table(model: onnx.ModelProto, name: str) -> dict | None:
+    """Where an externalized float table lies in its weights file (for a reader that maps it itself),
+    or None when it is not stored as a plain float32/float16 array."""
+    for tensor in model.graph.initializer:
+        if tensor.name in (name, f"{name}.fp16") and tensor.data_location == onnx.TensorProto.EXTERNAL:
+            dtype = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}.get(tensor.data_type)
+            info = {e.key: e.value for e in tensor.external_data}
+            if dtype:
+                return {"file": info["location"], "offset": int(info["offset"]), "shape": list(tensor.dims),
+                        "dtype": dtype}
+    return None
+
+
 def externalize(model: onnx.ModelProto, path: Path) -> None:
     """Writes every initializer of at least INLINE_LIMIT bytes to `path` and points the graph at it."""
     with open(path, "wb") as out:

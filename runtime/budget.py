@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .bundle import Manifest
 from .errors import BudgetError
+from .staged import MappedEmbedding
 
 # The process before any weight: Python, numpy, onnxruntime and tokenizers imported (57 MiB resident on
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
@@ -52,6 +53,7 @@ class MemoryPlan:
     tree_slots: int  # of the context, rows a tree pass may occupy beyond the committed tokens
     stage_bytes: tuple[int, ...] = ()  # the target's stages, when it streams
     resident_stages: int = 0  # the window: stages loaded at once (the first resident - 2 stay pinned)
+    mapped_embedding: int = 0  # at most this much of a memory-mapped embedding table is resident
 
     @property
     def streams(self) -> bool:
@@ -79,6 +81,7 @@ class MemoryPlan:
                  f"  target weights {mib(self.target_weights):>12}  " + (
                      f"at most resident: {self.resident_stages} of {len(self.stage_bytes)} stages, the first "
                      f"{self.resident_stages - 2} pinned, {mib(self.streamed_bytes_per_pass)} loaded per pass"
+                     + (f", embedding rows mapped (at most {mib(self.mapped_embedding)})" if self.mapped_embedding else "")
                      if self.streams else "resident"),
                  f"  draft weights  {mib(self.draft_weights):>12}  resident",
                  f"  target KV      {mib(self.target_kv):>12}  {self.context} tokens",
@@ -123,8 +126,12 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
     if budget >= others + target_weights + least * per_token:
         context = min(full, (budget - others - target_weights) // per_token)
         return MemoryPlan(target_weights=target_weights, context=int(context), **plan)
-    stages = [_files_bytes(folder, [s.file, *s.weights]) for s in target.stages]
-    smallest_window = window_bytes(stages, 3) if len(stages) >= 3 else target_weights
+    # a float embedding table is mapped and indexed instead of loaded: it costs the rows read, bounded
+    table = target.stages[0].embedding_table if target.stages else None
+    mapped = 0 if table is None else MappedEmbedding.resident_bound(table, full)
+    loaded = target.stages[1:] if table else target.stages
+    stages = [_files_bytes(folder, [s.file, *s.weights]) for s in loaded]
+    smallest_window = mapped + window_bytes(stages, 3) if len(stages) >= 3 else target_weights
     minimum = others + smallest_window + least * per_token
     if budget < minimum:
         streaming = "streaming its stages" if stages else "its target weights all resident (export with --stages to stream them)"
@@ -134,9 +141,9 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
             f"{mib(least * per_token)}, scratch {mib(scratch_bytes(manifest))}, runtime {mib(RUNTIME_BASE_BYTES)})")
     context = min(full, (budget - others - smallest_window) // per_token)
     left = budget - others - context * per_token
-    resident = max(r for r in range(3, len(stages) + 1) if window_bytes(stages, r) <= left)
-    return MemoryPlan(target_weights=window_bytes(stages, resident), context=int(context), stage_bytes=tuple(stages),
-                      resident_stages=resident, **plan)
+    resident = max(r for r in range(3, len(stages) + 1) if mapped + window_bytes(stages, r) <= left)
+    return MemoryPlan(target_weights=mapped + window_bytes(stages, resident), context=int(context),
+                      stage_bytes=tuple(stages), resident_stages=resident, mapped_embedding=mapped, **plan)
 
 
 def window_bytes(stages: list[int], resident: int) -> int:

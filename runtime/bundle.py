@@ -28,11 +28,14 @@ class GraphSpec:
     inputs: dict
     outputs: dict
     quantization: dict
+    # an embedding stage's table when stored as plain floats: {file, offset, shape, dtype}
+    embedding_table: dict | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphSpec":
         return cls(file=data["file"], weights=tuple(data.get("weights", ())), inputs=data["inputs"],
-                   outputs=data["outputs"], quantization=data.get("quantization", {"scheme": "fp32"}))
+                   outputs=data["outputs"], quantization=data.get("quantization", {"scheme": "fp32"}),
+                   embedding_table=data.get("embedding_table"))
 
 
 @dataclass(frozen=True)

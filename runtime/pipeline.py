@@ -15,7 +15,7 @@ from .errors import BundleError
 from .kvcache import KVCache
 from .model import ModelRunner
 from .sessions import make_session
-from .staged import StagedRunner, StageWindow
+from .staged import MappedEmbedding, StagedRunner, StageWindow
 from .tokenizer import TextCodec
 
 
@@ -39,9 +39,12 @@ class Pipeline:
         self.codec = TextCodec(self.folder, m.tokenizer)
         if self.memory.stage_bytes:  # the single graph does not fit: stages, through a window
             stages = m.target.stages
-            window = StageWindow(lambda i: make_session(self.folder / stages[i].file, profile.verify_providers,
-                                                        self.threads), len(stages), self.memory.resident_stages)
-            self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts)
+            table = stages[0].embedding_table
+            embedding = None if table is None else MappedEmbedding(self.folder, table, self.memory.context)
+            loaded = stages[1:] if embedding else stages
+            window = StageWindow(lambda i: make_session(self.folder / loaded[i].file, profile.verify_providers,
+                                                        self.threads), len(loaded), self.memory.resident_stages)
+            self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, embedding)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
                                                    self.threads), m.target.facts)

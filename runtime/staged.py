@@ -10,7 +10,9 @@ the budget's KV caches do not know whether the target streams.
 """
 from __future__ import annotations
 
+import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -64,16 +66,49 @@ class StageWindow:
         self.loader.shutdown(wait=True)
 
 
+class MappedEmbedding:
+    """The embedding stage done by indexing the table in its weights file, memory-mapped: only the rows
+    read become resident, and they are dropped again (MADV_DONTNEED) every `reset_every` rows read, so
+    the table never holds more than resident_bound() bytes however long the conversation."""
+
+    def __init__(self, folder: Path, table: dict, reset_every: int):
+        self.shape, self.dtype = tuple(table["shape"]), np.dtype(table["dtype"])
+        with open(Path(folder) / table["file"], "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.table = np.frombuffer(self.map, self.dtype, count=int(np.prod(self.shape)),
+                                   offset=table["offset"]).reshape(self.shape)
+        self.reset_every, self.rows_read = reset_every, 0
+
+    @staticmethod
+    def resident_bound(table: dict, reset_every: int) -> int:
+        row = int(np.prod(table["shape"][1:])) * np.dtype(table["dtype"]).itemsize
+        pages_per_row = -(-row // mmap.PAGESIZE) + 1
+        return min(int(np.prod(table["shape"])) * np.dtype(table["dtype"]).itemsize,
+                   reset_every * pages_per_row * mmap.PAGESIZE)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        if self.rows_read + ids.size > self.reset_every:
+            self.map.madvise(mmap.MADV_DONTNEED)
+            self.rows_read = 0
+        self.rows_read += ids.size
+        return self.table[ids].astype(np.float32)  # [1, N, H]
+
+
 class StagedRunner:
-    def __init__(self, window: StageWindow, stage_inputs: list[list[str]], facts: ModelFacts):
-        self.window, self.stage_inputs, self.facts = window, stage_inputs, facts
+    def __init__(self, window: StageWindow, stage_inputs: list[list[str]], facts: ModelFacts,
+                 embedding: MappedEmbedding | None = None):
+        """With `embedding`, stage 0 is never loaded: the window serves stages 1.. (its index + 1)."""
+        self.window, self.stage_inputs, self.facts, self.embedding = window, stage_inputs, facts, embedding
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None) -> Pass:
         feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask)
         new_kv, logits = [], None
-        for i, names in enumerate(self.stage_inputs):
-            session = self.window.get(i)
+        first = 0
+        if self.embedding is not None:
+            feed["hidden"], first = self.embedding.lookup(feed["input_ids"]), 1
+        for i, names in enumerate(self.stage_inputs[first:], start=first):
+            session = self.window.get(i - first)
             outputs = [o.name for o in session.get_outputs()]
             values = dict(zip(outputs, session.run(outputs, {name: feed[name] for name in names})))
             feed.update({k: values[f"{k}_out"] for k in ("hidden", "branch") if f"{k}_out" in values})

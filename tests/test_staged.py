@@ -6,7 +6,7 @@ from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BudgetError
-from edgespec.runtime.staged import StageWindow
+from edgespec.runtime.staged import MappedEmbedding, StageWindow
 
 CONFIG = GenerationConfig(max_new_tokens=30)
 
@@ -28,9 +28,12 @@ def _budget_for(folder, resident):
     """The budget whose plan streams with a window of `resident` stages at the minimum context."""
     manifest = open_bundle(folder)
     full = plan_memory(manifest, folder, None)
-    stages = [sum((folder / n).stat().st_size for n in (s.file, *s.weights)) for s in manifest.target.stages]
+    table = manifest.target.stages[0].embedding_table  # mapped, not loaded: stage 0 is not in the window
+    mapped = MappedEmbedding.resident_bound(table, manifest.target.facts.max_context) if table else 0
+    stages = [sum((folder / n).stat().st_size for n in (s.file, *s.weights)) for s in manifest.target.stages[1:]]
     per_token = full.target_kv_per_token + full.draft_kv_per_token
-    return full.runtime + full.draft_weights + full.scratch + MIN_CONTEXT * per_token + window_bytes(stages, resident)
+    return (full.runtime + full.draft_weights + full.scratch + MIN_CONTEXT * per_token + mapped
+            + window_bytes(stages, resident))
 
 
 def test_stages_reproduce_the_single_graph_bit_for_bit(staged_bundle):
@@ -60,6 +63,17 @@ def test_logits_of_a_tree_pass_are_identical(staged_bundle):
         outs.append(out)
     np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
     np.testing.assert_array_equal(outs[0].new_kv, outs[1].new_kv)
+
+
+def test_a_float_embedding_table_is_mapped_not_loaded(staged_bundle):
+    from edgespec.runtime.pipeline import Pipeline
+
+    assert open_bundle(staged_bundle).target.stages[0].embedding_table["dtype"] == "float32"
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, 3))
+    assert streamed.target.embedding is not None
+    assert streamed.memory.mapped_embedding > 0
+    streamed.generate(prompt="The quick brown fox", config=CONFIG)
+    assert streamed.target.window.count == len(open_bundle(staged_bundle).target.stages) - 1
 
 
 def test_window_loads_each_stage_once_when_all_fit_and_streams_otherwise():
@@ -101,3 +115,13 @@ def test_a_bundle_without_stages_says_how_to_get_them(bundle_factory):
     full = plan_memory(open_bundle(folder), folder, None)
     with pytest.raises(BudgetError, match="--stages"):
         plan_memory(open_bundle(folder), folder, full.total - full.target_weights)
+
+
+def test_mapped_embedding_rows_are_exact_across_page_drops(tmp_path):
+    table = np.random.default_rng(0).normal(size=(50, 6)).astype(np.float16)
+    (tmp_path / "w.bin").write_bytes(b"\0" * 4096 + table.tobytes())
+    spec = {"file": "w.bin", "offset": 4096, "shape": [50, 6], "dtype": "float16"}
+    embedding = MappedEmbedding(tmp_path, spec, reset_every=4)
+    for ids in ([[1, 2, 3]], [[4, 5]], [[49, 0, 7]]):  # the second and third lookups drop the pages first
+        np.testing.assert_array_equal(embedding.lookup(np.array(ids)), table[np.array(ids)].astype(np.float32))
+    assert MappedEmbedding.resident_bound(spec, 4) <= table.nbytes
