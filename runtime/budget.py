@@ -5,9 +5,10 @@ peak RSS is measured by `bench`, never taken from here.
 
 When the target's weights do not fit and the bundle carries the target as stages, the target streams:
 the KV caches are sized first (the full context if the budget allows it, down to MIN_CONTEXT), and
-the stage window takes what is left — the first stages pinned, the rest passing through two slots
-(runtime/staged.py). Below the smallest window (the embedding stage and the two largest others) the
-budget is refused with the minimum it needs.
+the stage window takes what is left: two slots for the stages that stream through it, and as many
+stages pinned as then fit, largest first, since every stage not pinned is loaded again on every pass
+(runtime/staged.py). Below the smallest window (the two largest stages) the budget is refused with
+the minimum it needs.
 """
 from __future__ import annotations
 
@@ -51,17 +52,17 @@ class MemoryPlan:
     draft_kv_per_token: int
     context: int  # tokens both caches hold
     tree_slots: int  # of the context, rows a tree pass may occupy beyond the committed tokens
-    stage_bytes: tuple[int, ...] = ()  # the target's stages, when it streams
-    resident_stages: int = 0  # the window: stages loaded at once (the first resident - 2 stay pinned)
+    stage_bytes: tuple[int, ...] = ()  # the target's stages that load as sessions, when it runs as stages
+    pinned_stages: tuple[int, ...] = ()  # of those, the ones that stay loaded; the others stream
     mapped_embedding: int = 0  # at most this much of a memory-mapped embedding table is resident
 
     @property
     def streams(self) -> bool:
-        return bool(self.stage_bytes) and self.resident_stages < len(self.stage_bytes)
+        return len(self.pinned_stages) < len(self.stage_bytes)
 
     @property
     def streamed_bytes_per_pass(self) -> int:
-        return sum(self.stage_bytes[max(0, self.resident_stages - 2):]) if self.streams else 0
+        return sum(s for i, s in enumerate(self.stage_bytes) if i not in self.pinned_stages)
 
     @property
     def target_kv(self) -> int:
@@ -79,8 +80,8 @@ class MemoryPlan:
         lines = [f"memory budget   {'none (the bundle full context)' if self.budget is None else mib(self.budget)}",
                  f"  runtime        {mib(self.runtime):>12}  (interpreter and libraries)",
                  f"  target weights {mib(self.target_weights):>12}  " + (
-                     f"at most resident: {self.resident_stages} of {len(self.stage_bytes)} stages, the first "
-                     f"{self.resident_stages - 2} pinned, {mib(self.streamed_bytes_per_pass)} loaded per pass"
+                     f"at most resident: {len(self.pinned_stages)} of {len(self.stage_bytes)} stages pinned and 2 "
+                     f"streaming, {mib(self.streamed_bytes_per_pass)} loaded per pass"
                      + (f", embedding rows mapped (at most {mib(self.mapped_embedding)})" if self.mapped_embedding else "")
                      if self.streams else "resident"),
                  f"  draft weights  {mib(self.draft_weights):>12}  resident",
@@ -131,7 +132,7 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
     mapped = 0 if table is None else MappedEmbedding.resident_bound(table, full)
     loaded = target.stages[1:] if table else target.stages
     stages = [_files_bytes(folder, [s.file, *s.weights]) for s in loaded]
-    smallest_window = mapped + window_bytes(stages, 3) if len(stages) >= 3 else target_weights
+    smallest_window = mapped + window_bytes(stages, ()) if len(stages) >= 3 else target_weights
     minimum = others + smallest_window + least * per_token
     if budget < minimum:
         streaming = "streaming its stages" if stages else "its target weights all resident (export with --stages to stream them)"
@@ -141,12 +142,21 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
             f"{mib(least * per_token)}, scratch {mib(scratch_bytes(manifest))}, runtime {mib(RUNTIME_BASE_BYTES)})")
     context = min(full, (budget - others - smallest_window) // per_token)
     left = budget - others - context * per_token
-    resident = max(r for r in range(3, len(stages) + 1) if mapped + window_bytes(stages, r) <= left)
-    return MemoryPlan(target_weights=mapped + window_bytes(stages, resident), context=int(context),
-                      stage_bytes=tuple(stages), resident_stages=resident, mapped_embedding=mapped, **plan)
+    pinned = choose_pinned(stages, left - mapped)
+    return MemoryPlan(target_weights=mapped + window_bytes(stages, pinned), context=int(context),
+                      stage_bytes=tuple(stages), pinned_stages=pinned, mapped_embedding=mapped, **plan)
 
 
-def window_bytes(stages: list[int], resident: int) -> int:
-    """Weights loaded at once by a window of `resident` stages: the pinned ones and the two largest streamed."""
-    pinned = resident - 2
-    return sum(stages[:pinned]) + sum(sorted(stages[pinned:], reverse=True)[:2])
+def window_bytes(stages: list[int], pinned) -> int:
+    """Weights loaded at once: the pinned stages and the two largest of those that stream."""
+    streamed = sorted((s for i, s in enumerate(stages) if i not in pinned), reverse=True)
+    return sum(stages[i] for i in pinned) + sum(streamed[:2])
+
+
+def choose_pinned(stages: list[int], room: int) -> tuple[int, ...]:
+    """Pins stages, largest first, while the window still fits in `room` bytes."""
+    pinned: list[int] = []
+    for i in sorted(range(len(stages)), key=lambda i: (-stages[i], i)):
+        if window_bytes(stages, pinned + [i]) <= room:
+            pinned.append(i)
+    return tuple(sorted(pinned))

@@ -43,7 +43,7 @@ class Pipeline:
             embedding = None if table is None else MappedEmbedding(self.folder, table, self.memory.context)
             loaded = stages[1:] if embedding else stages
             window = StageWindow(lambda i: make_session(self.folder / loaded[i].file, profile.verify_providers,
-                                                        self.threads), len(loaded), self.memory.resident_stages)
+                                                        self.threads), len(loaded), self.memory.pinned_stages)
             self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, embedding)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,

@@ -1,9 +1,9 @@
 """The target run as stages (embedding, groups of layers, head) when its weights do not fit the budget.
 
-`StageWindow` keeps at most `resident` stage sessions loaded. Every pass visits the stages in the same
-order, so least-recently-used would miss every time; instead the first `resident - 2` stages stay
-pinned and the rest stream through two slots: while one stage computes, the next is loaded by a
-background thread, and the stage behind is released. When every stage fits, each is loaded once.
+`StageWindow` keeps the pinned stages loaded and streams the others through two slots. Every pass
+visits the stages in the same order, so least-recently-used would miss every time; instead, while one
+stage computes, the next is loaded by a background thread, and the streamed stage behind is released.
+When every stage is pinned, each is loaded once.
 
 `StagedRunner.forward` has ModelRunner's signature and returns the same Pass: the engine, drafters and
 the budget's KV caches do not know whether the target streams.
@@ -24,11 +24,9 @@ from .model import Pass, pass_feed
 
 
 class StageWindow:
-    def __init__(self, load: Callable[[int], ort.InferenceSession], count: int, resident: int):
-        if resident < min(count, 3):
-            raise ValueError(f"a window of {resident} stages cannot stream {count} stages (3 at least)")
-        self.load, self.count, self.resident = load, count, resident
-        self.pinned = set(range(count)) if resident >= count else set(range(resident - 2))
+    def __init__(self, load: Callable[[int], ort.InferenceSession], count: int, pinned):
+        self.load, self.count, self.pinned = load, count, set(pinned)
+        self.resident = min(count, len(self.pinned) + 2)
         self.sessions: dict[int, ort.InferenceSession] = {}
         self.pending: dict[int, Future] = {}
         self.loads = 0  # stage loads so far (a fitted window stops counting after the first pass)

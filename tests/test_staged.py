@@ -24,8 +24,8 @@ def staged_bundle(models, tmp_path_factory):
                                out=root / "b", context=128, stages=6))
 
 
-def _budget_for(folder, resident):
-    """The budget whose plan streams with a window of `resident` stages at the minimum context."""
+def _budget_for(folder):
+    """The smallest budget: the minimum context and a window of two streaming stages, none pinned."""
     manifest = open_bundle(folder)
     full = plan_memory(manifest, folder, None)
     table = manifest.target.stages[0].embedding_table  # mapped, not loaded: stage 0 is not in the window
@@ -33,15 +33,15 @@ def _budget_for(folder, resident):
     stages = [sum((folder / n).stat().st_size for n in (s.file, *s.weights)) for s in manifest.target.stages[1:]]
     per_token = full.target_kv_per_token + full.draft_kv_per_token
     return (full.runtime + full.draft_weights + full.scratch + MIN_CONTEXT * per_token + mapped
-            + window_bytes(stages, resident))
+            + window_bytes(stages, ()))
 
 
 def test_stages_reproduce_the_single_graph_bit_for_bit(staged_bundle):
     from edgespec.runtime.pipeline import Pipeline
 
     whole = Pipeline(staged_bundle, threads=1)
-    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, 3))
-    assert streamed.memory.streams and streamed.memory.resident_stages == 3
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
+    assert streamed.memory.streams and streamed.memory.pinned_stages == ()
     for prompt in ("The quick brown fox", "def add(a, b):"):
         a = whole.generate(prompt=prompt, config=CONFIG, speculate=False)
         b = streamed.generate(prompt=prompt, config=CONFIG, speculate=False)
@@ -54,7 +54,7 @@ def test_logits_of_a_tree_pass_are_identical(staged_bundle):
     from edgespec.runtime.pipeline import Pipeline
 
     whole = Pipeline(staged_bundle, threads=1)
-    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, 3))
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
     tokens = np.arange(5, 25)
     outs = []
     for runner in (whole.target, streamed.target):
@@ -69,7 +69,7 @@ def test_a_float_embedding_table_is_mapped_not_loaded(staged_bundle):
     from edgespec.runtime.pipeline import Pipeline
 
     assert open_bundle(staged_bundle).target.stages[0].embedding_table["dtype"] == "float32"
-    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, 3))
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
     assert streamed.target.embedding is not None
     assert streamed.memory.mapped_embedding > 0
     streamed.generate(prompt="The quick brown fox", config=CONFIG)
@@ -83,14 +83,14 @@ def test_window_loads_each_stage_once_when_all_fit_and_streams_otherwise():
         loaded.append(i)
         return f"session {i}"
 
-    window = StageWindow(load, count=5, resident=5)
+    window = StageWindow(load, count=5, pinned=range(5))
     for _ in range(3):
         assert [window.get(i) for i in range(5)] == [f"session {i}" for i in range(5)]
     assert sorted(loaded) == [0, 1, 2, 3, 4]
     window.close()
 
     loaded.clear()
-    window = StageWindow(load, count=5, resident=3)
+    window = StageWindow(load, count=5, pinned={0})
     for _ in range(3):
         for i in range(5):
             window.get(i)
@@ -102,7 +102,7 @@ def test_window_loads_each_stage_once_when_all_fit_and_streams_otherwise():
 
 def test_plan_streams_below_the_weights_and_refuses_below_the_smallest_window(staged_bundle):
     manifest = open_bundle(staged_bundle)
-    budget = _budget_for(staged_bundle, 3)
+    budget = _budget_for(staged_bundle)
     plan = plan_memory(manifest, staged_bundle, budget)
     assert plan.streams and plan.total <= budget
     assert "stages" in plan.describe()
@@ -125,3 +125,15 @@ def test_mapped_embedding_rows_are_exact_across_page_drops(tmp_path):
     for ids in ([[1, 2, 3]], [[4, 5]], [[49, 0, 7]]):  # the second and third lookups drop the pages first
         np.testing.assert_array_equal(embedding.lookup(np.array(ids)), table[np.array(ids)].astype(np.float32))
     assert MappedEmbedding.resident_bound(spec, 4) <= table.nbytes
+
+
+def test_the_largest_stages_are_pinned_first_and_the_window_fits():
+    from edgespec.runtime.budget import choose_pinned
+
+    stages = [10, 40, 10, 10, 30]
+    assert window_bytes(stages, ()) == 70  # two slots for the two largest
+    assert choose_pinned(stages, 69) == ()
+    assert choose_pinned(stages, 80) == (1,)  # 40 pinned, then slots for 30 + 10
+    pinned = choose_pinned(stages, 100)
+    assert 1 in pinned and 4 in pinned and window_bytes(stages, pinned) <= 100
+    assert choose_pinned(stages, 1000) == (0, 1, 2, 3, 4)
