@@ -1,0 +1,70 @@
+"""Every drafter and tree mode on one bundle, in one run, against plain decoding (issue 4's table).
+
+    python benchmarks/drafter_table.py [BUNDLE] [--prompts FILE.jsonl] [--max-new-tokens 64]
+                                       [--tree parents:...]   (a tuned tree to include)
+
+The bundle must have a draft model; the training-free drafters run on the same target. Each row
+decodes every prompt greedily; plain decoding runs first and last, so drift shows. Outputs are
+checked against plain decoding.
+"""
+import argparse
+import time
+from pathlib import Path
+
+from edgespec.bench import load_prompts, prompt_kwargs
+from edgespec.defaults import resolve_bundle
+from edgespec.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
+from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.tree import parse_tree_spec
+
+parser = argparse.ArgumentParser()
+parser.add_argument("bundle", nargs="?", default="default")
+parser.add_argument("--prompts", default=None)
+parser.add_argument("--max-new-tokens", type=int, default=64)
+parser.add_argument("--tree", action="append", default=[], help="more trees for the draft model (repeatable)")
+parser.add_argument("--dynamic", type=int, default=12, help="node budget of the dynamic tree")
+args = parser.parse_args()
+
+pipeline = Pipeline(resolve_bundle(args.bundle))
+prompts = load_prompts(Path(args.prompts) if args.prompts else None)
+chunk, facts, context = pipeline.manifest.prefill_chunk, pipeline.manifest.target.facts, pipeline.context
+table = new_recycling_table(facts.vocab_size)
+
+
+def model(spec):
+    return lambda: ModelDrafter(pipeline.draft, KVCache(pipeline.draft.facts, context), parse_tree_spec(spec), chunk)
+
+
+rows = [("plain", NoDrafter)]
+rows += [(f"draft model, chain:{k}", model(f"chain:{k}")) for k in (2, 3, 4, 5, 6)]
+rows += [(f"draft model, {spec}", model(spec)) for spec in ["topk:2x3"] + args.tree]
+rows += [(f"draft model, dynamic:{args.dynamic}", lambda: DynamicDrafter(
+    pipeline.draft, KVCache(pipeline.draft.facts, context), DynamicTreeConfig(budget=args.dynamic), chunk))]
+rows += [("n-gram, chain:4", lambda: NgramDrafter(parse_tree_spec("chain:4"))),
+         ("token recycling, topk:2x3", lambda: RecyclingDrafter(parse_tree_spec("topk:2x3"), table)),
+         ("n-gram + recycling, topk:2x3", lambda: RecyclingDrafter(parse_tree_spec("topk:2x3"), table,
+                                                                   NgramDrafter(parse_tree_spec("topk:2x3"))))]
+rows += [("plain (again)", NoDrafter)]
+
+config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8))  # warm-up
+reference = None
+print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {pipeline.threads} threads")
+print(f"{'drafter and tree':34s} {'tokens/s':>9s} {'tokens/pass':>11s} {'identical':>9s}")
+for name, make in rows:
+    decoded = passes = accepted = 0
+    seconds = 0.0
+    outputs = []
+    for item in prompts:
+        result = pipeline.generate(**prompt_kwargs(item), config=config, drafter=make())
+        decoded += max(0, result.stats.new_tokens - 1)
+        seconds += result.stats.decode_s
+        passes += result.stats.target_passes
+        accepted += result.stats.accepted_drafts
+        outputs.append(result.token_ids)
+    reference = reference or outputs
+    print(f"{name:34s} {decoded / seconds:9.2f} {(accepted + passes) / max(passes, 1):11.2f} "
+          f"{str(outputs == reference):>9s}", flush=True)
