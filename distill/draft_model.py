@@ -24,6 +24,8 @@ def draft_config(target_config, design: str):
     if design == "small":
         config.intermediate_size = target_config.intermediate_size // 2
     config.tie_word_embeddings = True  # the head is the (target's) embedding table, sliced at export
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a GGUF target's config says how its file was stored; the draft is float
     return config
 
 
