@@ -159,3 +159,15 @@ def test_bad_distill_arguments_are_refused_before_any_work(models, tmp_path, cap
     assert "not a distill run folder" in capsys.readouterr().err
     assert (tmp_path / "c" / "notes.txt").read_text() == "mine"  # nothing lost
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_draft_of_a_gguf_target_is_a_float_model(models, tmp_path):
+    """A GGUF target's config names how its file was stored; its draft must not inherit that."""
+    from edgespec.distill.draft_model import build_draft
+    from edgespec.exporters.sources import resolve_source
+
+    target, _ = resolve_source(str(models["target"]), tmp_path).load()
+    target.config.quantization_config = {"quant_method": "gguf"}
+    draft, trainable = build_draft(target, "cut")
+    assert not hasattr(draft.config, "quantization_config")
+    assert "model.layers.0.self_attn.q_proj.weight" in trainable and "model.embed_tokens.weight" not in trainable
