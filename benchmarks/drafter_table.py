@@ -39,7 +39,7 @@ def model(spec):
 
 
 rows = [("plain", NoDrafter)]
-rows += [(f"draft model, chain:{k}", model(f"chain:{k}")) for k in (2, 3, 4, 5, 6)]
+rows += [(f"draft model, chain:{k}", model(f"chain:{k}")) for k in (1, 2, 3, 4, 5, 6)]
 rows += [(f"draft model, {spec}", model(spec)) for spec in ["topk:2x3"] + args.tree]
 rows += [(f"draft model, dynamic:{args.dynamic}", lambda: DynamicDrafter(
     pipeline.draft, KVCache(pipeline.draft.facts, context), DynamicTreeConfig(budget=args.dynamic), chunk))]
