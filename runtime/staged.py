@@ -29,20 +29,15 @@ class StageWindow:
         self.resident = min(count, len(self.pinned) + 2)
         self.sessions: dict[int, ort.InferenceSession] = {}
         self.pending: dict[int, Future] = {}
-        self.loads = 0  # stage loads so far (a fitted window stops counting after the first pass)
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-stage-loader")
 
     def get(self, i: int) -> ort.InferenceSession:
         if i not in self.sessions:
             future = self.pending.pop(i, None)
             self._release_streamed(keep=i)
-            self.sessions[i] = future.result() if future is not None else self._load(i)
+            self.sessions[i] = future.result() if future is not None else self.load(i)
         self._prefetch((i + 1) % self.count)
         return self.sessions[i]
-
-    def _load(self, i: int) -> ort.InferenceSession:
-        self.loads += 1
-        return self.load(i)
 
     def _release_streamed(self, keep: int) -> None:
         """Makes room for stage `keep`: streamed stages other than it and the one being fetched go."""
@@ -58,7 +53,7 @@ class StageWindow:
         if i not in self.pinned:
             self._release_streamed(keep=i)
         if len(self.sessions) + len(self.pending) < self.resident:
-            self.pending[i] = self.loader.submit(self._load, i)
+            self.pending[i] = self.loader.submit(self.load, i)
 
     def close(self) -> None:
         self.loader.shutdown(wait=True)
