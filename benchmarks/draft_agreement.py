@@ -8,12 +8,10 @@ and we count the answer positions where the draft's argmax is the token the targ
 import argparse
 from pathlib import Path
 
-import numpy as np
-
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import resolve_bundle
+from edgespec.quant.report import agreement
 from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.pipeline import Pipeline
 
 parser = argparse.ArgumentParser()
@@ -34,12 +32,8 @@ for item in items:
     ask = prompt_kwargs(item)
     result = pipeline.generate(**ask, config=GenerationConfig(max_new_tokens=args.max_new_tokens), speculate=False)
     context = pipeline.encode(ask.get("prompt"), ask.get("messages"))
-    sequence = list(context) + result.token_ids
-    cache = KVCache(pipeline.draft.facts, len(sequence) + 2)
-    n = len(sequence)
-    out = pipeline.draft.forward(cache, sequence, range(n), np.tril(np.ones((n, n), bool)), range(len(context) - 1, n - 1))
-    predicted = out.logits.argmax(-1)
-    hits += int((predicted == np.array(result.token_ids)).sum())
+    share = agreement(pipeline.draft, context, result.token_ids, pipeline.manifest.prefill_chunk)
+    hits += round(share * len(result.token_ids))
     total += len(result.token_ids)
     print(f"{hits / max(total, 1):.3f} cumulative after {total} tokens", flush=True)
 print(f"draft top-1 agreement with the target's greedy tokens: {hits / total:.3f} over {total} tokens, "

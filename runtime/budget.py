@@ -116,11 +116,12 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
         draft_kv_token = manifest.draft.facts.kv_bytes_per_token()
     target_kv_token = target.facts.kv_bytes_per_token()
     per_token = target_kv_token + draft_kv_token
-    others = RUNTIME_BASE_BYTES + draft_weights + scratch_bytes(manifest)
+    scratch = scratch_bytes(manifest)
+    others = RUNTIME_BASE_BYTES + draft_weights + scratch
     full = target.facts.max_context
     least = min(MIN_CONTEXT, full)
     plan = dict(budget=budget, runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights,
-                scratch=scratch_bytes(manifest), target_kv_per_token=target_kv_token,
+                scratch=scratch, target_kv_per_token=target_kv_token,
                 draft_kv_per_token=draft_kv_token, tree_slots=manifest.tree.size)
     if budget is None:
         return MemoryPlan(target_weights=target_weights, context=full, **plan)
@@ -139,7 +140,7 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
         raise BudgetError(
             f"a memory budget of {mib(budget)} is below this bundle's minimum of {mib(minimum)} with {streaming} "
             f"(target weights {mib(smallest_window)}, draft weights {mib(draft_weights)}, KV for {least} tokens "
-            f"{mib(least * per_token)}, scratch {mib(scratch_bytes(manifest))}, runtime {mib(RUNTIME_BASE_BYTES)})")
+            f"{mib(least * per_token)}, scratch {mib(scratch)}, runtime {mib(RUNTIME_BASE_BYTES)})")
     context = min(full, (budget - others - smallest_window) // per_token)
     left = budget - others - context * per_token
     pinned = choose_pinned(stages, left - mapped)
