@@ -37,9 +37,9 @@ class RankCounter:
         self.hits = np.zeros(ranks)
         self.draft_seconds, self.draft_levels = 0.0, 0
 
-    def propose(self, committed, max_nodes, sampler):
+    def propose(self, committed, max_nodes, sampler, target_features=None):
         start = time.perf_counter()
-        self.tree = self.inner.propose(committed, max_nodes, sampler)
+        self.tree = self.inner.propose(committed, max_nodes, sampler, target_features)
         self.draft_seconds += time.perf_counter() - start
         self.draft_levels += self.tree.topology.max_depth
         return self.tree

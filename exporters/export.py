@@ -62,15 +62,29 @@ DRAFT_HEAD_FILE = "draft_head_tokens.json"
 DRAFT_INFO = "edgespec_draft.json"  # written by `edgespec distill` next to the draft's config.json
 
 
-def draft_head_tokens(source) -> np.ndarray | None:
-    """The vocabulary ids a distilled draft predicts (its trimmed head), or None for a full head."""
+@dataclass(frozen=True)
+class DraftInfo:
+    """What `edgespec distill` says about a draft beyond its Hugging Face folder."""
+    head_tokens: np.ndarray | None = None  # the vocabulary ids its trimmed head predicts; None: the full head
+    feature_fc: tuple[np.ndarray, np.ndarray] | None = None  # (weight, bias) when it reads the target's features
+
+
+def read_draft_info(source) -> DraftInfo:
     info = Path(source.location) / DRAFT_INFO
     if source.kind != "hf_folder" or not info.is_file():
-        return None
+        return DraftInfo()
     try:
-        return np.array(json.loads(info.read_text())["head_tokens"], dtype=np.int64)
-    except (ValueError, KeyError, TypeError) as err:
+        data = json.loads(info.read_text())
+        head_tokens = np.array(data["head_tokens"], dtype=np.int64)
+        feature_fc = None
+        if data.get("features") is not None:
+            from safetensors.numpy import load_file
+
+            tensors = load_file(Path(source.location) / data["features"]["file"])
+            feature_fc = (tensors["weight"].astype(np.float32), tensors["bias"].astype(np.float32))
+    except (ValueError, KeyError, TypeError, OSError) as err:
         raise ExportError(f"{info} is not a valid draft description: {err}") from err
+    return DraftInfo(head_tokens, feature_fc)
 
 
 def _say(message: str, started: float) -> None:
@@ -99,11 +113,13 @@ def export(config: ExportConfig) -> Path:
         raise ExportError(str(err)) from err
     target_source = resolve_source(config.model, config.cache_dir)
     draft_source = None if config.draft in TRAINING_FREE else resolve_source(config.draft, config.cache_dir)
+    draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
 
     def fill(folder: Path) -> dict:
         _say(f"loading target: {target_source.description}", started)
         target, tokenizer = target_source.load()
-        target_builder = builder_for(target, config.context)
+        # a draft that reads the target's features needs a target graph that returns them
+        target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None)
         sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
              f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)
@@ -116,8 +132,9 @@ def export(config: ExportConfig) -> Path:
             _say(f"loading draft: {draft_source.description}", started)
             draft, draft_tokenizer = draft_source.load()
             check_compatible(tokenizer, draft_tokenizer)
-            head_tokens = draft_head_tokens(draft_source)
-            draft_builder = builder_for(draft, config.context, head_tokens)
+            head_tokens = draft_info.head_tokens
+            draft_builder = builder_for(draft, config.context, head_tokens, draft_info.feature_fc,
+                                        features_out=draft_info.feature_fc is not None)
             if draft_builder.facts.vocab_size != target_builder.facts.vocab_size:
                 raise ExportError(f"the draft's vocabulary ({draft_builder.facts.vocab_size}) differs from the "
                                   f"target's ({target_builder.facts.vocab_size})")

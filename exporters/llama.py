@@ -10,6 +10,10 @@ returns logits and the keys/values of the N new tokens only. The runtime owns th
              logit_rows [R] int64       (which of the N rows need logits: the last for prefill)
     outputs: logits [1, R, V], new_kv [layers, 2, N, kv_heads, head_dim] float32
 
+A feature-reading draft (runtime/features.py) also takes `features` [1, N, H] and mixes them into its
+embeddings through a trained projection; a graph built with `features_out` also returns `features_out`
+[1, N, H], the final-norm hidden state of every row.
+
 Token-major caches make the valid prefix of a preallocated cache a contiguous slice, so the runtime
 hands ORT exactly the P valid rows without copying.
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.facts import ModelFacts
+from edgespec.runtime.features import FEATURES, FEATURES_OUT
 
 from .onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
 
@@ -31,9 +36,12 @@ class LlamaBuilder:
     architecture = "llama"
     qkv_bias = False
 
-    def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None):
+    def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
+                 feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False):
         """`model` is a transformers *ForCausalLM in float32. `head_tokens` (a draft's trimmed head):
-        the graph's logits cover only these vocabulary ids, in this order."""
+        the graph's logits cover only these vocabulary ids, in this order. `feature_fc` (a draft that
+        reads the target's features): (weight [H, 2H], bias [H]) of the projection of [embedding, feature]
+        to the first layer's input. `features_out`: return the final hidden states too."""
         self.model = model
         cfg = model.config
         trained = getattr(cfg, "max_position_embeddings", None)
@@ -63,6 +71,12 @@ class LlamaBuilder:
             float(a) for a in np.arctan2(sin[1, :half].astype(np.float64), cos[1, :half].astype(np.float64))))
         self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
         self.head_tokens = head_tokens
+        self.features_out = features_out
+        self.feature_fc = feature_fc
+        hidden = cfg.hidden_size
+        if feature_fc is not None and (feature_fc[0].shape != (hidden, 2 * hidden) or feature_fc[1].shape != (hidden,)):
+            raise ExportError(f"the draft's feature projection must be [{hidden}, {2 * hidden}] with a bias of "
+                              f"[{hidden}], got {list(feature_fc[0].shape)} and {list(feature_fc[1].shape)}")
         if head_tokens is not None and (len(head_tokens) < 2 or len(np.unique(head_tokens)) != len(head_tokens)
                                         or head_tokens.min() < 0 or head_tokens.max() >= cfg.vocab_size):
             raise ExportError(f"head tokens must be at least 2 distinct ids below the vocabulary size {cfg.vocab_size}")
@@ -118,6 +132,11 @@ class LlamaBuilder:
             ids = g.input("input_ids", INT64, [1, nodes])
             table = g.weight("embed_tokens", self.state["model.embed_tokens.weight"])
             x, branch = g.op("Gather", [table, ids], "embed", axis=0), None  # [1, N, H]
+            if self.feature_fc is not None:
+                features = g.input(FEATURES, FLOAT, [1, nodes, f.hidden_size])
+                mixed = g.op("MatMul", [g.op("Concat", [x, features], axis=-1),
+                                        g.weight("feature_fc", self.feature_fc[0].T)], "feature_fc")
+                x = g.op("Add", [mixed, g.weight("feature_fc_bias", self.feature_fc[1])])
         else:
             table = None
             x = g.input("hidden", FLOAT, [1, nodes, f.hidden_size])
@@ -130,6 +149,8 @@ class LlamaBuilder:
         if head:
             logit_rows = g.input("logit_rows", INT64, ["rows"])
             x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
+            if self.features_out:
+                g.output(x, FEATURES_OUT, FLOAT, [1, nodes, f.hidden_size])
             x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
             g.output(self.lm_head(g, x, table), "logits", FLOAT, [1, "rows", self.head_size])
         else:

@@ -113,8 +113,8 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
     draft_weights, draft_kv_token = 0, 0
     if manifest.draft is not None:
         draft_weights = _files_bytes(folder, [manifest.draft.graph.file, *manifest.draft.graph.weights])
-        draft_kv_token = manifest.draft.facts.kv_bytes_per_token()
-    target_kv_token = target.facts.kv_bytes_per_token()
+        draft_kv_token = manifest.draft.facts.kv_bytes_per_token() + 4 * manifest.draft.feature_size
+    target_kv_token = target.facts.kv_bytes_per_token() + 4 * target.feature_size
     per_token = target_kv_token + draft_kv_token
     scratch = scratch_bytes(manifest)
     others = RUNTIME_BASE_BYTES + draft_weights + scratch

@@ -14,6 +14,7 @@ import numpy as np
 from .errors import BundleError
 from .dynamic_tree import DynamicTreeConfig
 from .facts import ModelFacts
+from .features import FEATURES_OUT
 from .tokenizer import TokenizerSpec
 from .tree import Topology
 
@@ -47,6 +48,11 @@ class ModelEntry:
     source: str
     head_tokens: str | None = None  # a draft's trimmed head: JSON file of the vocabulary ids its logits cover
     stages: tuple[GraphSpec, ...] = ()  # the same model as stages run in order (embedding, layer groups, head)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the feature row the model's cache keeps: its hidden size when its graph returns features."""
+        return self.facts.hidden_size if FEATURES_OUT in self.graph.outputs else 0
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelEntry":

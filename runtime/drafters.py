@@ -17,10 +17,13 @@ from .tree import Topology, Tree
 
 
 class Drafter(Protocol):
-    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
+                target_features: np.ndarray | None = None) -> Tree:
         """A tree of at most `max_nodes` nodes whose root is committed[-1], shaped as (a subset closed
         under parents of) the drafter's topology. With a sampler, a drafter that has a distribution
-        draws children from it without replacement and returns it as tree.q_draft."""
+        draws children from it without replacement and returns it as tree.q_draft.
+        `target_features` [len(committed) - 1, hidden]: the target's final hidden state at every
+        committed token but the newest, for a draft that reads them (None when the target keeps none)."""
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         """The tokens committed by the last step (accepted drafts and the bonus token), and the tree
@@ -33,7 +36,8 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: the tree is the root alone."""
 
-    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
+                target_features: np.ndarray | None = None) -> Tree:
         return Tree.from_parents((-1,), [committed[-1]])
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
@@ -105,7 +109,8 @@ class NgramDrafter:
                         return found
         return found
 
-    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
+                target_features: np.ndarray | None = None) -> Tree:
         # Proposals are deterministic: under sampling they are point masses (tree.q_draft stays None).
         # Indexing the root maps the n-grams ending just before it; the n-gram ending at the root has
         # no continuation yet, so a lookup never finds its own position.
@@ -120,16 +125,45 @@ class NgramDrafter:
             self.context, self.index = [], {}  # rebuilt lazily by the next propose
 
 
+def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: int,
+             target_features: np.ndarray | None) -> np.ndarray:
+    """Feeds the draft the committed tokens it has not seen; returns the newest one's logits.
+
+    A draft that reads features (EAGLE-style) pairs token i with the target's feature at i - 1, the
+    state from which the target predicted token i (zeros at position 0)."""
+    start, new = cache.length, committed[cache.length :]
+    features = None
+    if runner.reads_features:
+        if target_features is None or len(target_features) < len(committed) - 1:
+            raise ValueError("this draft reads the target's features, but the target cache keeps none: "
+                             "the bundle's target graph must return `features`")
+        features = np.zeros((len(new), target_features.shape[1]), np.float32)
+        known = target_features[max(start - 1, 0) : len(committed) - 1]
+        features[len(new) - len(known) :] = known
+    return prefill(runner, cache, new, chunk, features)
+
+
+def own_features(cache: KVCache, committed_len: int, fed: list[int], nodes) -> np.ndarray | None:
+    """The draft's own output features at the parents of a level of tree nodes: a drafted token has
+    no target feature yet, so (as in EAGLE) the draft's prediction of it stands in. `nodes` are parent
+    node ids: 0 is the root (the newest committed row), others are rows fed while drafting."""
+    if cache.features is None:
+        return None
+    rows = [committed_len - 1 if node == 0 else committed_len + fed.index(node) for node in nodes]
+    return cache.features[rows]
+
+
 class ModelDrafter:
     """A draft model proposes the top-k tokens of its own distribution at every node."""
 
     def __init__(self, runner: ModelRunner, cache: KVCache, topology: Topology, prefill_chunk: int):
         self.runner, self.cache, self.topology, self.chunk = runner, cache, topology, prefill_chunk
 
-    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
+                target_features: np.ndarray | None = None) -> Tree:
         cache, topo = self.cache, self.topology.prefix(max_nodes)
         # 1. catch up on committed tokens the draft has not seen (prompt, accepted tokens, bonus)
-        logits = prefill(self.runner, cache, committed[cache.length :], self.chunk)
+        logits = catch_up(self.runner, cache, committed, self.chunk, target_features)
         committed_len = cache.length
         # 2. expand level by level; tree rows live in the cache only until we return
         tokens = np.zeros(topo.size, dtype=np.int64)
@@ -156,9 +190,11 @@ class ModelDrafter:
             past_mask = np.concatenate([np.ones((len(level), committed_len), bool),
                                         anc[np.ix_(level, fed)]], axis=1)
             root_position = committed_len - 1
+            features = own_features(cache, committed_len, fed, [topo.parents[n] for n in level])
             out = self.runner.forward(cache, tokens[level], root_position + topo.depths[level],
-                                      anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask)
-            cache.append(out.new_kv, range(len(level)))
+                                      anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask,
+                                      features=features)
+            cache.append(out.new_kv, range(len(level)), out.features)
             fed += level
             node_logits.update(zip(level, out.logits))
         cache.trim(committed_len)
@@ -205,7 +241,8 @@ class RecyclingDrafter:
                 found.append(int(token))
         return found
 
-    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
+                target_features: np.ndarray | None = None) -> Tree:
         if self.ngram is not None:
             self.ngram._index_upto(committed)
         return grow_tree(self.topology.prefix(max_nodes), committed[-1], self.candidates)

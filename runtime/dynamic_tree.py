@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kvcache import KVCache
-from .model import ModelRunner, prefill
+from .drafters import catch_up, own_features
+from .model import ModelRunner
 from .sampling import Sampler, SamplingConfig, probabilities
 from .tree import Tree
 
@@ -47,10 +48,11 @@ class DynamicDrafter:
     def __init__(self, runner: ModelRunner, cache: KVCache, config: DynamicTreeConfig, prefill_chunk: int):
         self.runner, self.cache, self.config, self.chunk = runner, cache, config, prefill_chunk
 
-    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None) -> Tree:
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
+                target_features: np.ndarray | None = None) -> Tree:
         cfg, cache = self.config, self.cache
         budget = min(cfg.budget, max_nodes)
-        logits = prefill(self.runner, cache, committed[cache.length :], self.chunk)  # 1. catch up
+        logits = catch_up(self.runner, cache, committed, self.chunk, target_features)  # 1. catch up
         committed_len = cache.length
         parents, tokens, scores, depths = [-1], [committed[-1]], [1.0], [0]
         frontier, node_logits, fed = [0], {0: logits}, []
@@ -68,9 +70,11 @@ class DynamicDrafter:
             # 3. feed the most confident new nodes; each sees the committed rows and its fed ancestors
             ancestors = [self._ancestors(parents, n) for n in expand]
             past_mask = np.array([[True] * committed_len + [f in anc for f in fed] for anc in ancestors])
+            features = own_features(cache, committed_len, fed, [parents[n] for n in expand])
             out = self.runner.forward(cache, [tokens[n] for n in expand], [committed_len - 1 + depth] * len(expand),
-                                      np.eye(len(expand), dtype=bool), range(len(expand)), past_mask=past_mask)
-            cache.append(out.new_kv, range(len(expand)))
+                                      np.eye(len(expand), dtype=bool), range(len(expand)), past_mask=past_mask,
+                                      features=features)
+            cache.append(out.new_kv, range(len(expand)), out.features)
             fed += expand
             node_logits.update(zip(expand, out.logits))
             frontier = expand

@@ -104,7 +104,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
                      sampler: Sampler | None = None) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens)."""
     cache = session.cache
-    tree = drafter.propose(session.window, cache.room(), sampler)                # 1. draft what fits
+    tree = drafter.propose(session.window, cache.room(), sampler, cache.feature_rows())  # 1. draft what fits
     topo = tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
@@ -113,7 +113,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     else:
         p_target = sampler.distributions(out.logits, session.committed, tree.paths())
         path, bonus = accept_sampled(tree.tokens, topo.children, p_target, tree.q_draft, sampler.rng)
-    cache.append(out.new_kv, path)                                            # 4. compact to the path
+    cache.append(out.new_kv, path, out.features)                              # 4. compact to the path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
     session.committed.extend(new_tokens)
     session.window.extend(new_tokens)

@@ -3,6 +3,10 @@
 Layout [layers, 2 (key/value), capacity, kv_heads, head_dim], token-major inside each layer, so the
 valid prefix `data[l, 0, :length]` is one contiguous block that onnxruntime reads without a copy.
 The cache owns exactly one number, `length`: how many rows (tokens) are valid.
+
+A cache may also keep one feature row per token ([capacity, feature_size]): the model's final hidden
+state there, which a draft that reads the target's features (EAGLE-style) consumes. Features follow
+their token through append, trim and evict, so they always describe the cached rows.
 """
 from __future__ import annotations
 
@@ -13,11 +17,16 @@ from .facts import ModelFacts
 
 
 class KVCache:
-    def __init__(self, facts: ModelFacts, capacity: int):
+    def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0):
         self.capacity = capacity
         # np.zeros maps untouched pages lazily: only rows that are written become resident.
         self.data = np.zeros((facts.num_layers, 2, capacity, facts.num_kv_heads, facts.head_dim), np.float32)
+        self.features = np.zeros((capacity, feature_size), np.float32) if feature_size else None
         self.length = 0
+
+    def feature_rows(self) -> np.ndarray | None:
+        """The features of the valid rows [length, feature_size], or None for a cache without them."""
+        return None if self.features is None else self.features[: self.length]
 
     def past(self) -> dict[str, np.ndarray]:
         """The graph inputs for the valid prefix."""
@@ -30,8 +39,9 @@ class KVCache:
     def room(self) -> int:
         return self.capacity - self.length
 
-    def append(self, new_kv: np.ndarray, rows) -> None:
-        """Keeps rows `rows` (indices into new_kv's token axis) of a pass's new keys/values, in order.
+    def append(self, new_kv: np.ndarray, rows, features: np.ndarray | None = None) -> None:
+        """Keeps rows `rows` (indices into new_kv's token axis) of a pass's new keys/values, in order,
+        and of its `features` [n, feature_size] when the cache keeps features.
 
         After a tree pass, `rows` is the accepted path: the cache is compacted to it.
         """
@@ -39,6 +49,10 @@ class KVCache:
         end = self.length + len(rows)
         if end > self.capacity:
             raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {end} were needed")
+        if self.features is not None:
+            if features is None:
+                raise ValueError("this cache keeps features, but the pass returned none")
+            self.features[self.length : end] = features[rows]
         if len(rows) and rows[0] == 0 and np.all(np.diff(rows) == 1):
             self.data[:, :, self.length : end] = new_kv[:, :, : len(rows)]  # a chain prefix: one slice copy
         else:
@@ -62,6 +76,8 @@ class KVCache:
         self.data[:, 0, kept, :, :half] = first * cos - second * sin
         self.data[:, 0, kept, :, half:] = second * cos + first * sin
         self.data[:, 1, kept] = self.data[:, 1, moved].copy()
+        if self.features is not None:
+            self.features[kept] = self.features[moved].copy()
         self.length -= count
 
     def trim(self, length: int) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from .features import FEATURES, FEATURES_OUT
 from .facts import ModelFacts
 from .kvcache import KVCache
 
@@ -21,6 +22,7 @@ MIN_ROWS = 2
 class Pass:
     logits: np.ndarray  # [R, V] for the requested rows
     new_kv: np.ndarray  # [layers, 2, n, kv_heads, head_dim] for the n real rows
+    features: np.ndarray | None = None  # [n, hidden] final hidden states, from a graph that returns them
 
 
 class ModelRunner:
@@ -30,22 +32,39 @@ class ModelRunner:
         self.session = session
         self.facts = facts
         self.head_tokens = head_tokens
+        self.reads_features = FEATURES in {i.name for i in session.get_inputs()}
+        self.gives_features = FEATURES_OUT in {o.name for o in session.get_outputs()}
+        self.outputs = ["logits", "new_kv"] + [FEATURES_OUT] * self.gives_features
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
-                past_mask: np.ndarray | None = None) -> Pass:
+                past_mask: np.ndarray | None = None, features: np.ndarray | None = None) -> Pass:
         """Runs n new tokens after the cache's valid rows (which it does not modify).
 
         tree_mask [n, n]: which new tokens each new token may see (itself included);
-        past_mask [n, cache.length]: which cached rows it may see (default: all).
+        past_mask [n, cache.length]: which cached rows it may see (default: all);
+        features [n, hidden]: for a graph that reads them, the features that go with each new token.
         """
         feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask)
-        logits, new_kv = self.session.run(["logits", "new_kv"], feed)
+        if self.reads_features:
+            feed[FEATURES] = padded_features(features, feed["input_ids"].shape[1], self.facts.hidden_size)
+        values = self.session.run(self.outputs, feed)
+        logits, new_kv = values[0], values[1]
         logits = logits[0, : len(wanted)]
         if self.head_tokens is not None:
             full = np.full((len(wanted), self.facts.vocab_size), -np.inf, dtype=logits.dtype)
             full[:, self.head_tokens] = logits
             logits = full
-        return Pass(logits=logits, new_kv=new_kv[:, :, :n])
+        return Pass(logits=logits, new_kv=new_kv[:, :, :n],
+                    features=values[2][0, :n] if self.gives_features else None)
+
+
+def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.ndarray:
+    """[1, rows, hidden]: the given features, then zero rows for the padding tokens."""
+    if features is None:
+        raise ValueError("this draft reads the target's features: pass them with the tokens")
+    out = np.zeros((1, rows, hidden), np.float32)
+    out[0, : len(features)] = features
+    return out
 
 
 def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows, past_mask=None):
@@ -71,14 +90,16 @@ def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_ro
     return feed, n, wanted
 
 
-def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int) -> np.ndarray:
-    """Appends `tokens` to the cache in causal chunks; returns the last token's logits [V]."""
+def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int, features: np.ndarray | None = None) -> np.ndarray:
+    """Appends `tokens` to the cache in causal chunks (with their input `features` for a graph that
+    reads them); returns the last token's logits [V]."""
     logits = None
     for start in range(0, len(tokens), chunk):
         part = list(tokens[start : start + chunk])
         n = len(part)
         out = runner.forward(cache, part, range(cache.length, cache.length + n),
-                             np.tril(np.ones((n, n), dtype=bool)), [n - 1])
-        cache.append(out.new_kv, range(n))
+                             np.tril(np.ones((n, n), dtype=bool)), [n - 1],
+                             features=None if features is None else features[start : start + n])
+        cache.append(out.new_kv, range(n), out.features)
         logits = out.logits[0]
     return logits

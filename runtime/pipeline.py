@@ -62,7 +62,8 @@ class Pipeline:
         return self.memory.context
 
     def new_session(self) -> Session:
-        return Session(cache=KVCache(self.manifest.target.facts, self.context))
+        target = self.manifest.target
+        return Session(cache=KVCache(target.facts, self.context, target.feature_size))
 
     def make_drafter(self, speculate: bool) -> Drafter:
         m = self.manifest
@@ -75,7 +76,7 @@ class Pipeline:
             if self.recycling_table is None:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
             return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)
-        cache = KVCache(m.draft.facts, self.context)
+        cache = KVCache(m.draft.facts, self.context, m.draft.feature_size)
         if m.dynamic is not None:
             return DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
         return ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)

@@ -20,6 +20,7 @@ import onnxruntime as ort
 
 from .facts import ModelFacts
 from .kvcache import KVCache
+from .features import FEATURES_OUT
 from .model import Pass, pass_feed
 
 
@@ -94,9 +95,11 @@ class StagedRunner:
         self.window, self.stage_inputs, self.facts, self.embedding = window, stage_inputs, facts, embedding
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
-                past_mask: np.ndarray | None = None) -> Pass:
+                past_mask: np.ndarray | None = None, features: np.ndarray | None = None) -> Pass:
+        if features is not None:
+            raise ValueError("a staged target reads no features; only a draft does")
         feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask)
-        new_kv, logits = [], None
+        new_kv, logits, features = [], None, None
         first = 0
         if self.embedding is not None:
             feed["hidden"], first = self.embedding.lookup(feed["input_ids"]), 1
@@ -108,4 +111,6 @@ class StagedRunner:
             if "new_kv" in values:
                 new_kv.append(values["new_kv"])
             logits = values.get("logits", logits)
-        return Pass(logits=logits[0, : len(wanted)], new_kv=np.concatenate(new_kv, axis=0)[:, :, :n])
+            features = values.get(FEATURES_OUT, features)
+        return Pass(logits=logits[0, : len(wanted)], new_kv=np.concatenate(new_kv, axis=0)[:, :, :n],
+                    features=None if features is None else features[0, :n])

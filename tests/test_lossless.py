@@ -81,8 +81,8 @@ def test_dynamic_trees_are_lossless_and_stay_within_the_budget(draft, bundle_fac
     drafter = pipeline.make_drafter(True)
     original = drafter.propose
 
-    def recording(committed, max_nodes, sampler):
-        tree = original(committed, max_nodes, sampler)
+    def recording(committed, max_nodes, sampler, target_features=None):
+        tree = original(committed, max_nodes, sampler, target_features)
         sizes.append(tree.size)
         return tree
 

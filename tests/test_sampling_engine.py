@@ -20,8 +20,8 @@ class GreedyProposals:
     def __init__(self, inner):
         self.inner = inner
 
-    def propose(self, committed, max_nodes, sampler):
-        return self.inner.propose(committed, max_nodes, None)
+    def propose(self, committed, max_nodes, sampler, target_features=None):
+        return self.inner.propose(committed, max_nodes, None, target_features)
 
     def observe(self, accepted, tokens=None, logits=None):
         self.inner.observe(accepted, tokens, logits)

@@ -1,0 +1,10 @@
+"""Feature-reading drafts (EAGLE): the target hands its final hidden states to the draft.
+
+A target whose graph returns `features_out` ([1, N, hidden]: the final-norm hidden state of every row, the
+vector its head reads) has them kept beside its KV rows; a draft whose graph reads `features` gets, with
+each token i, the target's feature at i - 1 — the state from which the target predicted token i — and
+returns (as `features_out`) its own prediction of the feature at i, which stands in for the target's while drafting deeper.
+"""
+
+FEATURES = "features"  # the draft graph's input, in the manifest's graph specs
+FEATURES_OUT = "features_out"  # the output of a graph that returns its final hidden states
