@@ -32,7 +32,7 @@ for item in items:
     ask = prompt_kwargs(item)
     result = pipeline.generate(**ask, config=GenerationConfig(max_new_tokens=args.max_new_tokens), speculate=False)
     context = pipeline.encode(ask.get("prompt"), ask.get("messages"))
-    share = agreement(pipeline.draft, context, result.token_ids, pipeline.manifest.prefill_chunk)
+    share = agreement(pipeline.draft, context, result.token_ids, pipeline.manifest.prefill_chunk, pipeline.target)
     hits += round(share * len(result.token_ids))
     total += len(result.token_ids)
     print(f"{hits / max(total, 1):.3f} cumulative after {total} tokens", flush=True)

@@ -158,3 +158,45 @@ def teacher_forced_shards(model, windows: list[np.ndarray], folder: Path, config
         return [(row.numpy(), 1, ids[i], logp[i]) for i, row in enumerate(rows)]
 
     return _fill_shards(folder, windows, config.prompts_per_shard, batch, deadline, run_batch, progress)
+
+
+def feature_shards(model, shards: list[Path], features_dir: Path, deadline: float, progress=None,
+                   batch: int = 8) -> int:
+    """The target's final hidden state at every token of each shard (teacher-forced), for drafts that
+    read the target's features: one float16 [tokens, H] array per shard, written after the shard's
+    last batch, so an interrupted run resumes with the next shard. Returns how many were written."""
+    import torch
+
+    from edgespec.distill.train import feature_file
+
+    written = 0
+    for shard_path in shards:
+        out = feature_file(features_dir, shard_path)
+        if out.is_file():
+            continue
+        if time.time() >= deadline:
+            break
+        shard = load_shard(shard_path)
+        bounds = list(zip(shard["starts"][:-1], shard["starts"][1:]))
+        features = np.zeros((len(shard["tokens"]), model.config.hidden_size), np.float16)
+        by_length = sorted(range(len(bounds)), key=lambda i: bounds[i][1] - bounds[i][0])
+        for at in range(0, len(by_length), batch):
+            rows = [bounds[i] for i in by_length[at:at + batch]]
+            width = max(stop - start for start, stop in rows)
+            ids = torch.zeros((len(rows), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, (start, stop) in enumerate(rows):  # right padding: causal rows never see it
+                ids[r, :stop - start] = torch.from_numpy(shard["tokens"][start:stop].astype(np.int64))
+                mask[r, :stop - start] = 1
+            with torch.inference_mode():
+                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.float().numpy()
+            for r, (start, stop) in enumerate(rows):
+                features[start:stop] = hidden[r, :stop - start]
+            if progress is not None:
+                progress(int(mask.sum()))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.stem + ".partial.npy")
+        np.save(partial, features)
+        partial.replace(out)
+        written += 1
+    return written

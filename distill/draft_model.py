@@ -4,6 +4,9 @@ Designs (compared in benchmarks/RESULTS.md):
     cut    the target's first layer, then an adapter layer initialised from the target's last layer
            (Kangaroo: a shallow sub-network of the target plus a trained adapter)
     small  two new layers with half the target's MLP width, randomly initialised
+    eagle  reads the target's features (EAGLE): `feature_fc` projects [embedding of token i, the target's
+           final hidden state at i - 1] to the input of two layers initialised from the target's last
+           two; the draft's output is trained to be the target's feature at i as well as its next token
 Both keep the target's embedding table and final norm, and predict only `head_tokens`, a subset of the
 vocabulary chosen from the target's outputs (vocab.py): the head is most of a tiny draft's cost.
 The embedding and head stay frozen: they are the target's, and the data is too small to improve them.
@@ -12,7 +15,8 @@ from __future__ import annotations
 
 import copy
 
-DESIGNS = ("cut", "small")
+DESIGNS = ("cut", "small", "eagle")
+FEATURE_DESIGNS = ("eagle",)  # designs whose draft reads the target's features
 DRAFT_LAYERS = 2
 
 
@@ -43,6 +47,14 @@ def build_draft(target, design: str):
         if design == "cut":
             draft.model.layers[0].load_state_dict(target.model.layers[0].state_dict())
             draft.model.layers[1].load_state_dict(target.model.layers[-1].state_dict())
+        if design in FEATURE_DESIGNS:
+            for i, layer in enumerate(draft.model.layers):
+                layer.load_state_dict(target.model.layers[i - DRAFT_LAYERS].state_dict())
+            hidden = target.config.hidden_size
+            draft.feature_fc = torch.nn.Linear(2 * hidden, hidden)
+            draft.feature_fc.weight.zero_()
+            draft.feature_fc.weight[:, :hidden] = torch.eye(hidden)  # starts as the plain embedding
+            draft.feature_fc.bias.zero_()
     frozen = {"model.embed_tokens.weight", "lm_head.weight"}
     trainable = []
     for name, parameter in draft.named_parameters():
@@ -50,3 +62,15 @@ def build_draft(target, design: str):
         if name not in frozen:
             trainable.append(name)
     return draft, trainable
+
+
+def draft_hidden(draft, ids, mask, features=None):
+    """The draft's final hidden states [B, T, H]; a feature design mixes `features` [B, T, H] (the
+    target's feature before each token) into its input embeddings."""
+    import torch
+
+    if not hasattr(draft, "feature_fc"):
+        return draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    embedded = draft.get_input_embeddings()(ids)
+    mixed = draft.feature_fc(torch.cat([embedded, features], dim=-1))
+    return draft.model(inputs_embeds=mixed, attention_mask=mask).last_hidden_state

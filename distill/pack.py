@@ -27,8 +27,10 @@ def pack_draft(draft_folder: Path, out: Path, provenance: dict) -> Path:
 
     info = json.loads((draft_folder / DRAFT_INFO).read_text())
     state = {}
-    for file in sorted(draft_folder.glob("*.safetensors")):
+    for file in sorted(draft_folder.glob("model*.safetensors")):
         state.update(load_file(file))
+    if info.get("features") is not None:  # a feature design's projection lives in its own file
+        state.update({f"feature_fc.{k}": v for k, v in load_file(draft_folder / info["features"]["file"]).items()})
     shared = ("model.embed_tokens.weight", "lm_head.weight")
     trained = {k: v.to(torch.float16).contiguous() for k, v in state.items() if k not in shared}
     out.mkdir(parents=True, exist_ok=True)

@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from edgespec.distill.data import DataConfig
-from edgespec.distill.train import TrainConfig
+from edgespec.distill.draft_model import FEATURE_DESIGNS
+from edgespec.distill.train import TrainConfig, feature_file
 from edgespec.runtime.errors import ExportError
 
 # Shares of the time budget. Chat continuations are the draft's real workload, so they get the most;
-# teacher forcing over local text is 7x cheaper per token and widens coverage.
-PHASE_SHARES = {"chat": 0.38, "corpus": 0.07, "train": 0.55}
+# teacher forcing over local text is 7x cheaper per token and widens coverage. A feature design first
+# runs the target once more over all that data for its features, which takes from training's share.
+PHASE_SHARES = {"chat": 0.38, "corpus": 0.07, "features": 0.0, "train": 0.55}
+FEATURE_PHASE_SHARES = {"chat": 0.38, "corpus": 0.07, "features": 0.13, "train": 0.42}
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class DistillConfig:
     design: str = "cut"
     threads: int | None = None
     resume: bool = False
+    data_from: Path | None = None  # an earlier run's data folder: train on its shards instead of making new ones
     prompts: int = 6000
     cache_dir: Path = Path(".")
     data: DataConfig = DataConfig()
@@ -42,7 +46,17 @@ class DistillConfig:
     def settings(self) -> dict:
         """What must match for a resumption to continue the same run."""
         return {"target": self.target, "minutes": self.minutes, "corpus": list(self.corpus), "seed": self.seed,
-                "design": self.design, "prompts": self.prompts}
+                "design": self.design, "prompts": self.prompts,
+                "data_from": None if self.data_from is None else str(self.data_from)}
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Each phase's share of --minutes; with reused data the whole budget goes to features and training."""
+        shares = FEATURE_PHASE_SHARES if self.design in FEATURE_DESIGNS else PHASE_SHARES
+        if self.data_from is None:
+            return shares
+        rest = shares["features"] + shares["train"]
+        return {"chat": 0.0, "corpus": 0.0, "features": shares["features"] / rest, "train": shares["train"] / rest}
 
 
 @dataclass
@@ -73,7 +87,9 @@ def _open_state(config: DistillConfig) -> RunState:
         if saved["settings"] != config.settings():
             changed = sorted(k for k in config.settings() if saved["settings"].get(k) != config.settings()[k])
             raise ExportError(f"cannot resume {config.out}: it was started with different settings ({', '.join(changed)})")
-        return RunState(**saved)
+        state = RunState(**saved)
+        state.used_s = {name: state.used_s.get(name, 0.0) for name in PHASE_SHARES}  # runs from before a phase existed
+        return state
     if config.out.exists() and any(config.out.iterdir()):
         raise ExportError(f"{config.out} exists and is not a distill run folder; choose an empty or new --out")
     config.out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +104,9 @@ def _save_state(config: DistillConfig, state: RunState) -> None:
 
 def _phase(config: DistillConfig, state: RunState, name: str, log: RunLog, work) -> None:
     """Runs `work(deadline)` with what is left of the phase's share, and books the time it used."""
-    left = PHASE_SHARES[name] * config.minutes * 60 - state.used_s[name]
+    if not config.shares[name]:
+        return
+    left = config.shares[name] * config.minutes * 60 - state.used_s[name]
     if left <= 0:
         log(f"{name}: time share used up, skipped")
         return
@@ -114,6 +132,8 @@ def distill(config: DistillConfig) -> Path:
     missing = [str(p) for p in corpus if not p.exists()]
     if missing:
         raise ExportError(f"corpus paths not found: {', '.join(missing)}")
+    if config.data_from is not None and not data.shard_paths(Path(config.data_from) / "chat"):
+        raise ExportError(f"{config.data_from} holds no target data: give the `data` folder of an earlier distill run")
     state = _open_state(config)
     if state.finished:
         log = RunLog(config.out / "log.txt")
@@ -127,34 +147,55 @@ def distill(config: DistillConfig) -> Path:
     model, tokenizer = source.load()
     log(f"target {source.description}; budget {config.minutes:g} min; used so far {state.used_s}")
     data_config = config.data
+    data_dir = config.out / "data" if config.data_from is None else Path(config.data_from)
+    features_dir = config.out / "data" / "features"
+
+    def all_shards() -> list[Path]:
+        """The held-out shard first: training cannot measure itself without it."""
+        chat_shards = data.shard_paths(data_dir / "chat")
+        return chat_shards[-1:] + chat_shards[:-1] + data.shard_paths(data_dir / "corpus")
 
     def chat(deadline: float) -> None:
         texts = prompts.training_prompts(config.prompts, config.seed, corpus)
         with tqdm(desc="target continuations", unit="tok") as bar:
-            written = data.generate_shards(model, tokenizer, texts, config.out / "data" / "chat", data_config,
+            written = data.generate_shards(model, tokenizer, texts, data_dir / "chat", data_config,
                                            deadline, progress=bar.update)
-        log(f"chat: {written} new shards, {len(data.shard_paths(config.out / 'data' / 'chat'))} in all")
+        log(f"chat: {written} new shards, {len(data.shard_paths(data_dir / 'chat'))} in all")
 
     def teacher_forced(deadline: float) -> None:
         files = [f for root in corpus for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
         # in file order from a seeded shuffle: a longer phase takes more of the same sequence
         windows = data.corpus_windows(tokenizer, files, window=256, limit=4000, seed=config.seed)
         with tqdm(desc="target over local text", unit="tok") as bar:
-            written = data.teacher_forced_shards(model, windows, config.out / "data" / "corpus", data_config,
+            written = data.teacher_forced_shards(model, windows, data_dir / "corpus", data_config,
                                                  deadline, progress=bar.update)
         log(f"corpus: {written} new shards")
 
+    def features(deadline: float) -> None:
+        with tqdm(desc="target features", unit="tok") as bar:
+            written = data.feature_shards(model, all_shards(), features_dir, deadline, progress=bar.update)
+        log(f"features: {written} new feature files")
+
     def training(deadline: float) -> None:
-        chat_shards = data.shard_paths(config.out / "data" / "chat")
+        chat_shards = data.shard_paths(data_dir / "chat")
         if len(chat_shards) < 2:
             raise ExportError("too little training data was produced (two shards of target answers at least): "
                               "give the run more --minutes")
+        shards = chat_shards[:-1] + data.shard_paths(data_dir / "corpus")
+        if config.design in FEATURE_DESIGNS:  # shards the features phase did not reach are left out
+            if not feature_file(features_dir, chat_shards[-1]).is_file():
+                raise ExportError("the features phase did not reach the held-out shard: give the run more --minutes")
+            shards = [s for s in shards if feature_file(features_dir, s).is_file()]
         # the last shard of target answers is held out: agreement is measured where the draft will work
-        train(model, tokenizer, chat_shards[:-1] + data.shard_paths(config.out / "data" / "corpus"), chat_shards[-1:],
-              config.out, replace(config.training, design=config.design, seed=config.seed), deadline, log)
+        train(model, tokenizer, shards, chat_shards[-1:], config.out,
+              replace(config.training, design=config.design, seed=config.seed), deadline, log, features_dir)
 
-    _phase(config, state, "chat", log, chat)
-    _phase(config, state, "corpus", log, teacher_forced)
+    if config.data_from is None:
+        _phase(config, state, "chat", log, chat)
+        _phase(config, state, "corpus", log, teacher_forced)
+    else:
+        log(f"data: reusing the target data in {data_dir}")
+    _phase(config, state, "features", log, features)
     _phase(config, state, "train", log, training)
     state.finished = True
     _save_state(config, state)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.distill.data import load_shard
-from edgespec.distill.draft_model import build_draft
+from edgespec.distill.draft_model import FEATURE_DESIGNS, build_draft, draft_hidden
 from edgespec.distill.vocab import choose_head_tokens, coverage
 from edgespec.exporters.export import DRAFT_INFO
 
@@ -44,30 +44,52 @@ class Sequence:
     first: int  # first supervised position
     topk_ids: np.ndarray  # [L - first, k]: target's top-k for positions first..L-1
     topk_logp: np.ndarray
+    features: np.ndarray | None = None  # [L, H] float16: the target's final hidden state at every position
 
 
-def read_sequences(paths: list[Path]) -> list[Sequence]:
+def feature_file(features_dir: Path, shard: Path) -> Path:
+    """Where the features of a shard's tokens live: one [tokens, H] float16 array per shard."""
+    return features_dir / shard.parent.name / f"{shard.stem}.npy"
+
+
+def read_sequences(paths: list[Path], features_dir: Path | None = None) -> list[Sequence]:
     sequences = []
     for path in paths:
         shard = load_shard(path)
+        features = None if features_dir is None else np.load(feature_file(features_dir, path), mmap_mode="r")
         sup = 0
         for i in range(len(shard["first"])):
-            tokens = shard["tokens"][shard["starts"][i]:shard["starts"][i + 1]]
+            start, stop = shard["starts"][i], shard["starts"][i + 1]
             first = int(shard["first"][i])
-            count = len(tokens) - first
-            sequences.append(Sequence(tokens, first, shard["topk_ids"][sup:sup + count],
-                                      shard["topk_logp"][sup:sup + count].astype(np.float32)))
+            count = stop - start - first
+            sequences.append(Sequence(shard["tokens"][start:stop], first, shard["topk_ids"][sup:sup + count],
+                                      shard["topk_logp"][sup:sup + count].astype(np.float32),
+                                      None if features is None else features[start:stop]))
             sup += count
     return sequences
 
 
-def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator, kept_index: np.ndarray):
-    """One window per sequence, right-padded to [B, T], and for every supervised row:
-    where (batch, row), the target's top-k as head indices, their renormalised probabilities (all zero when
-    none of them is in the head: such a row only counts for agreement), and the target's greedy token."""
+@dataclass
+class Batch:
+    """Windows right-padded to [B, T], and for every supervised row: where it is (batch, row), the
+    target's top-k as head indices with their renormalised probabilities (all zero when none of them is
+    in the head: such a row only counts for agreement), and the target's greedy token. With features:
+    features_in [B, T, H] (the target's feature before each token, zeros at position 0) and
+    features_out [M, H] (the target's feature at each supervised row, what a feature draft predicts)."""
+    ids: object
+    mask: object
+    where: object
+    idx: object
+    p: object
+    greedy: np.ndarray
+    features_in: object = None
+    features_out: object = None
+
+
+def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator, kept_index: np.ndarray) -> Batch:
     import torch
 
-    rows_in, where, target_idx, target_logp = [], [], [], []
+    rows_in, starts, where, target_idx, target_logp = [], [], [], [], []
     for b, seq in enumerate(sequences):
         length = len(seq.tokens)
         if length <= window:
@@ -77,6 +99,7 @@ def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator,
             start = int(rng.integers(lo, length - window + 1))
         stop = min(length, start + window)
         rows_in.append(seq.tokens[start:stop])
+        starts.append(start)
         for r in range(stop - start):
             position = start + r + 1  # draft row r predicts the token at this position
             if seq.first <= position < length:
@@ -94,13 +117,26 @@ def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator,
     p = np.exp(np.array(target_logp)) * (idx >= 0)
     mass = p.sum(axis=1, keepdims=True)
     p = np.divide(p, mass, out=np.zeros_like(p), where=mass > 0)
-    return (torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(np.array(where)),
-            torch.from_numpy(np.maximum(idx, 0)), torch.from_numpy(p.astype(np.float32)), target_idx[:, 0])
+    where = np.array(where)
+    batch = Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(where),
+                  torch.from_numpy(np.maximum(idx, 0)), torch.from_numpy(p.astype(np.float32)), target_idx[:, 0])
+    if sequences[0].features is not None:
+        hidden = sequences[0].features.shape[1]
+        features = np.zeros((len(rows_in), width + 1, hidden), np.float32)  # column c: the feature at start + c - 1
+        for b, (seq, start) in enumerate(zip(sequences, starts)):
+            lo = max(start - 1, 0)
+            features[b, 1 + lo - start : 1 + len(rows_in[b])] = seq.features[lo : start + len(rows_in[b])]
+        batch.features_in = torch.from_numpy(features[:, :width])
+        batch.features_out = torch.from_numpy(features[where[:, 0], where[:, 1] + 1])
+    return batch
 
 
-def draft_logits(draft, head, ids, mask, where):
-    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    return hidden[where[:, 0], where[:, 1]] @ head.T  # [M, head tokens]
+def draft_outputs(draft, head, batch: Batch, features_in=None):
+    """(hidden [M, H], logits [M, head tokens]) at the supervised rows; `features_in` overrides the batch's."""
+    hidden = draft_hidden(draft, batch.ids, batch.mask, batch.features_in if features_in is None else features_in)
+    where = batch.where
+    rows = hidden[where[:, 0], where[:, 1]]
+    return hidden, rows, rows @ head.T
 
 
 def distill_loss(logits, idx, p):
@@ -111,18 +147,34 @@ def distill_loss(logits, idx, p):
     return per_row.sum() / (p.sum(dim=1) > 0).sum().clamp(min=1)
 
 
+def batch_loss(draft, head, batch: Batch):
+    """Distillation on the target's top-k. A feature draft also regresses the target's feature, and is
+    trained for its second drafting step too: there each token reads the draft's own predicted feature
+    for the token before (EAGLE's feature chaining), not the target's."""
+    import torch
+
+    hidden, rows, logits = draft_outputs(draft, head, batch)
+    loss = distill_loss(logits, batch.idx, batch.p)
+    if batch.features_in is not None:
+        loss = loss + torch.nn.functional.smooth_l1_loss(rows, batch.features_out)
+        own = torch.cat([batch.features_in[:, :1], hidden[:, :-1]], dim=1)
+        loss = loss + distill_loss(draft_outputs(draft, head, batch, own)[2], batch.idx, batch.p)
+    return loss
+
+
 def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[Sequence], window: int) -> float:
-    """Share of held-out positions where the draft's argmax is the target's greedy token."""
+    """Share of held-out positions where the draft's argmax is the target's greedy token (a feature draft
+    reading the target's features: its first drafting step)."""
     import torch
 
     hits = total = 0
     rng = np.random.default_rng(0)
     with torch.inference_mode():
         for start in range(0, len(sequences), 8):
-            ids, mask, where, _, _, greedy = make_batch(sequences[start:start + 8], window, rng, kept_index)
-            proposed = head_tokens[draft_logits(draft, head, ids, mask, where).argmax(-1).numpy()]
-            hits += int((proposed == greedy).sum())
-            total += len(greedy)
+            batch = make_batch(sequences[start:start + 8], window, rng, kept_index)
+            proposed = head_tokens[draft_outputs(draft, head, batch)[2].argmax(-1).numpy()]
+            hits += int((proposed == batch.greedy).sum())
+            total += len(batch.greedy)
     return hits / max(total, 1)
 
 
@@ -143,14 +195,18 @@ def _save_checkpoint(path: Path, payload: dict) -> None:
 
 
 def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path, config: TrainConfig,
-          deadline: float, log) -> dict:
+          deadline: float, log, features_dir: Path | None = None) -> dict:
     """Trains on `shards` until `deadline` (resuming checkpoints/last.pt), measures agreement on
-    `held_out`, then writes the draft folder into `out`."""
+    `held_out`, then writes the draft folder into `out`. A feature design reads the shards' target
+    features from `features_dir` (see `feature_file`)."""
     import torch
 
+    if config.design in FEATURE_DESIGNS and features_dir is None:
+        raise ValueError(f"the {config.design} design learns from the target's features: give features_dir")
+    features_dir = features_dir if config.design in FEATURE_DESIGNS else None
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
-    sequences, validation = read_sequences(shards), read_sequences(held_out)
+    sequences, validation = read_sequences(shards, features_dir), read_sequences(held_out, features_dir)
     vocab = target.config.vocab_size
     checkpoint, best_file = out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt"
     draft, trainable = build_draft(target, config.design)
@@ -187,8 +243,7 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, progress)
         picks = rng.integers(0, len(sequences), config.batch)
-        ids, mask, where, idx, p, _ = make_batch([sequences[i] for i in picks], config.window, rng, kept_index)
-        loss = distill_loss(draft_logits(draft, head, ids, mask, where), idx, p)
+        loss = batch_loss(draft, head, make_batch([sequences[i] for i in picks], config.window, rng, kept_index))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -233,10 +288,22 @@ def _trained_state(draft, trainable: list[str]) -> dict:
     return {name: state[name].detach().clone() for name in trainable}
 
 
+FEATURE_FC_FILE = "feature_fc.safetensors"
 
 
 def write_draft(draft, tokenizer, head_tokens: np.ndarray, report: dict, out: Path) -> None:
-    """A Hugging Face folder (transformers loads it as is) plus the head tokens the exporter keeps."""
-    draft.save_pretrained(out, safe_serialization=True)
+    """A Hugging Face folder (transformers loads it as is) plus what the exporter needs beyond it: the
+    head tokens and, for a feature design, the projection of [embedding, feature] in its own file."""
+    info = {"head_tokens": [int(t) for t in head_tokens], "training": report}
+    state = draft.state_dict()
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(draft, "feature_fc"):
+        from safetensors.torch import save_file
+
+        save_file({"weight": draft.feature_fc.weight.detach().contiguous(),
+                   "bias": draft.feature_fc.bias.detach().contiguous()}, str(out / FEATURE_FC_FILE))
+        info["features"] = {"file": FEATURE_FC_FILE, "reads": "the target's final hidden state at the previous token"}
+        state = {k: v for k, v in state.items() if not k.startswith("feature_fc.")}
+    draft.save_pretrained(out, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / DRAFT_INFO).write_text(json.dumps({"head_tokens": [int(t) for t in head_tokens], "training": report}))
+    (out / DRAFT_INFO).write_text(json.dumps(info))

@@ -194,7 +194,8 @@ def cmd_distill(args) -> None:
 
     out = distill(DistillConfig(target=args.target, out=Path(args.out), minutes=args.minutes,
                                 corpus=tuple(args.corpus or ()), seed=args.seed, design=args.design,
-                                threads=args.threads, resume=args.resume, cache_dir=cache_dir()))
+                                threads=args.threads, resume=args.resume, cache_dir=cache_dir(),
+                                data_from=None if args.data is None else Path(args.data).resolve()))
     print(f"draft model: {out}  (use it with: edgespec export {args.target} --draft {out} --out BUNDLE)")
 
 
@@ -320,10 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local text or code (file or folder, repeatable) for prompts and teacher forcing; "
                         "default: this Python's standard library")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--design", default="cut", choices=("cut", "small"),
-                   help="cut: the target's first layers plus a trained adapter layer; small: a new narrow decoder")
+    p.add_argument("--design", default="cut", choices=("cut", "small", "eagle"),
+                   help="cut: the target's first layers plus a trained adapter layer; small: a new narrow decoder; "
+                        "eagle: two layers that also read the target's final hidden state (the target's graph "
+                        "then returns it)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="train on the target data (the `data` folder) of an earlier run instead of making new data; "
+                        "--minutes then covers features and training")
     p.set_defaults(run=cmd_distill)
 
     p = sub.add_parser("plan", help="how a memory budget is split for a bundle, and the context that fits")

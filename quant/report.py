@@ -13,19 +13,32 @@ from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import ModelRunner, prefill
 
 
-def _row_logits(runner: ModelRunner, ids: list[int], chunk: int):
-    """Logits at every position of `ids` (teacher forcing), chunk by chunk: yields [n, V] arrays."""
+def _passes(runner: ModelRunner, ids: list[int], chunk: int, features: np.ndarray | None = None):
+    """Every position of `ids` teacher-forced, chunk by chunk: yields each chunk's Pass (logits [n, V]).
+    `features` [len(ids), H]: the input features of a draft that reads them."""
     cache = KVCache(runner.facts, len(ids) + 1)
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         n = len(part)
-        out = runner.forward(cache, part, range(start, start + n), np.tril(np.ones((n, n), bool)), range(n))
+        out = runner.forward(cache, part, range(start, start + n), np.tril(np.ones((n, n), bool)), range(n),
+                             features=None if features is None else features[start : start + n])
         cache.append(out.new_kv, range(n))
-        yield out.logits
+        yield out
+
+
+def _row_logits(runner: ModelRunner, ids: list[int], chunk: int, features: np.ndarray | None = None) -> np.ndarray:
+    return np.concatenate([out.logits for out in _passes(runner, ids, chunk, features)])
+
+
+def draft_input_features(target: ModelRunner, ids: list[int], chunk: int = 64) -> np.ndarray:
+    """What a feature-reading draft gets with each token of `ids`: the target's feature at the token
+    before (zeros at the first)."""
+    features = np.concatenate([out.features for out in _passes(target, ids, chunk)])
+    return np.concatenate([np.zeros_like(features[:1]), features[:-1]])
 
 
 def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 64) -> float:
-    logits = np.concatenate(list(_row_logits(runner, ids, chunk)))[:-1].astype(np.float64)
+    logits = _row_logits(runner, ids, chunk)[:-1].astype(np.float64)
     targets = np.asarray(ids[1:])
     logits -= logits.max(axis=-1, keepdims=True)
     log_probs = logits[np.arange(len(targets)), targets] - np.log(np.exp(logits).sum(axis=-1))
@@ -41,10 +54,13 @@ def greedy_continuation(runner: ModelRunner, prompt: list[int], new_tokens: int,
     return session.committed[len(prompt) : len(prompt) + new_tokens]
 
 
-def agreement(runner: ModelRunner, prompt: list[int], continuation: list[int], chunk: int = 64) -> float:
-    """How often `runner`'s greedy choice equals `continuation`'s next token, teacher-forced."""
+def agreement(runner: ModelRunner, prompt: list[int], continuation: list[int], chunk: int = 64,
+              target: ModelRunner | None = None) -> float:
+    """How often `runner`'s greedy choice equals `continuation`'s next token, teacher-forced. A draft that
+    reads features gets `target`'s (its first drafting step: every feature is the target's own)."""
     ids = list(prompt) + list(continuation)
-    choices = np.concatenate(list(_row_logits(runner, ids, chunk))).argmax(-1)
+    features = draft_input_features(target, ids, chunk) if runner.reads_features else None
+    choices = _row_logits(runner, ids, chunk, features).argmax(-1)
     predicted = choices[len(prompt) - 1 : len(ids) - 1]
     return float(np.mean(predicted == np.asarray(continuation)))
 
@@ -68,8 +84,9 @@ def quality_report(reference: ModelRunner, quantized: ModelRunner, heldout: list
     }
     if drafts is not None:
         report["draft_agreement"] = {
-            "fp32": round(float(np.mean([agreement(drafts[0], p, c) for p, c in zip(prompts, continuations)])), 4),
-            "quantized": round(float(np.mean([agreement(drafts[1], p, c)
+            "fp32": round(float(np.mean([agreement(drafts[0], p, c, target=reference)
+                                         for p, c in zip(prompts, continuations)])), 4),
+            "quantized": round(float(np.mean([agreement(drafts[1], p, c, target=quantized)
                                               for p, c in zip(prompts, quant_continuations)])), 4),
         }
     return report

@@ -118,12 +118,13 @@ def test_head_tokens_follow_target_frequency_and_keep_required_ids():
 def test_batches_supervise_only_positions_after_the_prompt(distilled):
     sequences = read_sequences(shard_paths(distilled.out / "data" / "chat")[:1])
     kept = np.arange(1000)
-    ids, mask, where, idx, p, greedy = make_batch(sequences[:3], 1000, np.random.default_rng(0), kept)
+    batch = make_batch(sequences[:3], 1000, np.random.default_rng(0), kept)
     expected = sum(len(s.tokens) - s.first for s in sequences[:3])
-    assert len(where) == expected == len(greedy)
-    for (b, r), token in zip(where.numpy(), greedy):
+    assert len(batch.where) == expected == len(batch.greedy)
+    for (b, r), token in zip(batch.where.numpy(), batch.greedy):
         assert sequences[b].tokens[r + 1] == token  # row r predicts the next token, the target's greedy one
-    np.testing.assert_allclose(p.sum(dim=1).numpy(), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(batch.p.sum(dim=1).numpy(), 1.0, rtol=1e-5)
+    assert batch.features_in is None  # a design without features gets none
 
 
 def test_packed_draft_rebuilds_the_same_draft_against_its_target(distilled, models, tmp_path):
@@ -171,3 +172,76 @@ def test_a_draft_of_a_gguf_target_is_a_float_model(models, tmp_path):
     draft, trainable = build_draft(target, "cut")
     assert not hasattr(draft.config, "quantization_config")
     assert "model.layers.0.self_attn.q_proj.weight" in trainable and "model.embed_tokens.weight" not in trainable
+
+
+@pytest.fixture(scope="module")
+def eagle(distilled, models, tmp_path_factory):
+    """A feature-reading draft trained on the data of the `distilled` run (`--data`)."""
+    out = tmp_path_factory.mktemp("eagle") / "draft"
+    config = DistillConfig(target=str(models["target"]), out=out, minutes=0.4, seed=0, design="eagle",
+                           data_from=distilled.out / "data", data=SMALL_DATA, training=SMALL_TRAIN)
+    distill(config)
+    return config
+
+
+def test_features_are_the_targets_final_hidden_states_at_every_token(eagle, distilled, models, tmp_path):
+    import torch
+
+    from edgespec.distill.train import feature_file
+    from edgespec.exporters.sources import resolve_source
+
+    target, _ = resolve_source(str(models["target"]), tmp_path).load()
+    shard_path = shard_paths(distilled.out / "data" / "chat")[0]
+    shard, features = load_shard(shard_path), np.load(feature_file(eagle.out / "data" / "features", shard_path))
+    assert features.shape == (len(shard["tokens"]), target.config.hidden_size)
+    start, stop = shard["starts"][1], shard["starts"][2]
+    with torch.no_grad():
+        hidden = target.model(input_ids=torch.from_numpy(shard["tokens"][start:stop][None].astype(np.int64)))
+    np.testing.assert_allclose(features[start:stop], hidden.last_hidden_state[0].numpy(), atol=2e-3, rtol=2e-3)
+
+
+def test_feature_batches_pair_each_token_with_the_previous_feature(eagle, distilled):
+    shards = shard_paths(distilled.out / "data" / "chat")[:1]
+    sequences = read_sequences(shards, eagle.out / "data" / "features")
+    batch = make_batch(sequences[:2], 16, np.random.default_rng(1), np.arange(1000))
+    for b, seq in enumerate(sequences[:2]):
+        row = batch.ids[b].numpy()
+        start = next(s for s in range(len(seq.tokens)) if np.array_equal(seq.tokens[s:s + len(row)], row))
+        for r in range(1, int(batch.mask[b].sum())):
+            np.testing.assert_array_equal(batch.features_in[b, r].numpy(), seq.features[start + r - 1].astype(np.float32))
+        if start == 0:
+            assert not batch.features_in[b, 0].any()
+    for m, (b, r) in enumerate(batch.where.numpy()):
+        assert batch.features_out[m].abs().sum() > 0
+
+
+def test_an_eagle_draft_exports_packs_and_generates_losslessly(eagle, models, tmp_path):
+    import json
+
+    from edgespec.distill.pack import pack_draft, unpack_draft
+    from edgespec.exporters.export import DRAFT_INFO, ExportConfig, export
+    from edgespec.exporters.sources import resolve_source
+    from edgespec.runtime.engine import GenerationConfig
+    from edgespec.runtime.pipeline import Pipeline
+
+    info = json.loads((eagle.out / DRAFT_INFO).read_text())
+    assert info["training"]["design"] == "eagle" and info["features"]["file"]
+    target, tokenizer = resolve_source(str(models["target"]), tmp_path).load()
+    rebuilt = unpack_draft(pack_draft(eagle.out, tmp_path / "packed", {"command": "test"}), target, tokenizer,
+                           tmp_path / "rebuilt")
+    bundle = export(ExportConfig(model=str(models["target"]), draft=str(rebuilt), out=tmp_path / "b",
+                                 tree="chain:3", context=256))
+    pipeline = Pipeline(bundle, threads=1)
+    assert pipeline.draft.reads_features and pipeline.target.gives_features
+    config = GenerationConfig(max_new_tokens=40)
+    for prompt in ("def add(a, b):", "The quick brown fox"):
+        plain = pipeline.generate(prompt=prompt, config=config, speculate=False)
+        spec = pipeline.generate(prompt=prompt, config=config, speculate=True)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.target_passes < plain.stats.target_passes
+
+
+def test_eagle_needs_data_and_refuses_an_empty_data_folder(models, tmp_path):
+    with pytest.raises(ExportError, match="holds no target data"):
+        distill(DistillConfig(target=str(models["target"]), out=tmp_path / "d", minutes=0.2, design="eagle",
+                              data_from=tmp_path))
