@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.distill.data import load_shard
-from edgespec.distill.draft_model import FEATURE_DESIGNS, build_draft, draft_hidden
+from edgespec.distill.draft_model import FEATURE_DESIGNS, LEARNING_RATE, build_draft, draft_hidden
 from edgespec.distill.vocab import choose_head_tokens, coverage
 from edgespec.exporters.export import DRAFT_INFO
 
@@ -31,7 +31,7 @@ class TrainConfig:
     head_size: int = 8192
     window: int = 256
     batch: int = 16
-    lr: float = 5e-4
+    lr: float | None = None  # None: the design's (draft_model.LEARNING_RATE)
     warmup_share: float = 0.03
     weight_decay: float = 0.01
     checkpoint_s: float = 180.0
@@ -180,9 +180,13 @@ def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[
 
 def learning_rate(config: TrainConfig, progress: float) -> float:
     if progress < config.warmup_share:
-        return config.lr * progress / config.warmup_share
+        return peak_learning_rate(config) * progress / config.warmup_share
     done = (progress - config.warmup_share) / (1 - config.warmup_share)
-    return config.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
+    return peak_learning_rate(config) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
+def peak_learning_rate(config: TrainConfig) -> float:
+    return LEARNING_RATE[config.design] if config.lr is None else config.lr
 
 
 def _save_checkpoint(path: Path, payload: dict) -> None:
@@ -223,7 +227,7 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     held_top1 = np.concatenate([s.topk_ids[:, 0] for s in validation])
     head = draft.get_input_embeddings().weight[torch.from_numpy(head_tokens)]
     parameters = [p for n, p in draft.named_parameters() if n in trainable]
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(parameters, lr=peak_learning_rate(config), weight_decay=config.weight_decay)
     step, used_s = 0, 0.0
     if saved is not None:
         draft.load_state_dict(saved["draft"], strict=False)
