@@ -131,9 +131,9 @@ def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator,
     return batch
 
 
-def draft_outputs(draft, head, batch: Batch, features_in=None):
-    """(hidden [M, H], logits [M, head tokens]) at the supervised rows; `features_in` overrides the batch's."""
-    hidden = draft_hidden(draft, batch.ids, batch.mask, batch.features_in if features_in is None else features_in)
+def draft_outputs(draft, head, batch: Batch):
+    """(hidden [B, T, H], hidden [M, H] and logits [M, head tokens] at the supervised rows)."""
+    hidden = draft_hidden(draft, batch.ids, batch.mask, batch.features_in)
     where = batch.where
     rows = hidden[where[:, 0], where[:, 1]]
     return hidden, rows, rows @ head.T
@@ -148,17 +148,15 @@ def distill_loss(logits, idx, p):
 
 
 def batch_loss(draft, head, batch: Batch):
-    """Distillation on the target's top-k. A feature draft also regresses the target's feature, and is
-    trained for its second drafting step too: there each token reads the draft's own predicted feature
-    for the token before (EAGLE's feature chaining), not the target's."""
+    """Distillation on the target's top-k; a feature draft also regresses the target's feature (EAGLE).
+    Training for the second drafting step as well (each token reading the draft's own predicted feature)
+    halved the steps per minute and slowed first-step agreement (benchmarks/RESULTS.md §19), so it is not done."""
     import torch
 
-    hidden, rows, logits = draft_outputs(draft, head, batch)
+    _, rows, logits = draft_outputs(draft, head, batch)
     loss = distill_loss(logits, batch.idx, batch.p)
     if batch.features_in is not None:
         loss = loss + torch.nn.functional.smooth_l1_loss(rows, batch.features_out)
-        own = torch.cat([batch.features_in[:, :1], hidden[:, :-1]], dim=1)
-        loss = loss + distill_loss(draft_outputs(draft, head, batch, own)[2], batch.idx, batch.p)
     return loss
 
 
