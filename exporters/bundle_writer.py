@@ -19,7 +19,7 @@ from edgespec.runtime.tree import Topology
 from edgespec.targets.profiles import DeviceProfile
 
 from .llama import LlamaBuilder
-from .weights import external_table, externalize
+from .weights import external_table, external_tensors, externalize
 
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
@@ -37,6 +37,8 @@ def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, pol
                                               dict(layers=layers, embed=embed, head=head), strict=False)
             entry["stages"].append({**_graph_entry(name, stage, stage_applied, policy),
                                     "layers": [layers.start, layers.stop]})
+            if (tensors := external_tensors(stage)) is not None:
+                entry["stages"][-1]["tensors"] = tensors  # a float stage: the runtime maps its weights
             if embed and (table := external_table(stage, "embed_tokens")) is not None:
                 # a float table the runtime can map and index itself: only the rows it reads become resident
                 entry["stages"][-1]["embedding_table"] = table

@@ -135,6 +135,10 @@ def export(config: ExportConfig) -> Path:
             head_tokens = draft_info.head_tokens
             draft_builder = builder_for(draft, config.context, head_tokens, draft_info.feature_fc,
                                         features_out=draft_info.feature_fc is not None)
+            if draft_info.feature_fc is not None and draft_builder.facts.hidden_size != target_builder.facts.hidden_size:
+                raise ExportError(f"the draft reads the target's features but its hidden size "
+                                  f"({draft_builder.facts.hidden_size}) differs from the target's "
+                                  f"({target_builder.facts.hidden_size}): it was trained for another target")
             if draft_builder.facts.vocab_size != target_builder.facts.vocab_size:
                 raise ExportError(f"the draft's vocabulary ({draft_builder.facts.vocab_size}) differs from the "
                                   f"target's ({target_builder.facts.vocab_size})")

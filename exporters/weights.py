@@ -22,6 +22,21 @@ def external_table(model: onnx.ModelProto, name: str) -> dict | None:
     return None
 
 
+def external_tensors(model: onnx.ModelProto) -> list[dict] | None:
+    """Every externalized weight with where it lies ({name, offset, shape, dtype}), when all of them are
+    plain float32 (a runtime can then hand them to onnxruntime in place); None otherwise."""
+    table = []
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        if tensor.data_type != onnx.TensorProto.FLOAT:
+            return None
+        info = {e.key: e.value for e in tensor.external_data}
+        table.append({"name": tensor.name, "offset": int(info["offset"]), "shape": list(tensor.dims),
+                      "dtype": "float32"})
+    return table or None
+
+
 def externalize(model: onnx.ModelProto, path: Path) -> None:
     """Writes every initializer of at least INLINE_LIMIT bytes to `path` and points the graph at it."""
     with open(path, "wb") as out:

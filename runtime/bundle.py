@@ -31,12 +31,16 @@ class GraphSpec:
     quantization: dict
     # an embedding stage's table when stored as plain floats: {file, offset, shape, dtype}
     embedding_table: dict | None = None
+    # every weight of a float32 graph in its one weights file: ({name, offset, shape, dtype}, ...), so a
+    # runtime can map the file and hand the session the weights in place
+    tensors: tuple[dict, ...] | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphSpec":
         return cls(file=data["file"], weights=tuple(data.get("weights", ())), inputs=data["inputs"],
                    outputs=data["outputs"], quantization=data.get("quantization", {"scheme": "fp32"}),
-                   embedding_table=data.get("embedding_table"))
+                   embedding_table=data.get("embedding_table"),
+                   tensors=tuple(data["tensors"]) if data.get("tensors") else None)
 
 
 @dataclass(frozen=True)

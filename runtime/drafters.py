@@ -136,7 +136,7 @@ def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: i
     if runner.reads_features:
         if target_features is None or len(target_features) < len(committed) - 1:
             raise ValueError("this draft reads the target's features, but the target cache keeps none: "
-                             "the bundle's target graph must return `features`")
+                             "the bundle's target graph must return `features_out`")
         features = np.zeros((len(new), target_features.shape[1]), np.float32)
         known = target_features[max(start - 1, 0) : len(committed) - 1]
         features[len(new) - len(known) :] = known

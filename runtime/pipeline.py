@@ -7,7 +7,7 @@ from pathlib import Path
 from edgespec.targets.profiles import get_profile
 
 from .budget import parse_size, plan_memory
-from .bundle import Manifest, open_bundle, read_head_tokens
+from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
 from .dynamic_tree import DynamicDrafter
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
 from .engine import GenerationConfig, Result, Session, generate
@@ -15,7 +15,7 @@ from .errors import BundleError
 from .kvcache import KVCache
 from .model import ModelRunner
 from .sessions import make_session
-from .staged import MappedEmbedding, StagedRunner, StageWindow
+from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
 from .tokenizer import TextCodec
 
 
@@ -42,8 +42,9 @@ class Pipeline:
             table = stages[0].embedding_table
             embedding = None if table is None else MappedEmbedding(self.folder, table, self.memory.context)
             loaded = stages[1:] if embedding else stages
-            window = StageWindow(lambda i: make_session(self.folder / loaded[i].file, profile.verify_providers,
-                                                        self.threads), len(loaded), self.memory.pinned_stages)
+            pinned = self.memory.pinned_stages
+            window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned)
+                                  for i, spec in enumerate(loaded)], pinned)
             self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, embedding)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
@@ -56,6 +57,14 @@ class Pipeline:
                 raise BundleError("the manifest names a draft model but no draft graph")
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
                                                   self.threads), m.draft.facts, read_head_tokens(self.folder, m.draft))
+
+    def _stage(self, spec: GraphSpec, providers, pinned: bool) -> Stage:
+        # Streamed float stages are mapped: fetching them is page faults, not a session load. Their kernels
+        # then read unpacked weights, slower per pass than the packed copy a loaded session makes, which
+        # pinned stages (loaded once) keep.
+        if spec.tensors and not pinned:
+            return MappedStage(self.folder, spec, providers, self.threads)
+        return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.threads))
 
     @property
     def context(self) -> int:

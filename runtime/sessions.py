@@ -8,7 +8,11 @@ import onnxruntime as ort
 from edgespec.targets.profiles import usable_providers
 
 
-def make_session(path: Path, providers: tuple[str, ...], threads: int) -> ort.InferenceSession:
+def make_session(path: Path, providers: tuple[str, ...], threads: int,
+                 initializers: dict[str, ort.OrtValue] | None = None, prepack: bool = True) -> ort.InferenceSession:
+    """`initializers`: weights the caller holds (memory-mapped), used in place of the graph's external
+    data; the caller keeps them alive as long as the session. `prepack=False` makes the kernels read
+    weights where they lie instead of copying them into packed buffers (which would make them resident)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -17,4 +21,8 @@ def make_session(path: Path, providers: tuple[str, ...], threads: int) -> ort.In
     # both cores busy while the other session computes: measured, it halved speculative decoding with
     # a draft model (RESULTS.md §13); without spinning, plain decoding is unchanged.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    for name, value in (initializers or {}).items():
+        options.add_initializer(name, value)
     return ort.InferenceSession(str(path), options, providers=usable_providers(providers))

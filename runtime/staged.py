@@ -1,9 +1,22 @@
 """The target run as stages (embedding, groups of layers, head) when its weights do not fit the budget.
 
-`StageWindow` keeps the pinned stages loaded and streams the others through two slots. Every pass
+`StageWindow` keeps the pinned stages resident and streams the others through two slots. Every pass
 visits the stages in the same order, so least-recently-used would miss every time; instead, while one
-stage computes, the next is loaded by a background thread, and the streamed stage behind is released.
-When every stage is pinned, each is loaded once.
+stage computes, the next is fetched by a background thread, and the streamed stage behind is released.
+When every stage is pinned, each is fetched once.
+
+A stage is either
+- `MappedStage`: its float weights stay in their file, memory-mapped, and its session reads them in
+  place (no copy, no prepacking). Fetching faults the pages in, releasing drops them from the
+  process (the OS may keep them cached): a stage costs its bytes and nothing more, and the sessions
+  themselves are made once;
+- `LoadedStage`: a session made from the file on fetch and dropped on release. Its kernels pack the
+  weights (measured: fp32 passes twice as fast as from unpacked weights), so pinned stages and
+  quantized ones are loaded this way.
+
+Within one budget plain and speculative decoding run the same stages, so speculation stays exact;
+between budgets the last bits of the logits may differ, as packed and unpacked kernels round
+differently.
 
 `StagedRunner.forward` has ModelRunner's signature and returns the same Pass: the engine, drafters and
 the budget's KV caches do not know whether the target streams.
@@ -13,21 +26,65 @@ from __future__ import annotations
 import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
+from .bundle import GraphSpec
 from .facts import ModelFacts
-from .kvcache import KVCache
 from .features import FEATURES_OUT
+from .kvcache import KVCache
 from .model import Pass, pass_feed
+from .sessions import make_session
+
+
+class Stage(Protocol):
+    def fetch(self) -> ort.InferenceSession:
+        """Makes the stage resident (called on the loader thread) and returns its session."""
+
+    def release(self) -> None:
+        """Gives the stage's memory back; a later fetch makes it resident again."""
+
+
+class LoadedStage:
+    def __init__(self, load: Callable[[], ort.InferenceSession]):
+        self.load, self.session = load, None
+
+    def fetch(self) -> ort.InferenceSession:
+        if self.session is None:
+            self.session = self.load()
+        return self.session
+
+    def release(self) -> None:
+        self.session = None
+
+
+class MappedStage:
+    def __init__(self, folder: Path, spec: GraphSpec, providers: tuple[str, ...], threads: int):
+        if not spec.tensors or len(spec.weights) != 1:
+            raise ValueError(f"{spec.file} lists no mappable tensors")
+        with open(Path(folder) / spec.weights[0], "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # the session reads these buffers for as long as it lives: they are kept with it
+        self.values = {t["name"]: ort.OrtValue.ortvalue_from_numpy(
+            np.frombuffer(self.map, np.dtype(t["dtype"]), count=int(np.prod(t["shape"])), offset=t["offset"])
+            .reshape(t["shape"])) for t in spec.tensors}
+        self.session = make_session(Path(folder) / spec.file, providers, threads, self.values, prepack=False)
+        self.pages = np.frombuffer(self.map, np.uint8)[:: mmap.PAGESIZE]
+
+    def fetch(self) -> ort.InferenceSession:
+        int(self.pages.max())  # reads one byte per page: the kernel maps them in, readahead fills the cache
+        return self.session
+
+    def release(self) -> None:
+        self.map.madvise(mmap.MADV_DONTNEED)
 
 
 class StageWindow:
-    def __init__(self, load: Callable[[int], ort.InferenceSession], count: int, pinned):
-        self.load, self.count, self.pinned = load, count, set(pinned)
-        self.resident = min(count, len(self.pinned) + 2)
+    def __init__(self, stages: list[Stage], pinned):
+        self.stages, self.count, self.pinned = stages, len(stages), set(pinned)
+        self.resident = min(self.count, len(self.pinned) + 2)
         self.sessions: dict[int, ort.InferenceSession] = {}
         self.pending: dict[int, Future] = {}
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-stage-loader")
@@ -36,7 +93,7 @@ class StageWindow:
         if i not in self.sessions:
             future = self.pending.pop(i, None)
             self._release_streamed(keep=i)
-            self.sessions[i] = future.result() if future is not None else self.load(i)
+            self.sessions[i] = future.result() if future is not None else self.stages[i].fetch()
         self._prefetch((i + 1) % self.count)
         return self.sessions[i]
 
@@ -47,6 +104,7 @@ class StageWindow:
             if not behind:
                 break
             del self.sessions[behind[0]]
+            self.stages[behind[0]].release()
 
     def _prefetch(self, i: int) -> None:
         if i in self.sessions or i in self.pending:
@@ -54,7 +112,7 @@ class StageWindow:
         if i not in self.pinned:
             self._release_streamed(keep=i)
         if len(self.sessions) + len(self.pending) < self.resident:
-            self.pending[i] = self.loader.submit(self.load, i)
+            self.pending[i] = self.loader.submit(self.stages[i].fetch)
 
     def close(self) -> None:
         self.loader.shutdown(wait=True)

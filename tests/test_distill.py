@@ -179,7 +179,7 @@ def eagle(distilled, models, tmp_path_factory):
     """A feature-reading draft trained on the data of the `distilled` run (`--data`)."""
     out = tmp_path_factory.mktemp("eagle") / "draft"
     config = DistillConfig(target=str(models["target"]), out=out, minutes=0.4, seed=0, design="eagle",
-                           data_from=distilled.out / "data", data=SMALL_DATA, training=replace(SMALL_TRAIN, lr=5e-4))
+                           data_from=distilled.out / "data", data=SMALL_DATA, training=SMALL_TRAIN)
     distill(config)
     return config
 

@@ -133,3 +133,13 @@ def test_sliding_keeps_features_with_their_rows(feature_bundles):
     plain = pipeline.generate("The quick brown fox", config=config, speculate=False)
     spec = pipeline.generate("The quick brown fox", config=config, speculate=True)
     assert spec.token_ids == plain.token_ids
+
+
+def test_a_feature_draft_for_another_width_is_refused(models, tmp_path):
+    from edgespec.exporters.export import ExportConfig, export
+    from edgespec.runtime.errors import ExportError
+
+    draft = write_feature_draft(tmp_path / "wide", hidden=32)
+    with pytest.raises(ExportError, match="hidden size"):
+        export(ExportConfig(model=str(models["target"]), draft=str(draft), out=tmp_path / "b", context=256))
+    assert not (tmp_path / "b").exists()

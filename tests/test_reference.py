@@ -29,9 +29,17 @@ def test_chat_template_and_tokenizer_round_trip(pipeline):
 
 
 def test_default_bundle_drafts_with_the_shipped_distilled_draft(pipeline):
+    import json
+
+    from edgespec.defaults import SHIPPED_DRAFT
+    from edgespec.distill.draft_model import DRAFT_LAYERS, FEATURE_DESIGNS
+
+    design = json.loads((SHIPPED_DRAFT / "draft.json").read_text())["design"]
     assert pipeline.manifest.drafter == "model"
     assert pipeline.draft.head_tokens is not None and len(pipeline.draft.head_tokens) == 8192
-    assert pipeline.manifest.draft.facts.num_layers == 2
+    assert pipeline.manifest.draft.facts.num_layers == DRAFT_LAYERS[design]
+    # a feature design's draft reads what the target's graph returns
+    assert pipeline.draft.reads_features == pipeline.target.gives_features == (design in FEATURE_DESIGNS)
 
 
 def test_draft_speculation_is_lossless_on_the_reference_model(pipeline):

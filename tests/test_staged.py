@@ -1,4 +1,6 @@
 """The target as stages under a memory budget: same bits as the single graph, streamed through a window."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -6,7 +8,7 @@ from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BudgetError
-from edgespec.runtime.staged import MappedEmbedding, StageWindow
+from edgespec.runtime.staged import LoadedStage, MappedEmbedding, StageWindow
 
 CONFIG = GenerationConfig(max_new_tokens=30)
 
@@ -36,33 +38,69 @@ def _budget_for(folder):
             + window_bytes(stages, ()))
 
 
-def test_stages_reproduce_the_single_graph_bit_for_bit(staged_bundle):
+def _single_graph(folder, prepack: bool):
+    from edgespec.runtime.model import ModelRunner
+    from edgespec.runtime.sessions import make_session
+
+    manifest = open_bundle(folder)
+    return ModelRunner(make_session(folder / manifest.target.graph.file, ("CPUExecutionProvider",), 1,
+                                    prepack=prepack), manifest.target.facts)
+
+
+def test_streamed_float_stages_are_mapped_and_pinned_ones_loaded(staged_bundle):
     from edgespec.runtime.pipeline import Pipeline
+    from edgespec.runtime.staged import LoadedStage, MappedStage
 
-    whole = Pipeline(staged_bundle, threads=1)
+    manifest = open_bundle(staged_bundle)
+    assert all(s.tensors for s in manifest.target.stages[1:])  # fp32: every weight can be mapped
     streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
-    assert streamed.memory.streams and streamed.memory.pinned_stages == ()
-    for prompt in ("The quick brown fox", "def add(a, b):"):
-        a = whole.generate(prompt=prompt, config=CONFIG, speculate=False)
-        b = streamed.generate(prompt=prompt, config=CONFIG, speculate=False)
-        c = streamed.generate(prompt=prompt, config=CONFIG, speculate=True)
-        assert a.token_ids == b.token_ids == c.token_ids
+    assert all(isinstance(s, MappedStage) for s in streamed.target.window.stages)
+    roomy = Pipeline(staged_bundle, threads=1,
+                     memory_budget=_budget_for(staged_bundle) + sum(
+                         (staged_bundle / n).stat().st_size for s in manifest.target.stages[1:3] for n in (s.file, *s.weights)))
+    kinds = {i: type(s) for i, s in enumerate(roomy.target.window.stages)}
+    assert roomy.memory.pinned_stages and all(kinds[i] is LoadedStage for i in roomy.memory.pinned_stages)
+    assert any(k is MappedStage for k in kinds.values())
 
 
-def test_logits_of_a_tree_pass_are_identical(staged_bundle):
+def test_mapped_stages_compute_the_unpacked_single_graphs_bits(staged_bundle):
+    """Mapped weights are read unpacked: the same bits as the single graph without prepacking, and
+    greedy speculation under the budget reproduces plain decoding under it."""
     from edgespec.runtime.kvcache import KVCache
     from edgespec.runtime.pipeline import Pipeline
 
-    whole = Pipeline(staged_bundle, threads=1)
     streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
     tokens = np.arange(5, 25)
     outs = []
-    for runner in (whole.target, streamed.target):
+    for runner in (_single_graph(staged_bundle, prepack=False), streamed.target):
         cache = KVCache(runner.facts, 64)
-        out = runner.forward(cache, tokens, range(20), np.tril(np.ones((20, 20), bool)), range(20))
-        outs.append(out)
+        outs.append(runner.forward(cache, tokens, range(20), np.tril(np.ones((20, 20), bool)), range(20)))
     np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
     np.testing.assert_array_equal(outs[0].new_kv, outs[1].new_kv)
+    for prompt in ("The quick brown fox", "def add(a, b):"):
+        plain = streamed.generate(prompt=prompt, config=CONFIG, speculate=False)
+        assert streamed.generate(prompt=prompt, config=CONFIG, speculate=True).token_ids == plain.token_ids
+
+
+def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
+    """With every stage pinned (loaded, packed), a tree pass is the packed single graph's, bit for bit."""
+    from edgespec.runtime.kvcache import KVCache
+    from edgespec.runtime.staged import LoadedStage, StagedRunner, StageWindow
+    from edgespec.runtime.sessions import make_session
+
+    manifest = open_bundle(staged_bundle)
+    stages = manifest.target.stages
+    window = StageWindow([LoadedStage(lambda s=s: make_session(staged_bundle / s.file, ("CPUExecutionProvider",), 1))
+                          for s in stages], pinned=range(len(stages)))
+    staged = StagedRunner(window, [list(s.inputs) for s in stages], manifest.target.facts)
+    tokens = np.arange(5, 25)
+    outs = []
+    for runner in (_single_graph(staged_bundle, prepack=True), staged):
+        cache = KVCache(runner.facts, 64)
+        outs.append(runner.forward(cache, tokens, range(20), np.tril(np.ones((20, 20), bool)), range(20)))
+    np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
+    np.testing.assert_array_equal(outs[0].new_kv, outs[1].new_kv)
+    window.close()
 
 
 def test_a_float_embedding_table_is_mapped_not_loaded(staged_bundle):
@@ -83,14 +121,14 @@ def test_window_loads_each_stage_once_when_all_fit_and_streams_otherwise():
         loaded.append(i)
         return f"session {i}"
 
-    window = StageWindow(load, count=5, pinned=range(5))
+    window = StageWindow([LoadedStage(lambda i=i: load(i)) for i in range(5)], pinned=range(5))
     for _ in range(3):
         assert [window.get(i) for i in range(5)] == [f"session {i}" for i in range(5)]
     assert sorted(loaded) == [0, 1, 2, 3, 4]
     window.close()
 
     loaded.clear()
-    window = StageWindow(load, count=5, pinned={0})
+    window = StageWindow([LoadedStage(lambda i=i: load(i)) for i in range(5)], pinned={0})
     for _ in range(3):
         for i in range(5):
             window.get(i)
@@ -137,3 +175,27 @@ def test_the_largest_stages_are_pinned_first_and_the_window_fits():
     pinned = choose_pinned(stages, 100)
     assert 1 in pinned and 4 in pinned and window_bytes(stages, pinned) <= 100
     assert choose_pinned(stages, 1000) == (0, 1, 2, 3, 4)
+
+
+def _mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (Linux /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_mapped_stage_is_resident_after_fetch_and_gone_after_release(staged_bundle):
+    from edgespec.runtime.staged import MappedStage
+
+    spec = open_bundle(staged_bundle).target.stages[2]
+    stage = MappedStage(staged_bundle, spec, ("CPUExecutionProvider",), 1)
+    weights = (staged_bundle / spec.weights[0]).resolve()
+    stage.fetch()
+    assert _mapped_rss_kib(weights) * 1024 >= 0.9 * weights.stat().st_size
+    stage.release()
+    assert _mapped_rss_kib(weights) == 0
