@@ -20,8 +20,10 @@ PROMPTS = 2
 NEW_TOKENS = 128
 
 
-def _runner(folder: Path, role: str, facts) -> ModelRunner:
-    return ModelRunner(make_session(folder / f"{role}.onnx", ("CPUExecutionProvider",), default_threads()), facts)
+def _runner(folder: Path, role: str, builder: LlamaBuilder) -> ModelRunner:
+    """A trimmed head's logits are spread over the vocabulary: agreement compares token ids."""
+    session = make_session(folder / f"{role}.onnx", ("CPUExecutionProvider",), default_threads())
+    return ModelRunner(session, builder.facts, builder.head_tokens)
 
 
 def write_quality_report(bundle: Path, tokenizer: dict, target: LlamaBuilder, draft: LlamaBuilder | None) -> dict:
@@ -40,8 +42,8 @@ def write_quality_report(bundle: Path, tokenizer: dict, target: LlamaBuilder, dr
         drafts = None
         if draft is not None:
             save_graph(scratch, "draft", draft, QuantPolicy())
-            drafts = (_runner(scratch, "draft", draft.facts), _runner(bundle, "draft", draft.facts))
-        report = quality_report(_runner(scratch, "target", target.facts), _runner(bundle, "target", target.facts),
+            drafts = (_runner(scratch, "draft", draft), _runner(bundle, "draft", draft))
+        report = quality_report(_runner(scratch, "target", target), _runner(bundle, "target", target),
                                 heldout, prompt_ids, new_tokens, drafts)
     (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

@@ -143,3 +143,16 @@ def test_a_feature_draft_for_another_width_is_refused(models, tmp_path):
     with pytest.raises(ExportError, match="hidden size"):
         export(ExportConfig(model=str(models["target"]), draft=str(draft), out=tmp_path / "b", context=256))
     assert not (tmp_path / "b").exists()
+
+
+def test_quality_report_measures_a_feature_draft_with_a_trimmed_head(models, tmp_path):
+    from edgespec.exporters.export import ExportConfig, export
+
+    draft = write_feature_draft(tmp_path / "draft")
+    bundle = export(ExportConfig(model=str(models["target"]), draft=str(draft), out=tmp_path / "b", context=256,
+                                 quant="int8"))
+    report = json.loads((bundle / "quality.json").read_text())
+    agreement = report["draft_agreement"]
+    # measured with the target's features fed to the draft, for the fp32 and the int8 pair
+    assert 0.0 <= agreement["quantized"] <= 1.0 and 0.0 <= agreement["fp32"] <= 1.0
+    assert abs(agreement["fp32"] - agreement["quantized"]) <= 0.25
