@@ -1,8 +1,8 @@
 """Distillation: the draft learns the target's next-token distribution from precomputed top-k shards.
 
 Loss at each supervised position: cross-entropy of the draft's distribution over its head tokens against
-the target's top-k probabilities restricted to those tokens and renormalised (KL up to a constant).
-The learning rate follows the elapsed share of the time budget (warm-up, then cosine), so a resumed run
+the target's top-k probabilities restricted to those tokens and renormalised (KL up to a constant); a
+feature design (EAGLE) also regresses the target's feature there (smooth L1). The learning rate follows the elapsed share of the time budget (warm-up, then cosine), so a resumed run
 continues the same schedule. A held-out shard of target answers measures top-1 agreement with the target's greedy token.
 
 State on disk: checkpoints/last.pt (trainable weights, optimizer, step, seconds used, head tokens),
@@ -132,11 +132,10 @@ def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator,
 
 
 def draft_outputs(draft, head, batch: Batch):
-    """(hidden [B, T, H], hidden [M, H] and logits [M, head tokens] at the supervised rows)."""
+    """(hidden [M, H], logits [M, head tokens]) at the supervised rows."""
     hidden = draft_hidden(draft, batch.ids, batch.mask, batch.features_in)
-    where = batch.where
-    rows = hidden[where[:, 0], where[:, 1]]
-    return hidden, rows, rows @ head.T
+    rows = hidden[batch.where[:, 0], batch.where[:, 1]]
+    return rows, rows @ head.T
 
 
 def distill_loss(logits, idx, p):
@@ -153,7 +152,7 @@ def batch_loss(draft, head, batch: Batch):
     halved the steps per minute and slowed first-step agreement (benchmarks/RESULTS.md §19), so it is not done."""
     import torch
 
-    _, rows, logits = draft_outputs(draft, head, batch)
+    rows, logits = draft_outputs(draft, head, batch)
     loss = distill_loss(logits, batch.idx, batch.p)
     if batch.features_in is not None:
         loss = loss + torch.nn.functional.smooth_l1_loss(rows, batch.features_out)
@@ -170,7 +169,7 @@ def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[
     with torch.inference_mode():
         for start in range(0, len(sequences), 8):
             batch = make_batch(sequences[start:start + 8], window, rng, kept_index)
-            proposed = head_tokens[draft_outputs(draft, head, batch)[2].argmax(-1).numpy()]
+            proposed = head_tokens[draft_outputs(draft, head, batch)[1].argmax(-1).numpy()]
             hits += int((proposed == batch.greedy).sum())
             total += len(batch.greedy)
     return hits / max(total, 1)
