@@ -16,7 +16,6 @@ from edgespec.defaults import resolve_bundle
 from edgespec.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
 from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
 from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.tree import parse_tree_spec
 
@@ -30,19 +29,19 @@ args = parser.parse_args()
 
 pipeline = Pipeline(resolve_bundle(args.bundle))
 prompts = load_prompts(Path(args.prompts) if args.prompts else None)
-chunk, facts, context = pipeline.manifest.prefill_chunk, pipeline.manifest.target.facts, pipeline.context
+chunk, facts = pipeline.manifest.prefill_chunk, pipeline.manifest.target.facts
 table = new_recycling_table(facts.vocab_size)
 
 
 def model(spec):
-    return lambda: ModelDrafter(pipeline.draft, KVCache(pipeline.draft.facts, context), parse_tree_spec(spec), chunk)
+    return lambda: ModelDrafter(pipeline.draft, pipeline.new_draft_cache(), parse_tree_spec(spec), chunk)
 
 
 rows = [("plain", NoDrafter)]
 rows += [(f"draft model, chain:{k}", model(f"chain:{k}")) for k in (1, 2, 3, 4, 5, 6)]
 rows += [(f"draft model, {spec}", model(spec)) for spec in ["topk:2x3"] + args.tree]
 rows += [(f"draft model, dynamic:{args.dynamic}", lambda: DynamicDrafter(
-    pipeline.draft, KVCache(pipeline.draft.facts, context), DynamicTreeConfig(budget=args.dynamic), chunk))]
+    pipeline.draft, pipeline.new_draft_cache(), DynamicTreeConfig(budget=args.dynamic), chunk))]
 rows += [("n-gram, chain:4", lambda: NgramDrafter(parse_tree_spec("chain:4"))),
          ("token recycling, topk:2x3", lambda: RecyclingDrafter(parse_tree_spec("topk:2x3"), table)),
          ("n-gram + recycling, topk:2x3", lambda: RecyclingDrafter(parse_tree_spec("topk:2x3"), table,

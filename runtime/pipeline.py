@@ -74,6 +74,11 @@ class Pipeline:
         target = self.manifest.target
         return Session(cache=KVCache(target.facts, self.context, target.feature_size))
 
+    def new_draft_cache(self) -> KVCache:
+        """A cache for the draft model: its own KV rows, and its output features when it reads the target's."""
+        draft = self.manifest.draft
+        return KVCache(draft.facts, self.context, draft.feature_size)
+
     def make_drafter(self, speculate: bool) -> Drafter:
         m = self.manifest
         if not speculate:
@@ -85,7 +90,7 @@ class Pipeline:
             if self.recycling_table is None:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
             return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)
-        cache = KVCache(m.draft.facts, self.context, m.draft.feature_size)
+        cache = self.new_draft_cache()
         if m.dynamic is not None:
             return DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
         return ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)
