@@ -132,7 +132,7 @@ def distill(config: DistillConfig) -> Path:
     missing = [str(p) for p in corpus if not p.exists()]
     if missing:
         raise ExportError(f"corpus paths not found: {', '.join(missing)}")
-    if config.data_from is not None and not data.shard_paths(Path(config.data_from) / "chat"):
+    if config.data_from is not None and not data.shard_paths(config.data_from / "chat"):
         raise ExportError(f"{config.data_from} holds no target data: give the `data` folder of an earlier distill run")
     state = _open_state(config)
     if state.finished:
@@ -147,7 +147,7 @@ def distill(config: DistillConfig) -> Path:
     model, tokenizer = source.load()
     log(f"target {source.description}; budget {config.minutes:g} min; used so far {state.used_s}")
     data_config = config.data
-    data_dir = config.out / "data" if config.data_from is None else Path(config.data_from)
+    data_dir = config.out / "data" if config.data_from is None else config.data_from
     features_dir = config.out / "data" / "features"
 
     def all_shards() -> list[Path]:
@@ -190,11 +190,10 @@ def distill(config: DistillConfig) -> Path:
         train(model, tokenizer, shards, chat_shards[-1:], config.out,
               replace(config.training, design=config.design, seed=config.seed), deadline, log, features_dir)
 
-    if config.data_from is None:
-        _phase(config, state, "chat", log, chat)
-        _phase(config, state, "corpus", log, teacher_forced)
-    else:
+    if config.data_from is not None:  # its chat and corpus shares are zero: those phases do not run
         log(f"data: reusing the target data in {data_dir}")
+    _phase(config, state, "chat", log, chat)
+    _phase(config, state, "corpus", log, teacher_forced)
     _phase(config, state, "features", log, features)
     _phase(config, state, "train", log, training)
     state.finished = True

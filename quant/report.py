@@ -9,6 +9,7 @@ import numpy as np
 
 from edgespec.runtime.drafters import NoDrafter
 from edgespec.runtime.engine import Session, speculative_step
+from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import ModelRunner, prefill
 
@@ -33,8 +34,7 @@ def _row_logits(runner: ModelRunner, ids: list[int], chunk: int, features: np.nd
 def draft_input_features(target: ModelRunner, ids: list[int], chunk: int = 64) -> np.ndarray:
     """What a feature-reading draft gets with each token of `ids`: the target's feature at the token
     before (zeros at the first)."""
-    features = np.concatenate([out.features for out in _passes(target, ids, chunk)])
-    return np.concatenate([np.zeros_like(features[:1]), features[:-1]])
+    return draft_inputs(np.concatenate([out.features for out in _passes(target, ids, chunk)]), 0, len(ids))
 
 
 def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 64) -> float:

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .features import draft_inputs
 from .kvcache import KVCache
 from .model import ModelRunner, prefill
 from .sampling import Sampler, sample_without_replacement
@@ -137,9 +138,7 @@ def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: i
         if target_features is None or len(target_features) < len(committed) - 1:
             raise ValueError("this draft reads the target's features, but the target cache keeps none: "
                              "the bundle's target graph must return `features_out`")
-        features = np.zeros((len(new), target_features.shape[1]), np.float32)
-        known = target_features[max(start - 1, 0) : len(committed) - 1]
-        features[len(new) - len(known) :] = known
+        features = draft_inputs(target_features, start, len(committed))
     return prefill(runner, cache, new, chunk, features)
 
 
