@@ -1,6 +1,7 @@
 """The front of the runtime: open a bundle, make sessions per role, generate text."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -15,8 +16,15 @@ from .errors import BundleError
 from .kvcache import KVCache
 from .model import ModelRunner
 from .sessions import make_session
+from . import prepacked
 from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
 from .tokenizer import TextCodec
+
+
+def _default_prepared_dir() -> Path:
+    from edgespec.defaults import cache_dir
+
+    return cache_dir() / "prepacked"
 
 
 def default_threads() -> int:
@@ -26,10 +34,14 @@ def default_threads() -> int:
 class Pipeline:
     """A loaded bundle. `generate` is the whole job; `new_session` keeps a conversation's caches."""
 
-    def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None):
+    def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
+                 prepared_dir: Path | None = None):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
-        it; the caches hold the context that fits (`memory.context`), refused below the minimum."""
+        it; the caches hold the context that fits (`memory.context`), refused below the minimum.
+        `prepared_dir`: where streamed stages' packed weights are kept for this machine (default: the
+        edgespec cache); written on first use."""
         self.folder = Path(folder)
+        self.prepared_dir = Path(prepared_dir) if prepared_dir else _default_prepared_dir()
         self.manifest: Manifest = open_bundle(self.folder)
         self.memory = plan_memory(self.manifest, self.folder,
                                   None if memory_budget is None else parse_size(memory_budget))
@@ -43,7 +55,8 @@ class Pipeline:
             embedding = None if table is None else MappedEmbedding(self.folder, table, self.memory.context)
             loaded = stages[1:] if embedding else stages
             pinned = self.memory.pinned_stages
-            window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned)
+            packed = self._packed_stages(loaded)
+            window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned, packed.get(i))
                                   for i, spec in enumerate(loaded)], pinned)
             self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, embedding)
         else:
@@ -58,10 +71,24 @@ class Pipeline:
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
                                                   self.threads), m.draft.facts, read_head_tokens(self.folder, m.draft))
 
-    def _stage(self, spec: GraphSpec, providers, pinned: bool) -> Stage:
-        # Streamed float stages are mapped: fetching them is page faults, not a session load. Their kernels
-        # then read unpacked weights, slower per pass than the packed copy a loaded session makes, which
-        # pinned stages (loaded once) keep.
+    def _packed_stages(self, specs: list[GraphSpec]) -> dict[int, Path]:
+        """This machine's packed copies of the float stages, by index, where they can be mapped and released."""
+        if not prepacked.available():
+            return {}
+        floats = {i: spec for i, spec in enumerate(specs) if spec.tensors}
+        checksums = [hashlib.sha256("".join(self.manifest.files[name] for name in (spec.file, *spec.weights))
+                                    .encode()).hexdigest() for spec in floats.values()]
+        graphs = prepacked.prepare([(self.folder / spec.file, c) for spec, c in zip(floats.values(), checksums)],
+                                   self.prepared_dir)
+        return dict(zip(floats, graphs))
+
+    def _stage(self, spec: GraphSpec, providers, pinned: bool, packed: Path | None) -> Stage:
+        # Float stages are mapped: fetching them is page faults, not a session load. Where onnxruntime's
+        # packed weights can be mapped and released (Linux), every float stage uses them, pinned or not,
+        # so each budget computes the same bits. Elsewhere streamed stages read unpacked weights, slower
+        # per pass than the packed copy a loaded session makes, which pinned stages keep.
+        if packed is not None:
+            return prepacked.PrepackedStage(packed, providers, self.threads)
         if spec.tensors and not pinned:
             return MappedStage(self.folder, spec, providers, self.threads)
         return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.threads))

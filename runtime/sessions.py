@@ -9,13 +9,16 @@ from edgespec.targets.profiles import usable_providers
 
 
 def make_session(path: Path, providers: tuple[str, ...], threads: int,
-                 initializers: dict[str, ort.OrtValue] | None = None, prepack: bool = True) -> ort.InferenceSession:
+                 initializers: dict[str, ort.OrtValue] | None = None, prepack: bool = True,
+                 optimize: bool = True) -> ort.InferenceSession:
     """`initializers`: weights the caller holds (memory-mapped), used in place of the graph's external
     data; the caller keeps them alive as long as the session. `prepack=False` makes the kernels read
-    weights where they lie instead of copying them into packed buffers (which would make them resident)."""
+    weights where they lie instead of copying them into packed buffers (which would make them resident).
+    `optimize=False` for a graph onnxruntime already optimized for this machine."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.log_severity_level = 3
     # The target and draft sessions take turns on the same cores. A pool that spins after its run keeps
     # both cores busy while the other session computes: measured, it halved speculative decoding with

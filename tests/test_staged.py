@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
+from edgespec.runtime import prepacked
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BudgetError
@@ -47,59 +48,93 @@ def _single_graph(folder, prepack: bool):
                                     prepack=prepack), manifest.target.facts)
 
 
-def test_streamed_float_stages_are_mapped_and_pinned_ones_loaded(staged_bundle):
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """Where streamed stages' packed weights are kept: per test module, never the user's cache."""
+    return tmp_path_factory.mktemp("prepacked")
+
+
+def _roomy_budget(folder):
+    """Room for the first two layer stages to be pinned; the others stream."""
+    manifest = open_bundle(folder)
+    return _budget_for(folder) + sum((folder / n).stat().st_size
+                                     for s in manifest.target.stages[1:3] for n in (s.file, *s.weights))
+
+
+def _first_pass(runner):
+    from edgespec.runtime.kvcache import KVCache
+
+    tokens = np.arange(5, 25)
+    return runner.forward(KVCache(runner.facts, 64), tokens, range(20), np.tril(np.ones((20, 20), bool)), range(20))
+
+
+def _assert_same_pass(expected, actual):
+    np.testing.assert_array_equal(expected.logits, actual.logits)
+    np.testing.assert_array_equal(expected.new_kv, actual.new_kv)
+
+
+def _assert_speculation_exact(pipeline):
+    for prompt in ("The quick brown fox", "def add(a, b):"):
+        plain = pipeline.generate(prompt=prompt, config=CONFIG, speculate=False)
+        assert pipeline.generate(prompt=prompt, config=CONFIG, speculate=True).token_ids == plain.token_ids
+
+
+needs_prepacked = pytest.mark.skipif(not prepacked.available(), reason="releases mapped pages through /proc/self/maps")
+
+
+@needs_prepacked
+def test_float_stages_map_their_packed_weights_pinned_or_streamed(staged_bundle, prepared):
     from edgespec.runtime.pipeline import Pipeline
-    from edgespec.runtime.staged import LoadedStage, MappedStage
 
     manifest = open_bundle(staged_bundle)
     assert all(s.tensors for s in manifest.target.stages[1:])  # fp32: every weight can be mapped
-    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
+    for budget in (_budget_for(staged_bundle), _roomy_budget(staged_bundle)):
+        pipeline = Pipeline(staged_bundle, threads=1, memory_budget=budget, prepared_dir=prepared)
+        assert all(isinstance(s, prepacked.PrepackedStage) for s in pipeline.target.window.stages)
+    assert pipeline.memory.pinned_stages
+
+
+@needs_prepacked
+def test_packed_stages_compute_the_packed_single_graphs_bits_at_every_budget(staged_bundle, prepared):
+    """Streamed or pinned, the stages run the packed kernels the single graph runs: a tree pass is its,
+    bit for bit, and greedy speculation under the budget reproduces plain decoding under it."""
+    from edgespec.runtime.pipeline import Pipeline
+
+    expected = _first_pass(_single_graph(staged_bundle, prepack=True))
+    for budget in (_budget_for(staged_bundle), _roomy_budget(staged_bundle)):
+        pipeline = Pipeline(staged_bundle, threads=1, memory_budget=budget, prepared_dir=prepared)
+        _assert_same_pass(expected, _first_pass(pipeline.target))
+    _assert_speculation_exact(pipeline)
+
+
+def test_without_packed_mapping_streamed_stages_read_unpacked_weights(staged_bundle, prepared, monkeypatch):
+    """Where mapped pages cannot be released (no /proc/self/maps), streamed float stages read the bundle's
+    weights in place, unpacked: the unpacked single graph's bits; pinned stages are loaded and packed."""
+    from edgespec.runtime.pipeline import Pipeline
+    from edgespec.runtime.staged import MappedStage
+
+    monkeypatch.setattr(prepacked, "available", lambda: False)
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle), prepared_dir=prepared)
     assert all(isinstance(s, MappedStage) for s in streamed.target.window.stages)
-    roomy = Pipeline(staged_bundle, threads=1,
-                     memory_budget=_budget_for(staged_bundle) + sum(
-                         (staged_bundle / n).stat().st_size for s in manifest.target.stages[1:3] for n in (s.file, *s.weights)))
+    _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=False)), _first_pass(streamed.target))
+    _assert_speculation_exact(streamed)
+    roomy = Pipeline(staged_bundle, threads=1, memory_budget=_roomy_budget(staged_bundle), prepared_dir=prepared)
     kinds = {i: type(s) for i, s in enumerate(roomy.target.window.stages)}
     assert roomy.memory.pinned_stages and all(kinds[i] is LoadedStage for i in roomy.memory.pinned_stages)
     assert any(k is MappedStage for k in kinds.values())
 
 
-def test_mapped_stages_compute_the_unpacked_single_graphs_bits(staged_bundle):
-    """Mapped weights are read unpacked: the same bits as the single graph without prepacking, and
-    greedy speculation under the budget reproduces plain decoding under it."""
-    from edgespec.runtime.kvcache import KVCache
-    from edgespec.runtime.pipeline import Pipeline
-
-    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
-    tokens = np.arange(5, 25)
-    outs = []
-    for runner in (_single_graph(staged_bundle, prepack=False), streamed.target):
-        cache = KVCache(runner.facts, 64)
-        outs.append(runner.forward(cache, tokens, range(20), np.tril(np.ones((20, 20), bool)), range(20)))
-    np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
-    np.testing.assert_array_equal(outs[0].new_kv, outs[1].new_kv)
-    for prompt in ("The quick brown fox", "def add(a, b):"):
-        plain = streamed.generate(prompt=prompt, config=CONFIG, speculate=False)
-        assert streamed.generate(prompt=prompt, config=CONFIG, speculate=True).token_ids == plain.token_ids
-
-
 def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
     """With every stage pinned (loaded, packed), a tree pass is the packed single graph's, bit for bit."""
-    from edgespec.runtime.kvcache import KVCache
-    from edgespec.runtime.staged import LoadedStage, StagedRunner, StageWindow
     from edgespec.runtime.sessions import make_session
+    from edgespec.runtime.staged import StagedRunner
 
     manifest = open_bundle(staged_bundle)
     stages = manifest.target.stages
     window = StageWindow([LoadedStage(lambda s=s: make_session(staged_bundle / s.file, ("CPUExecutionProvider",), 1))
                           for s in stages], pinned=range(len(stages)))
     staged = StagedRunner(window, [list(s.inputs) for s in stages], manifest.target.facts)
-    tokens = np.arange(5, 25)
-    outs = []
-    for runner in (_single_graph(staged_bundle, prepack=True), staged):
-        cache = KVCache(runner.facts, 64)
-        outs.append(runner.forward(cache, tokens, range(20), np.tril(np.ones((20, 20), bool)), range(20)))
-    np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
-    np.testing.assert_array_equal(outs[0].new_kv, outs[1].new_kv)
+    _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=True)), _first_pass(staged))
     window.close()
 
 
@@ -199,3 +234,49 @@ def test_a_mapped_stage_is_resident_after_fetch_and_gone_after_release(staged_bu
     assert _mapped_rss_kib(weights) * 1024 >= 0.9 * weights.stat().st_size
     stage.release()
     assert _mapped_rss_kib(weights) == 0
+
+
+def _prepared_stage(folder, prepared, index):
+    manifest = open_bundle(folder)
+    spec = manifest.target.stages[index]
+    checksum = manifest.files[spec.weights[0]]
+    return spec, prepacked.prepare([(folder / spec.file, checksum)], prepared)[0]
+
+
+@needs_prepacked
+def test_a_packed_stage_is_resident_after_fetch_and_gone_after_release(staged_bundle, prepared):
+    spec, graph = _prepared_stage(staged_bundle, prepared, 2)
+    stage = prepacked.PrepackedStage(graph, ("CPUExecutionProvider",), 1)
+    weights = (graph.parent / prepacked.WEIGHTS).resolve()
+    mapped = sum(high - low for low, high in stage.ranges)
+    stage.fetch()
+    assert _mapped_rss_kib(weights) * 1024 >= 0.9 * mapped > 0
+    rng = np.random.default_rng(0)
+    sizes = {"nodes": 3, "total": 3, "past": 0}
+    feed = {i.name: rng.standard_normal([sizes.get(d, d) for d in i.shape]).astype(np.float32)
+            for i in stage.session.get_inputs() if i.type == "tensor(float)"}
+    feed.update(position_ids=np.arange(3)[None], attention_mask=np.tril(np.ones((3, 3), bool)))
+    before = stage.session.run(None, feed)
+    stage.release()
+    assert _mapped_rss_kib(weights) == 0
+    for expected, again in zip(before, stage.fetch().run(None, feed)):  # read back from the file, unchanged
+        np.testing.assert_array_equal(expected, again)
+
+
+@needs_prepacked
+def test_packed_weights_are_prepared_once_per_stage_and_machine(staged_bundle, tmp_path):
+    spec, graph = _prepared_stage(staged_bundle, tmp_path, 2)
+    assert graph.parent.parent.name == prepacked.machine_key()
+    written = graph.stat().st_mtime_ns
+    checksum = open_bundle(staged_bundle).files[spec.weights[0]]
+    assert prepacked.prepare([(staged_bundle / spec.file, checksum)], tmp_path) == [graph]
+    assert graph.stat().st_mtime_ns == written
+    assert prepacked.prepare([(staged_bundle / spec.file, "0" * 64)], tmp_path) != [graph]  # another bundle's stage
+
+
+def test_a_failed_preparation_leaves_nothing_behind(tmp_path):
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a graph")
+    with pytest.raises(RuntimeError, match="cannot pack the weights"):
+        prepacked.prepare([(broken, "f" * 64)], tmp_path / "prepared")
+    assert not [p for p in (tmp_path / "prepared").rglob("*") if p.is_file()]
