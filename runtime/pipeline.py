@@ -55,7 +55,7 @@ class Pipeline:
             embedding = None if table is None else MappedEmbedding(self.folder, table, self.memory.context)
             loaded = stages[1:] if embedding else stages
             pinned = self.memory.pinned_stages
-            packed = self._packed_stages({i: spec for i, spec in enumerate(loaded) if i not in pinned})
+            packed = self._packed_stages(loaded)
             window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned, packed.get(i))
                                   for i, spec in enumerate(loaded)], pinned)
             self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, embedding)
@@ -71,12 +71,11 @@ class Pipeline:
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
                                                   self.threads), m.draft.facts, read_head_tokens(self.folder, m.draft))
 
-    def _packed_stages(self, streamed: dict[int, GraphSpec]) -> dict[int, Path]:
-        """This machine's packed copies of the streamed float stages, by index, where they can be mapped
-        and released."""
+    def _packed_stages(self, specs: list[GraphSpec]) -> dict[int, Path]:
+        """This machine's packed copies of the float stages, by index, where they can be mapped and released."""
         if not prepacked.available():
             return {}
-        floats = {i: spec for i, spec in streamed.items() if spec.tensors}
+        floats = {i: spec for i, spec in enumerate(specs) if spec.tensors}
         checksums = [hashlib.sha256("".join(self.manifest.files[name] for name in (spec.file, *spec.weights))
                                     .encode()).hexdigest() for spec in floats.values()]
         graphs = prepacked.prepare([(self.folder / spec.file, c) for spec, c in zip(floats.values(), checksums)],
@@ -84,10 +83,10 @@ class Pipeline:
         return dict(zip(floats, graphs))
 
     def _stage(self, spec: GraphSpec, providers, pinned: bool, packed: Path | None) -> Stage:
-        # Streamed float stages are mapped: fetching them is page faults, not a session load. Where
-        # onnxruntime's packed weights can be mapped and released (Linux), they are, and compute the bits a
-        # loaded session does; elsewhere streamed stages read unpacked weights, slower per pass. Pinned
-        # stages are loaded: heap pages stay, where the OS would take back clean file pages under pressure.
+        # Float stages are mapped: fetching them is page faults, not a session load. Where onnxruntime's
+        # packed weights can be mapped and released (Linux), every float stage uses them, pinned or not,
+        # so each budget computes the same bits. Elsewhere streamed stages read unpacked weights, slower
+        # per pass than the packed copy a loaded session makes, which pinned stages keep.
         if packed is not None:
             return prepacked.PrepackedStage(packed, providers, self.threads)
         if spec.tensors and not pinned:

@@ -83,23 +83,21 @@ needs_prepacked = pytest.mark.skipif(not prepacked.available(), reason="releases
 
 
 @needs_prepacked
-def test_streamed_float_stages_map_their_packed_weights_and_pinned_ones_are_loaded(staged_bundle, prepared):
+def test_float_stages_map_their_packed_weights_pinned_or_streamed(staged_bundle, prepared):
     from edgespec.runtime.pipeline import Pipeline
 
     manifest = open_bundle(staged_bundle)
     assert all(s.tensors for s in manifest.target.stages[1:])  # fp32: every weight can be mapped
-    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle), prepared_dir=prepared)
-    assert all(isinstance(s, prepacked.PrepackedStage) for s in streamed.target.window.stages)
-    roomy = Pipeline(staged_bundle, threads=1, memory_budget=_roomy_budget(staged_bundle), prepared_dir=prepared)
-    kinds = {i: type(s) for i, s in enumerate(roomy.target.window.stages)}
-    assert roomy.memory.pinned_stages and all(kinds[i] is LoadedStage for i in roomy.memory.pinned_stages)
-    assert all(kinds[i] is prepacked.PrepackedStage for i in kinds if i not in roomy.memory.pinned_stages)
+    for budget in (_budget_for(staged_bundle), _roomy_budget(staged_bundle)):
+        pipeline = Pipeline(staged_bundle, threads=1, memory_budget=budget, prepared_dir=prepared)
+        assert all(isinstance(s, prepacked.PrepackedStage) for s in pipeline.target.window.stages)
+    assert pipeline.memory.pinned_stages
 
 
 @needs_prepacked
 def test_packed_stages_compute_the_packed_single_graphs_bits_at_every_budget(staged_bundle, prepared):
-    """Streamed (mapped) or pinned (loaded), the stages run the packed kernels the single graph runs: a tree
-    pass is its, bit for bit, and greedy speculation under the budget reproduces plain decoding under it."""
+    """Streamed or pinned, the stages run the packed kernels the single graph runs: a tree pass is its,
+    bit for bit, and greedy speculation under the budget reproduces plain decoding under it."""
     from edgespec.runtime.pipeline import Pipeline
 
     expected = _first_pass(_single_graph(staged_bundle, prepack=True))
