@@ -6,9 +6,15 @@
 Each budget is `plan`'s fixed part (runtime, draft, scratch, KV for the full context) plus a fraction
 of the target's weights; "none" is the unconstrained run. Every point is its own process (`edgespec
 bench --json`), so its peak RSS is its own. Needs matplotlib for the plot (pip install 'edgespec[bench]').
+
+--limit-memory (Linux, root, cgroup v1 memory controller) runs each budgeted point as on a device where
+the budget is all the memory there is: inside a memory cgroup limited to the budget, which counts the
+page cache too, after the bundle's and the packed stages' files are dropped from the page cache. Streamed
+stages are then read from storage on every pass instead of from the OS cache.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +28,29 @@ parser.add_argument("--fractions", default="1.0,0.75,0.5,0.25")
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--prompts", default=None)
 parser.add_argument("--plot", default=None)
+parser.add_argument("--limit-memory", action="store_true")
 args = parser.parse_args()
+CGROUP = Path("/sys/fs/cgroup/memory/edgespec-memory-budget")
+
+
+def drop_from_page_cache(*folders: Path) -> None:
+    for folder in folders:
+        for path in folder.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+
+def limited(command: list[str], budget: int) -> list[str]:
+    """`command` run inside a memory cgroup of `budget` bytes, page cache included."""
+    from edgespec.defaults import cache_dir
+
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(budget))
+    drop_from_page_cache(folder, cache_dir() / "prepacked")
+    return ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "limited", *command]
+
 
 folder = Path(args.bundle)
 full = plan_memory(open_bundle(folder), folder, None)
@@ -33,6 +61,8 @@ for label in ["none"] + args.fractions.split(","):
     command = [sys.executable, "-m", "edgespec.cli", "bench", str(folder), "--json",
                "--max-new-tokens", str(args.max_new_tokens)] + (["--prompts", args.prompts] if args.prompts else []) \
         + (["--memory-budget", str(budget)] if budget else [])
+    if budget and args.limit_memory:
+        command = limited(command, budget)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"{label}: {done.stderr.strip().splitlines()[-1]}")
