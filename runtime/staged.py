@@ -6,17 +6,17 @@ stage computes, the next is fetched by a background thread, and the streamed sta
 When every stage is pinned, each is fetched once.
 
 A stage is either
-- `MappedStage`: its float weights stay in their file, memory-mapped, and its session reads them in
-  place (no copy, no prepacking). Fetching faults the pages in, releasing drops them from the
-  process (the OS may keep them cached): a stage costs its bytes and nothing more, and the sessions
-  themselves are made once;
-- `LoadedStage`: a session made from the file on fetch and dropped on release. Its kernels pack the
-  weights (measured: fp32 passes twice as fast as from unpacked weights), so pinned stages and
-  quantized ones are loaded this way.
+- `prepacked.PrepackedStage` (float stages, Linux): its session maps onnxruntime's packed copy of the
+  weights, written once per machine. Fetching faults the pages in, releasing drops them from the
+  process (the OS may keep them cached): a stage costs its bytes and nothing more, the sessions are
+  made once, and the kernels are the single graph's;
+- `MappedStage` (float stages elsewhere, streamed): its weights stay in the bundle's file, mapped, and
+  its session reads them unpacked (measured: fp32 passes half as fast as from packed weights);
+- `LoadedStage`: a session made from the file on fetch and dropped on release (quantized stages, and
+  pinned float stages where packed weights cannot be mapped).
 
-Within one budget plain and speculative decoding run the same stages, so speculation stays exact;
-between budgets the last bits of the logits may differ, as packed and unpacked kernels round
-differently.
+Within one budget plain and speculative decoding run the same stages, so speculation stays exact.
+Packed stages compute the single graph's bits at every budget; unpacked kernels round differently.
 
 `StagedRunner.forward` has ModelRunner's signature and returns the same Pass: the engine, drafters and
 the budget's KV caches do not know whether the target streams.
