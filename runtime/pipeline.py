@@ -38,7 +38,7 @@ class Pipeline:
                  prepared_dir: Path | None = None):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
-        `prepared_dir`: where streamed stages' packed weights are kept for this machine (default: the
+        `prepared_dir`: where float stages' packed weights are kept for this machine (default: the
         edgespec cache); written on first use."""
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else _default_prepared_dir()
