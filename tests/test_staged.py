@@ -51,7 +51,7 @@ def _single_graph(folder, prepack: bool):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """Where streamed stages' packed weights are kept: per test module, never the user's cache."""
+    """Where float stages' packed weights are kept: per test module, never the user's cache."""
     return tmp_path_factory.mktemp("prepacked")
 
 
