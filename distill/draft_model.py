@@ -78,3 +78,43 @@ def draft_hidden(draft, ids, mask, features=None):
     embedded = draft.get_input_embeddings()(ids)
     mixed = draft.feature_fc(torch.cat([embedded, features], dim=-1))
     return draft.model(inputs_embeds=mixed, attention_mask=mask).last_hidden_state
+
+
+def draft_hidden_steps(draft, ids, mask, features, steps: int) -> list:
+    """A feature draft's hidden states [B, T, H] for drafting steps 1..`steps` (training-time test, as in
+    HASS): what each row would give if the runtime had drafted up to it.
+
+    At step s the runtime drafts row t from [embedding of token t, the draft's own step s-1 output at row
+    t - 1] and attends to the accepted rows (whose keys were made from the target's features) up to
+    t - s + 1, then to the rows it drafted itself, one per earlier step. Here every step is one pass over
+    all rows: its keys are appended to the cache and `_step_mask` lets each row see exactly those keys.
+    """
+    import torch
+
+    embedded = draft.get_input_embeddings()(ids)
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    out = draft.model(inputs_embeds=draft.feature_fc(torch.cat([embedded, features], dim=-1)),
+                      attention_mask=mask, position_ids=positions, use_cache=True)
+    hidden, cache = [out.last_hidden_state], out.past_key_values
+    for step in range(2, steps + 1):
+        previous = torch.nn.functional.pad(hidden[-1][:, :-1], (0, 0, 1, 0))  # row t reads row t - 1's output
+        out = draft.model(inputs_embeds=draft.feature_fc(torch.cat([embedded, previous], dim=-1)),
+                          attention_mask=_step_mask(mask, step, hidden[0].dtype), position_ids=positions,
+                          past_key_values=cache, use_cache=True)
+        hidden.append(out.last_hidden_state)
+        cache = out.past_key_values
+    return hidden
+
+
+def _step_mask(mask, step: int, dtype):
+    """Additive attention mask [B, 1, T, step * T] for drafting step `step` over the keys of steps 1..step:
+    row t sees step-1 keys of rows <= t - step + 1 and, of each later step j, the key of row t - step + j."""
+    import torch
+
+    rows = mask.shape[1]
+    t = torch.arange(rows)
+    blocks = [t[None, :] <= (t[:, None] - step + 1)]
+    blocks += [t[None, :] == (t[:, None] - step + j) for j in range(2, step + 1)]
+    allowed = torch.cat(blocks, dim=1)[None] & mask.bool().repeat(1, step)[:, None, :]
+    allowed = allowed | torch.cat([torch.zeros(rows, (step - 1) * rows, dtype=torch.bool), torch.eye(rows, dtype=torch.bool)], dim=1)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]

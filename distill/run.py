@@ -18,6 +18,7 @@ from pathlib import Path
 from edgespec.distill.data import DataConfig
 from edgespec.distill.draft_model import FEATURE_DESIGNS
 from edgespec.distill.train import TrainConfig, feature_file
+from edgespec.exporters.export import DRAFT_INFO
 from edgespec.runtime.errors import ExportError
 
 # Shares of the time budget. Chat continuations are the draft's real workload, so they get the most;
@@ -38,6 +39,7 @@ class DistillConfig:
     threads: int | None = None
     resume: bool = False
     data_from: Path | None = None  # an earlier run's data folder: train on its shards instead of making new ones
+    init: Path | None = None  # an earlier draft of the same design: training starts from its weights and head
     prompts: int = 6000
     cache_dir: Path = Path(".")
     data: DataConfig = DataConfig()
@@ -47,7 +49,9 @@ class DistillConfig:
         """What must match for a resumption to continue the same run."""
         return {"target": self.target, "minutes": self.minutes, "corpus": list(self.corpus), "seed": self.seed,
                 "design": self.design, "prompts": self.prompts,
-                "data_from": None if self.data_from is None else str(self.data_from)}
+                "data_from": None if self.data_from is None else str(self.data_from),
+                "init": None if self.init is None else str(self.init),
+                "drafting_steps": self.training.drafting_steps, "lr": self.training.lr}
 
     @property
     def shares(self) -> dict[str, float]:
@@ -132,6 +136,15 @@ def distill(config: DistillConfig) -> Path:
     missing = [str(p) for p in corpus if not p.exists()]
     if missing:
         raise ExportError(f"corpus paths not found: {', '.join(missing)}")
+    if config.init is not None:
+        if not (config.init / DRAFT_INFO).is_file():
+            raise ExportError(f"{config.init} is not a draft that edgespec distill wrote (no {DRAFT_INFO})")
+        trained_as = json.loads((config.init / DRAFT_INFO).read_text()).get("training", {}).get("design")
+        if trained_as != config.design:
+            raise ExportError(f"{config.init} holds a {trained_as} draft; it cannot start a {config.design} one")
+    if config.training.drafting_steps > 1 and config.design not in FEATURE_DESIGNS:
+        raise ExportError(f"--drafting-steps is for drafts that read the target's features (eagle); "
+                          f"the {config.design} design drafts every step alike")
     if config.data_from is not None and not data.shard_paths(config.data_from / "chat"):
         raise ExportError(f"{config.data_from} holds no target data: give the `data` folder of an earlier distill run")
     state = _open_state(config)
@@ -188,7 +201,8 @@ def distill(config: DistillConfig) -> Path:
             shards = [s for s in shards if feature_file(features_dir, s).is_file()]
         # the last shard of target answers is held out: agreement is measured where the draft will work
         train(model, tokenizer, shards, chat_shards[-1:], config.out,
-              replace(config.training, design=config.design, seed=config.seed), deadline, log, features_dir)
+              replace(config.training, design=config.design, seed=config.seed), deadline, log, features_dir,
+              init=config.init)
 
     if config.data_from is not None:  # its chat and corpus shares are zero: those phases do not run
         log(f"data: reusing the target data in {data_dir}")

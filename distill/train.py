@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.distill.data import load_shard
-from edgespec.distill.draft_model import FEATURE_DESIGNS, LEARNING_RATE, build_draft, draft_hidden
+from edgespec.distill.draft_model import FEATURE_DESIGNS, LEARNING_RATE, build_draft, draft_hidden, draft_hidden_steps
 from edgespec.distill.vocab import choose_head_tokens, coverage
 from edgespec.exporters.export import DRAFT_INFO
 
@@ -36,6 +36,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     checkpoint_s: float = 180.0
     eval_s: float = 300.0
+    drafting_steps: int = 1  # a feature draft trained for this many drafting steps (draft_hidden_steps)
 
 
 @dataclass(frozen=True)
@@ -131,11 +132,17 @@ def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator,
     return batch
 
 
-def draft_outputs(draft, head, batch: Batch):
-    """(hidden [M, H], logits [M, head tokens]) at the supervised rows."""
-    hidden = draft_hidden(draft, batch.ids, batch.mask, batch.features_in)
-    rows = hidden[batch.where[:, 0], batch.where[:, 1]]
-    return rows, rows @ head.T
+def draft_outputs(draft, head, batch: Batch, steps: int = 1) -> list:
+    """Per drafting step: (hidden [M, H], logits [M, head tokens]) at the supervised rows."""
+    if steps == 1:
+        all_hidden = [draft_hidden(draft, batch.ids, batch.mask, batch.features_in)]
+    else:
+        all_hidden = draft_hidden_steps(draft, batch.ids, batch.mask, batch.features_in, steps)
+    outputs = []
+    for hidden in all_hidden:
+        rows = hidden[batch.where[:, 0], batch.where[:, 1]]
+        outputs.append((rows, rows @ head.T))
+    return outputs
 
 
 def distill_loss(logits, idx, p):
@@ -146,33 +153,55 @@ def distill_loss(logits, idx, p):
     return per_row.sum() / (p.sum(dim=1) > 0).sum().clamp(min=1)
 
 
-def batch_loss(draft, head, batch: Batch):
-    """Distillation on the target's top-k; a feature draft also regresses the target's feature (EAGLE).
-    Training for the second drafting step as well (each token reading the draft's own predicted feature)
-    halved the steps per minute and slowed first-step agreement (benchmarks/RESULTS.md §19), so it is not done."""
+# A later drafting step only counts when the earlier ones were accepted, so it weighs less.
+LATER_STEP_WEIGHT = 0.5
+
+
+def batch_loss(draft, head, batch: Batch, steps: int = 1):
+    """Distillation on the target's top-k; a feature draft also regresses the target's feature (EAGLE), at
+    every drafting step it is trained for. A drafting step s reads its own step s-1 output at the row before,
+    so that row must exist in the window: rows before s - 1 do not count for it."""
     import torch
 
-    rows, logits = draft_outputs(draft, head, batch)
-    loss = distill_loss(logits, batch.idx, batch.p)
-    if batch.features_in is not None:
-        loss = loss + torch.nn.functional.smooth_l1_loss(rows, batch.features_out)
+    loss = 0.0
+    for step, (rows, logits) in enumerate(draft_outputs(draft, head, batch, steps), start=1):
+        keep = batch.where[:, 1] >= step - 1
+        step_loss = distill_loss(logits[keep], batch.idx[keep], batch.p[keep])
+        if batch.features_in is not None:
+            step_loss = step_loss + torch.nn.functional.smooth_l1_loss(rows[keep], batch.features_out[keep])
+        loss = loss + (1.0 if step == 1 else LATER_STEP_WEIGHT ** (step - 1)) * step_loss
     return loss
 
 
-def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[Sequence], window: int) -> float:
-    """Share of held-out positions where the draft's argmax is the target's greedy token (a feature draft
-    reading the target's features: its first drafting step)."""
+def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[Sequence], window: int,
+              steps: int = 1) -> tuple[float, list[float]]:
+    """On held-out target answers: (expected tokens a chain of `steps` drafted tokens gets accepted per
+    target pass, not counting the target's own token; each step's top-1 agreement with the target's greedy
+    token). Step s at row t is accepted when steps 1..s-1 were accepted at rows t-s+1..t-1 and it agrees
+    too; with one step the first number is the first step's agreement."""
     import torch
 
-    hits = total = 0
+    accepted = np.zeros(steps)
+    hits_by_step = np.zeros(steps)
+    total = 0
     rng = np.random.default_rng(0)
     with torch.inference_mode():
         for start in range(0, len(sequences), 8):
             batch = make_batch(sequences[start:start + 8], window, rng, kept_index)
-            proposed = head_tokens[draft_outputs(draft, head, batch)[1].argmax(-1).numpy()]
-            hits += int((proposed == batch.greedy).sum())
-            total += len(batch.greedy)
-    return hits / max(total, 1)
+            rows, cols = batch.where[:, 0].numpy(), batch.where[:, 1].numpy()
+            hit = np.zeros((steps, *batch.ids.shape), dtype=bool)  # hit[s, b, t]: step s + 1 agrees at row t
+            for s, (_, logits) in enumerate(draft_outputs(draft, head, batch, steps)):
+                hit[s, rows, cols] = head_tokens[logits.argmax(-1).numpy()] == batch.greedy
+                hits_by_step[s] += hit[s, rows, cols].sum()
+            chain = hit[0, rows, cols]
+            accepted[0] += chain.sum()
+            for s in range(1, steps):  # the chain that starts at row t reaches step s + 1 at row t + s
+                ahead = np.minimum(cols + s, hit.shape[2] - 1)
+                chain = chain & hit[s, rows, ahead] & (cols + s < hit.shape[2])
+                accepted[s] += chain.sum()
+            total += len(rows)
+    total = max(total, 1)
+    return float(accepted.sum() / total), [round(float(h / total), 4) for h in hits_by_step]
 
 
 def learning_rate(config: TrainConfig, progress: float) -> float:
@@ -196,14 +225,21 @@ def _save_checkpoint(path: Path, payload: dict) -> None:
 
 
 def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path, config: TrainConfig,
-          deadline: float, log, features_dir: Path | None = None) -> dict:
+          deadline: float, log, features_dir: Path | None = None, init: Path | None = None) -> dict:
     """Trains on `shards` until `deadline` (resuming checkpoints/last.pt), measures agreement on
     `held_out`, then writes the draft folder into `out`. A feature design reads the shards' target
-    features from `features_dir` (see `feature_file`)."""
+    features from `features_dir` (see `feature_file`). Without a checkpoint, `init` (a draft folder
+    that `write_draft` wrote) gives the starting weights and head tokens."""
     import torch
 
     if config.design in FEATURE_DESIGNS and features_dir is None:
         raise ValueError(f"the {config.design} design learns from the target's features: give features_dir")
+    if config.drafting_steps < 1:
+        raise ValueError(f"drafting_steps must be at least 1, got {config.drafting_steps}")
+    if config.drafting_steps > 1 and config.design not in FEATURE_DESIGNS:
+        raise ValueError(f"training for later drafting steps is for drafts that read features; "
+                         f"the {config.design} design drafts every step alike")
+    steps = config.drafting_steps
     features_dir = features_dir if config.design in FEATURE_DESIGNS else None
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
@@ -214,6 +250,8 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     saved = torch.load(checkpoint, weights_only=True) if checkpoint.is_file() else None
     if saved is not None:
         head_tokens = saved["head_tokens"].numpy()
+    elif init is not None:
+        head_tokens = read_draft(draft, init, config.design)
     else:
         top1 = np.concatenate([s.topk_ids[:, 0] for s in sequences])
         always = {int(t) for t in (tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>"]))
@@ -231,7 +269,7 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
         optimizer.load_state_dict(saved["optimizer"])
         step, used_s = saved["step"], saved["used_s"]
     # the draft that agreed best on held-out data so far: with little target data, later steps can overfit
-    best = torch.load(best_file, weights_only=True) if best_file.is_file() else {"agreement": -1.0, "step": 0}
+    best = torch.load(best_file, weights_only=True) if best_file.is_file() else {"score": -1.0, "step": 0}
     total_s = used_s + max(0.0, deadline - time.time())
     tokens = sum(len(s.topk_ids) for s in sequences)
     log(f"train: design {config.design}, {len(sequences)} sequences ({tokens} supervised tokens), "
@@ -244,7 +282,7 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, progress)
         picks = rng.integers(0, len(sequences), config.batch)
-        loss = batch_loss(draft, head, make_batch([sequences[i] for i in picks], config.window, rng, kept_index))
+        loss = batch_loss(draft, head, make_batch([sequences[i] for i in picks], config.window, rng, kept_index), steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -253,10 +291,10 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
         now = time.time()
         if now - last_eval >= config.eval_s:
             draft.eval()
-            score = agreement(draft, head, head_tokens, kept_index, validation, config.window)
-            log(f"train: step {step}, loss {loss.item():.3f}, held-out agreement {score:.3f}")
-            if score > best["agreement"]:
-                best = {"agreement": score, "step": step, "draft": _trained_state(draft, trainable)}
+            score, by_step = agreement(draft, head, head_tokens, kept_index, validation, config.window, steps)
+            log(f"train: step {step}, loss {loss.item():.3f}, held-out {_describe(score, by_step)}")
+            if score > best["score"]:
+                best = {"score": score, "by_step": by_step, "step": step, "draft": _trained_state(draft, trainable)}
                 _save_checkpoint(best_file, best)
             draft.train()
             last_eval = time.time()
@@ -267,21 +305,28 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
                                           "head_tokens": torch.from_numpy(head_tokens)})
             last_checkpoint = now
     draft.eval()
-    score = agreement(draft, head, head_tokens, kept_index, validation, config.window)
+    score, by_step = agreement(draft, head, head_tokens, kept_index, validation, config.window, steps)
     seconds = round(used_s + time.time() - started)
     _save_checkpoint(checkpoint, {"draft": _trained_state(draft, trainable), "optimizer": optimizer.state_dict(),
                                   "step": step, "used_s": seconds, "head_tokens": torch.from_numpy(head_tokens)})
     kept_step = step
-    if best["agreement"] > score:
+    if best["score"] > score:
         draft.load_state_dict(best["draft"], strict=False)
-        score, kept_step = best["agreement"], best["step"]
+        score, by_step, kept_step = best["score"], best["by_step"], best["step"]
     report = {"design": config.design, "steps": step, "kept_step": kept_step, "train_seconds": seconds,
               "supervised_tokens": tokens, "head_tokens": len(head_tokens),
               "head_coverage": round(coverage(head_tokens, held_top1), 4),
-              "held_out_agreement": round(score, 4), "train_config": asdict(config)}
+              "held_out_agreement": by_step[0], "held_out_agreement_by_step": by_step,
+              "held_out_chain_tokens": round(score, 4), "train_config": asdict(config)}
     write_draft(draft, tokenizer, head_tokens, report, out)
-    log(f"train: finished at step {step}, keeping step {kept_step}: held-out agreement {score:.3f}")
+    log(f"train: finished at step {step}, keeping step {kept_step}: held-out {_describe(score, by_step)}")
     return report
+
+
+def _describe(score: float, by_step: list[float]) -> str:
+    if len(by_step) == 1:
+        return f"agreement {by_step[0]:.3f}"
+    return f"agreement by drafting step {by_step}, {score:.3f} drafted tokens accepted per chain"
 
 
 def _trained_state(draft, trainable: list[str]) -> dict:
@@ -290,6 +335,25 @@ def _trained_state(draft, trainable: list[str]) -> dict:
 
 
 FEATURE_FC_FILE = "feature_fc.safetensors"
+
+
+def read_draft(draft, folder: Path, design: str) -> np.ndarray:
+    """Loads a draft folder's weights (as `write_draft` wrote them) into `draft`; returns its head tokens."""
+    import torch
+    from safetensors.torch import load_file
+
+    info = json.loads((folder / DRAFT_INFO).read_text())
+    trained_as = info.get("training", {}).get("design")
+    if trained_as != design:
+        raise ValueError(f"{folder} holds a {trained_as} draft; it cannot start a {design} one")
+    state = load_file(str(folder / "model.safetensors"))
+    if hasattr(draft, "feature_fc"):
+        state.update({f"feature_fc.{name}": value for name, value in load_file(str(folder / FEATURE_FC_FILE)).items()})
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    if unexpected or [name for name in missing if name != "lm_head.weight"]:  # the head is tied to the embedding
+        raise ValueError(f"{folder} does not fit the {design} draft of this target "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return np.array(info["head_tokens"], dtype=np.int64)
 
 
 def write_draft(draft, tokenizer, head_tokens: np.ndarray, report: dict, out: Path) -> None:

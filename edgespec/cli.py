@@ -191,11 +191,14 @@ def cmd_inspect(args) -> None:
 def cmd_distill(args) -> None:
     from edgespec.defaults import cache_dir
     from edgespec.distill.run import DistillConfig, distill
+    from edgespec.distill.train import TrainConfig
 
     out = distill(DistillConfig(target=args.target, out=Path(args.out), minutes=args.minutes,
                                 corpus=tuple(args.corpus or ()), seed=args.seed, design=args.design,
                                 threads=args.threads, resume=args.resume, cache_dir=cache_dir(),
-                                data_from=None if args.data is None else Path(args.data).resolve()))
+                                data_from=None if args.data is None else Path(args.data).resolve(),
+                                init=None if args.init is None else Path(args.init).resolve(),
+                                training=TrainConfig(drafting_steps=args.drafting_steps, lr=args.lr)))
     print(f"draft model: {out}  (use it with: edgespec export {args.target} --draft {out} --out BUNDLE)")
 
 
@@ -323,13 +326,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--design", default="cut", choices=("cut", "small", "eagle"),
                    help="cut: the target's first layers plus a trained adapter layer; small: a new narrow decoder; "
-                        "eagle: two layers that also read the target's final hidden state (the target's graph "
+                        "eagle: one layer that also reads the target's final hidden state (the target's graph "
                         "then returns it)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="train on the target data (the `data` folder) of an earlier run instead of making new data; "
                         "--minutes then covers features and training")
+    p.add_argument("--init", default=None, metavar="DRAFT_DIR",
+                   help="start training from a draft that edgespec distill wrote (same design): its weights and "
+                        "its head tokens")
+    p.add_argument("--drafting-steps", type=int, default=1,
+                   help="eagle design: train each row as the runtime drafts it at steps 1..N, reading the draft's "
+                        "own earlier features (deeper chains and trees accept more; each step costs a pass)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the design's)")
     p.set_defaults(run=cmd_distill)
 
     p = sub.add_parser("plan", help="how a memory budget is split for a bundle, and the context that fits")

@@ -252,3 +252,69 @@ def test_eagle_needs_data_and_refuses_an_empty_data_folder(models, tmp_path):
     with pytest.raises(ExportError, match="holds no target data"):
         distill(DistillConfig(target=str(models["target"]), out=tmp_path / "d", minutes=0.2, design="eagle",
                               data_from=tmp_path))
+
+
+def test_later_drafting_steps_see_what_the_runtime_would_give_them(models, tmp_path):
+    """Step s of draft_hidden_steps at row t equals drafting one token at a time: the accepted rows up to
+    t - s + 1 read the target's features, each later row reads the draft's own output at the row before."""
+    import torch
+    from transformers import DynamicCache
+
+    from edgespec.distill.draft_model import build_draft, draft_hidden_steps
+    from edgespec.exporters.sources import resolve_source
+
+    target, _ = resolve_source(str(models["target"]), tmp_path).load()
+    draft, _ = build_draft(target, "eagle")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        draft.feature_fc.weight.normal_(std=0.05)
+    draft.eval()
+    hidden_size, rows = target.config.hidden_size, 9
+    ids = torch.randint(0, target.config.vocab_size, (2, rows))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding must not change the unpadded rows
+    features = torch.randn(2, rows, hidden_size)
+    with torch.no_grad():
+        steps = draft_hidden_steps(draft, ids, mask, features, steps=3)
+
+        def one_row(b, row, feature, cache):
+            mixed = draft.feature_fc(torch.cat([draft.get_input_embeddings()(ids[b:b + 1, row:row + 1]),
+                                                feature[None, None]], dim=-1))
+            return draft.model(inputs_embeds=mixed, position_ids=torch.tensor([[row]]), past_key_values=cache,
+                               use_cache=True).last_hidden_state[0, 0]
+
+        for b, last in ((0, rows - 1), (1, 5)):
+            accepted = last - 2  # a chain of three drafted rows ends at `last`
+            cache = DynamicCache()
+            for row in range(accepted + 1):
+                out = one_row(b, row, features[b, row], cache)
+            torch.testing.assert_close(out, steps[0][b, accepted], atol=1e-5, rtol=1e-5)
+            second = one_row(b, accepted + 1, out, cache)
+            torch.testing.assert_close(second, steps[1][b, accepted + 1], atol=1e-5, rtol=1e-5)
+            third = one_row(b, accepted + 2, second, cache)
+            torch.testing.assert_close(third, steps[2][b, accepted + 2], atol=1e-5, rtol=1e-5)
+
+
+def test_a_draft_trained_on_from_another_for_two_drafting_steps(eagle, models, tmp_path):
+    """--init starts from a finished draft (its head too); --drafting-steps 2 reports both steps."""
+    import json
+
+    from edgespec.exporters.export import DRAFT_INFO
+
+    first = json.loads((eagle.out / DRAFT_INFO).read_text())
+    config = DistillConfig(target=str(models["target"]), out=tmp_path / "two", minutes=0.2, seed=0, design="eagle",
+                           data_from=eagle.data_from, init=eagle.out, data=SMALL_DATA,
+                           training=replace(SMALL_TRAIN, lr=5e-4, drafting_steps=2))
+    distill(config)
+    info = json.loads((config.out / DRAFT_INFO).read_text())
+    assert info["head_tokens"] == first["head_tokens"]
+    report = info["training"]
+    assert len(report["held_out_agreement_by_step"]) == 2 and report["train_config"]["drafting_steps"] == 2
+    assert report["held_out_chain_tokens"] >= report["held_out_agreement"] >= 0
+    with pytest.raises(ExportError, match="not a draft"):
+        distill(replace(config, out=tmp_path / "three", init=tmp_path))
+    with pytest.raises(ExportError, match="holds a eagle draft"):
+        distill(replace(config, out=tmp_path / "four", design="cut", training=SMALL_TRAIN))
+    with pytest.raises(ExportError, match="drafts every step alike"):
+        distill(replace(config, out=tmp_path / "five", design="cut", init=None))
+    assert not any((tmp_path / name).exists() for name in ("three", "four", "five"))
