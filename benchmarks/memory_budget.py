@@ -10,7 +10,8 @@ bench --json`), so its peak RSS is its own. Needs matplotlib for the plot (pip i
 --limit-memory (Linux, root, cgroup v1 memory controller) runs each budgeted point as on a device where
 the budget is all the memory there is: inside a memory cgroup limited to the budget, which counts the
 page cache too, after the bundle's and the packed stages' files are dropped from the page cache. Streamed
-stages are then read from storage on every pass instead of from the OS cache.
+stages are then read from storage on every pass instead of from the OS cache. --evict-page-cache makes
+the runtime drop a streamed stage's pages from that cache when it releases them (see `edgespec bench --help`).
 """
 import argparse
 import json
@@ -29,6 +30,7 @@ parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--prompts", default=None)
 parser.add_argument("--plot", default=None)
 parser.add_argument("--limit-memory", action="store_true")
+parser.add_argument("--evict-page-cache", action="store_true", help="passed to every budgeted point")
 args = parser.parse_args()
 CGROUP = Path("/sys/fs/cgroup/memory/edgespec-memory-budget")
 
@@ -60,7 +62,8 @@ for label in ["none"] + args.fractions.split(","):
     budget = None if label == "none" else int(fixed + float(label) * full.target_weights)
     command = [sys.executable, "-m", "edgespec.cli", "bench", str(folder), "--json",
                "--max-new-tokens", str(args.max_new_tokens)] + (["--prompts", args.prompts] if args.prompts else []) \
-        + (["--memory-budget", str(budget)] if budget else [])
+        + (["--memory-budget", str(budget)] if budget else []) \
+        + (["--evict-page-cache"] if budget and args.evict_page_cache else [])
     if budget and args.limit_memory:
         command = limited(command, budget)
     done = subprocess.run(command, capture_output=True, text=True)

@@ -21,12 +21,14 @@ parser.add_argument("--weights", type=float, required=True, help="fraction of th
 parser.add_argument("--max-new-tokens", type=int, default=40)
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--prompt", default="Tell me about the sea.")
+parser.add_argument("--evict-page-cache", action="store_true")
 args = parser.parse_args()
 
 folder = Path(args.bundle)
 full = plan_memory(open_bundle(folder), folder, None)
 pipeline = Pipeline(folder, threads=args.threads,
-                    memory_budget=int(full.total - full.target_weights + args.weights * full.target_weights))
+                    memory_budget=int(full.total - full.target_weights + args.weights * full.target_weights),
+                    evict_page_cache=args.evict_page_cache)
 window = pipeline.target.window
 print(f"stages {window.count}, pinned {sorted(window.pinned)}, kinds {sorted({type(s).__name__ for s in window.stages})}")
 seconds = defaultdict(float)

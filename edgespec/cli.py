@@ -21,7 +21,8 @@ def _pipeline(args):
     from edgespec.defaults import resolve_bundle
     from edgespec.runtime.pipeline import Pipeline
 
-    return Pipeline(resolve_bundle(args.bundle), args.threads, getattr(args, "memory_budget", None))
+    return Pipeline(resolve_bundle(args.bundle), args.threads, getattr(args, "memory_budget", None),
+                    evict_page_cache=getattr(args, "evict_page_cache", False))
 
 
 def _stream(pipeline, config, speculate, **ask):
@@ -236,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     def budget_arg(p):
         p.add_argument("--memory-budget", default=None,
                        help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
+        p.add_argument("--evict-page-cache", action="store_true",
+                       help="drop streamed stages from the OS page cache too when they are released, where the "
+                            "memory limit counts the cache (containers, devices without spare memory); slower "
+                            "where memory is free")
 
     def sampling_args(p):
         p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")

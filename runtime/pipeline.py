@@ -35,11 +35,14 @@ class Pipeline:
     """A loaded bundle. `generate` is the whole job; `new_session` keeps a conversation's caches."""
 
     def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
-                 prepared_dir: Path | None = None):
+                 prepared_dir: Path | None = None, evict_page_cache: bool = False):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
         `prepared_dir`: where float stages' packed weights are kept for this machine (default: the
-        edgespec cache); written on first use."""
+        edgespec cache); written on first use. `evict_page_cache`: a streamed stage's release also drops
+        its pages from the OS page cache, so the budget bounds the cache too (a container or device whose
+        memory limit counts the cache); otherwise the OS keeps them cached while memory is free."""
+        self.evict_page_cache = evict_page_cache
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else _default_prepared_dir()
         self.manifest: Manifest = open_bundle(self.folder)
@@ -88,7 +91,7 @@ class Pipeline:
         # so each budget computes the same bits. Elsewhere streamed stages read unpacked weights, slower
         # per pass than the packed copy a loaded session makes, which pinned stages keep.
         if packed is not None:
-            return prepacked.PrepackedStage(packed, providers, self.threads)
+            return prepacked.PrepackedStage(packed, providers, self.threads, self.evict_page_cache and not pinned)
         if spec.tensors and not pinned:
             return MappedStage(self.folder, spec, providers, self.threads)
         return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.threads))

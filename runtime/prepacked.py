@@ -88,6 +88,9 @@ def _prepare_one(graph: Path, checksum: str, root: Path) -> None:
         ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         if not (work / WEIGHTS).is_file():
             raise RuntimeError(f"onnxruntime wrote no external weights for {graph}")
+        for name in (GRAPH, WEIGHTS):  # on disk before the rename publishes them, not only in the page cache
+            with open(work / name, "rb") as file:
+                os.fsync(file.fileno())
         try:
             os.rename(work, done)
         except OSError:
@@ -121,8 +124,11 @@ class PrepackedStage:
     the cache in large folios, which faults then map and releases drop far faster than the small pages
     faults read in (measured: 16-19 against 12-13 tokens/s at half the weights, RESULTS.md §22)."""
 
-    def __init__(self, prepared: Path, providers: tuple[str, ...], threads: int):
+    def __init__(self, prepared: Path, providers: tuple[str, ...], threads: int, evict: bool = False):
+        """`evict`: release also drops the pages from the OS page cache, for a budget that must bound
+        the cache too (a container whose limit counts it); otherwise they stay cached while memory is free."""
         self.weights = prepared.parent / WEIGHTS
+        self.evict = evict
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -151,6 +157,9 @@ class PrepackedStage:
         for r in self.ranges:
             if self.libc.madvise(r.low, r.high - r.low, mmap.MADV_DONTNEED) != 0:
                 raise OSError(ctypes.get_errno(), f"cannot release the pages of {self.weights}")
+        if self.evict:  # the whole file: the cache holds it in folios that cross the mappings' edges
+            with open(self.weights, "rb") as file:
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def _cache_by_read(self, r: Range, chunk: int = 8 << 20) -> None:
         """Reads the file's bytes behind `r` unless the page cache holds all of them (mincore says)."""

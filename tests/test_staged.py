@@ -93,6 +93,12 @@ def test_float_stages_map_their_packed_weights_pinned_or_streamed(staged_bundle,
         pipeline = Pipeline(staged_bundle, threads=1, memory_budget=budget, prepared_dir=prepared)
         assert all(isinstance(s, prepacked.PrepackedStage) for s in pipeline.target.window.stages)
     assert pipeline.memory.pinned_stages
+    evicting = Pipeline(staged_bundle, threads=1, memory_budget=_roomy_budget(staged_bundle), prepared_dir=prepared,
+                        evict_page_cache=True)
+    window = evicting.target.window  # only streamed stages leave the page cache: pinned ones are never released
+    assert [s.evict for s in window.stages] == [i not in window.pinned for i in range(window.count)]
+    assert not all(s.evict for s in window.stages) and any(s.evict for s in window.stages)
+    _assert_speculation_exact(evicting)
 
 
 @needs_prepacked
@@ -283,3 +289,45 @@ def test_a_failed_preparation_leaves_nothing_behind(tmp_path):
     with pytest.raises(RuntimeError, match="cannot pack the weights"):
         prepacked.prepare([(broken, "f" * 64)], tmp_path / "prepared")
     assert not [p for p in (tmp_path / "prepared").rglob("*") if p.is_file()]
+
+
+def _cached_share(path, ranges) -> float:
+    """Share of the pages of `path` behind `ranges` (file offsets) that the OS page cache holds (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    cached = total = 0
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as whole:
+        base = np.frombuffer(whole, np.uint8).ctypes.data
+        for r in ranges:
+            start = r.offset // mmap.PAGESIZE * mmap.PAGESIZE
+            pages = np.empty(-(-(r.offset + r.high - r.low - start) // mmap.PAGESIZE), np.uint8)
+            assert libc.mincore(base + start, r.offset + r.high - r.low - start, pages.ctypes.data) == 0
+            cached, total = cached + int((pages & 1).sum()), total + len(pages)
+    return cached / total
+
+
+@needs_prepacked
+def test_an_evicting_stage_leaves_its_pages_out_of_the_page_cache(staged_bundle, prepared):
+    spec, graph = _prepared_stage(staged_bundle, prepared, 3)
+    weights = (graph.parent / prepacked.WEIGHTS).resolve()
+    keeping = prepacked.PrepackedStage(graph, ("CPUExecutionProvider",), 1)
+    keeping.fetch()
+    keeping.release()
+    if _cached_share(weights, keeping.ranges) < 0.9:
+        pytest.skip("this file system does not keep file pages in a page cache of its own")
+    assert _mapped_rss_kib(weights) == 0  # released, still cached: the next fetch is a page-table walk
+    evicting = prepacked.PrepackedStage(graph, ("CPUExecutionProvider",), 1, evict=True)
+    evicting.fetch()
+    assert _cached_share(weights, evicting.ranges) > 0.9
+    evicting.release()
+    if _cached_share(weights, evicting.ranges) > 0.1:
+        with open(weights, "rb") as file:  # can this file system drop them at all (tmpfs cannot)?
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        if _cached_share(weights, evicting.ranges) > 0.1:
+            pytest.skip("this file system keeps file pages whatever it is told")
+        pytest.fail("release left the evicting stage's pages in the page cache")
+    evicting.fetch()  # and they come back
+    assert _cached_share(weights, evicting.ranges) > 0.9
