@@ -210,8 +210,31 @@ def cmd_plan(args) -> None:
 
     folder = resolve_bundle(args.bundle)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
-    plan = plan_memory(open_bundle(folder), folder, budget)
-    print(json.dumps({**plan.__dict__, "total": plan.total}) if args.json else plan.describe())
+    manifest = open_bundle(folder)
+    plan = plan_memory(manifest, folder, budget)
+    packed = _packed_disk(manifest, folder) if plan.stage_bytes else None
+    if args.json:
+        print(json.dumps({**plan.__dict__, "total": plan.total, "packed_copies": packed}))
+        return
+    print(plan.describe())
+    if packed and packed["stages"]:
+        written = packed["written_bytes"] / 2**20
+        print(f"disk: packed copies of {packed['stages']} float stages for this machine in {packed['folder']}: "
+              + (f"{written:.1f} MiB" if packed["missing"] == 0 else
+                 f"{packed['missing']} not written yet (each about twice its stage's weights, made on first use)"
+                 + (f", {written:.1f} MiB written" if written else "")))
+
+
+def _packed_disk(manifest, folder) -> dict | None:
+    """The packed copies a staged run maps on this machine (Linux), and the disk they take."""
+    from edgespec.runtime import prepacked
+    from edgespec.runtime.pipeline import _default_prepared_dir, packed_copies
+
+    if not prepacked.available():
+        return None
+    copies = packed_copies(manifest)
+    return {"folder": str(_default_prepared_dir() / prepacked.machine_key()), "stages": len(copies),
+            "missing": sum(size is None for _, size in copies), "written_bytes": sum(size or 0 for _, size in copies)}
 
 
 def cmd_demo(args) -> None:

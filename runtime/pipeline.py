@@ -1,7 +1,6 @@
 """The front of the runtime: open a bundle, make sessions per role, generate text."""
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -31,6 +30,21 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+def window_specs(manifest: Manifest) -> list[GraphSpec]:
+    """The target's stages that run as sessions through the window: all but a float embedding table,
+    which is mapped and indexed instead."""
+    stages = manifest.target.stages
+    return stages[1:] if stages[0].embedding_table is not None else stages
+
+
+def packed_copies(manifest: Manifest, root: Path | None = None) -> list[tuple[str, int | None]]:
+    """Per float stage of the window (the ones mapped from a packed copy on this machine): its checksum and
+    the disk its copy takes, None where it has not been written yet."""
+    root = Path(root) if root else _default_prepared_dir()
+    checksums = [prepacked.stage_checksum(manifest.files, spec) for spec in window_specs(manifest) if spec.tensors]
+    return [(c, prepacked.prepared_bytes(c, root)) for c in checksums]
+
+
 class Pipeline:
     """A loaded bundle. `generate` is the whole job; `new_session` keeps a conversation's caches."""
 
@@ -56,7 +70,7 @@ class Pipeline:
             stages = m.target.stages
             table = stages[0].embedding_table
             embedding = None if table is None else MappedEmbedding(self.folder, table, self.memory.context)
-            loaded = stages[1:] if embedding else stages
+            loaded = window_specs(m)
             pinned = self.memory.pinned_stages
             packed = self._packed_stages(loaded)
             window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned, packed.get(i))
@@ -79,8 +93,7 @@ class Pipeline:
         if not prepacked.available():
             return {}
         floats = {i: spec for i, spec in enumerate(specs) if spec.tensors}
-        checksums = [hashlib.sha256("".join(self.manifest.files[name] for name in (spec.file, *spec.weights))
-                                    .encode()).hexdigest() for spec in floats.values()]
+        checksums = [prepacked.stage_checksum(self.manifest.files, spec) for spec in floats.values()]
         graphs = prepacked.prepare([(self.folder / spec.file, c) for spec, c in zip(floats.values(), checksums)],
                                    self.prepared_dir)
         return dict(zip(floats, graphs))

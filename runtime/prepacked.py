@@ -57,6 +57,19 @@ def _place(checksum: str, root: Path) -> Path:
     return Path(root) / machine_key() / checksum[:32]
 
 
+def stage_checksum(files: dict[str, str], spec) -> str:
+    """What names a stage's packed copy: the manifest's checksums of its graph and weight files."""
+    return hashlib.sha256("".join(files[name] for name in (spec.file, *spec.weights)).encode()).hexdigest()
+
+
+def prepared_bytes(checksum: str, root: Path) -> int | None:
+    """Disk the packed copy of a stage takes on this machine, None while it has not been written."""
+    place = _place(checksum, root)
+    if not (place / GRAPH).is_file():
+        return None
+    return sum(path.stat().st_size for path in place.iterdir())
+
+
 def prepare(graphs: list[tuple[Path, str]], root: Path) -> list[Path]:
     """The packed copies of `graphs` (each with the checksum of its files), written under `root` where
     missing. Packing holds a graph's weights twice, so it runs in a child process: that transient memory

@@ -331,3 +331,28 @@ def test_an_evicting_stage_leaves_its_pages_out_of_the_page_cache(staged_bundle,
         pytest.fail("release left the evicting stage's pages in the page cache")
     evicting.fetch()  # and they come back
     assert _cached_share(weights, evicting.ranges) > 0.9
+
+
+@needs_prepacked
+def test_plan_says_what_the_packed_copies_take_on_disk(staged_bundle, tmp_path, monkeypatch, capsys):
+    import json
+
+    from edgespec.cli import main
+    from edgespec.runtime.pipeline import Pipeline
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    budget = str(_budget_for(staged_bundle))
+
+    def packed():
+        assert main(["plan", str(staged_bundle), "--memory-budget", budget, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["packed_copies"]
+
+    before = packed()
+    assert before["stages"] == len(open_bundle(staged_bundle).target.stages) - 1  # all but the mapped embedding
+    assert before["missing"] == before["stages"] and before["written_bytes"] == 0
+    Pipeline(staged_bundle, threads=1, memory_budget=budget)  # writes them, into the cache the plan reads
+    after = packed()
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "prepacked").rglob("*") if p.is_file())
+    assert after["missing"] == 0 and after["written_bytes"] == on_disk > 0
+    assert main(["plan", str(staged_bundle), "--memory-budget", budget]) == 0
+    assert f"packed copies of {after['stages']} float stages" in capsys.readouterr().out
