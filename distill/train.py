@@ -193,15 +193,25 @@ def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[
             for s, (_, logits) in enumerate(draft_outputs(draft, head, batch, steps)):
                 hit[s, rows, cols] = head_tokens[logits.argmax(-1).numpy()] == batch.greedy
                 hits_by_step[s] += hit[s, rows, cols].sum()
-            chain = hit[0, rows, cols]
-            accepted[0] += chain.sum()
-            for s in range(1, steps):  # the chain that starts at row t reaches step s + 1 at row t + s
-                ahead = np.minimum(cols + s, hit.shape[2] - 1)
-                chain = chain & hit[s, rows, ahead] & (cols + s < hit.shape[2])
-                accepted[s] += chain.sum()
+            accepted += chain_acceptance(hit, rows, cols)
             total += len(rows)
     total = max(total, 1)
     return float(accepted.sum() / total), [round(float(h / total), 4) for h in hits_by_step]
+
+
+def chain_acceptance(hit: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """How many chains reach each drafting step. `hit[s, b, t]`: step s + 1 agrees with the target at row t
+    of window b; a chain starts at each supervised (rows[i], cols[i]) and reaches step s + 1 at row t + s
+    when every step before it agreed too (a rejected token ends the chain)."""
+    steps, _, width = hit.shape
+    reached = np.zeros(steps)
+    chain = hit[0, rows, cols]
+    reached[0] = chain.sum()
+    for s in range(1, steps):
+        inside = cols + s < width
+        chain = chain & inside & hit[s, rows, np.where(inside, cols + s, 0)]
+        reached[s] = chain.sum()
+    return reached
 
 
 def learning_rate(config: TrainConfig, progress: float) -> float:

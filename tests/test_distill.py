@@ -318,3 +318,16 @@ def test_a_draft_trained_on_from_another_for_two_drafting_steps(eagle, models, t
     with pytest.raises(ExportError, match="drafts every step alike"):
         distill(replace(config, out=tmp_path / "five", design="cut", init=None))
     assert not any((tmp_path / name).exists() for name in ("three", "four", "five"))
+
+
+def test_a_chain_is_accepted_up_to_its_first_disagreement():
+    from edgespec.distill.train import chain_acceptance
+
+    hit = np.zeros((3, 1, 6), dtype=bool)
+    hit[0, 0] = [1, 1, 0, 1, 1, 1]  # step 1 at each row
+    hit[1, 0] = [0, 1, 1, 0, 1, 1]  # step 2 at row t continues the chain that started at t - 1
+    hit[2, 0] = [0, 0, 1, 0, 0, 1]  # step 3 at row t continues the chain that started at t - 2
+    rows, cols = np.zeros(6, int), np.arange(6)
+    # step 1 agrees for the chains from rows 0, 1, 3, 4, 5; their step 2 is at rows 1, 2, 4, 5 and (out of
+    # the window) 6: four go on; their step 3 is at rows 2, 3, 5 and (out) 6: the chains from 0 and 3 reach it
+    np.testing.assert_array_equal(chain_acceptance(hit, rows, cols), [5, 4, 2])
