@@ -356,3 +356,17 @@ def test_plan_says_what_the_packed_copies_take_on_disk(staged_bundle, tmp_path, 
     assert after["missing"] == 0 and after["written_bytes"] == on_disk > 0
     assert main(["plan", str(staged_bundle), "--memory-budget", budget]) == 0
     assert f"packed copies of {after['stages']} float stages" in capsys.readouterr().out
+
+
+@needs_prepacked
+def test_where_the_kernel_refuses_to_populate_fetch_faults_the_pages_in(staged_bundle, prepared, monkeypatch):
+    spec, graph = _prepared_stage(staged_bundle, prepared, 2)
+    stage = prepacked.PrepackedStage(graph, ("CPUExecutionProvider",), 1)
+    weights = (graph.parent / prepacked.WEIGHTS).resolve()
+    monkeypatch.setattr(prepacked, "MADV_POPULATE_READ", 0x7FFF)  # advice no kernel knows: EINVAL, as before 5.14
+    with open(weights, "rb") as file:
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    stage.fetch()
+    assert _mapped_rss_kib(weights) * 1024 >= 0.9 * sum(r.high - r.low for r in stage.ranges) > 0
+    stage.release()
+    assert _mapped_rss_kib(weights) == 0
