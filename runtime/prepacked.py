@@ -146,14 +146,10 @@ class PrepackedStage:
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self.libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        # A mapping of the whole file that is never touched (it adds nothing to the RSS): one mincore on it
-        # says whether the page cache holds the file, however many mappings onnxruntime made of it.
-        with open(self.weights, "rb") as file:
-            self._probe = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        self._probe_address = np.frombuffer(self._probe, np.uint8).ctypes.data
-        self._residency = np.empty(-(-len(self._probe) // mmap.PAGESIZE), np.uint8)
         # before the session maps the file: making it touches some pages, which faults would read in
-        self._cache_by_read([Range(0, len(self._probe), 0)])
+        with open(self.weights, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as whole:
+            address = np.frombuffer(whole, np.uint8).ctypes.data
+            self._cache_by_read(Range(address, address + len(whole), 0))
         # Only the mappings this session makes: another session of the same file (another pipeline's,
         # perhaps closed) maps it elsewhere, and its pages are not this stage's to touch or drop.
         # Sessions are made one at a time, so no other mapping of the file appears in between.
@@ -170,8 +166,8 @@ class PrepackedStage:
         # first (mincore) and faulting page by page (RESULTS.md §24); older kernels refuse the advice.
         if all(self.libc.madvise(r.low, r.high - r.low, MADV_POPULATE_READ) == 0 for r in self.ranges):
             return self.session
-        self._cache_by_read(self.ranges)
         for r in self.ranges:
+            self._cache_by_read(r)
             pages = np.frombuffer((ctypes.c_uint8 * (r.high - r.low)).from_address(r.low), np.uint8)
             int(pages[:: mmap.PAGESIZE].max())  # one byte per page: the kernel maps them all in now
         return self.session
@@ -184,23 +180,18 @@ class PrepackedStage:
             with open(self.weights, "rb") as file:
                 os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def _cache_by_read(self, ranges: list[Range], chunk: int = 8 << 20) -> None:
-        """Reads the file's bytes behind `ranges` unless the page cache holds all of them (mincore says)."""
-        if self.libc.mincore(self._probe_address, len(self._probe), self._residency.ctypes.data) != 0:
+    def _cache_by_read(self, r: Range, chunk: int = 8 << 20) -> None:
+        """Reads the file's bytes behind `r` unless the page cache holds all of them (mincore says)."""
+        residency = np.empty(-(-(r.high - r.low) // mmap.PAGESIZE), np.uint8)
+        if self.libc.mincore(r.low, r.high - r.low, residency.ctypes.data) != 0:
             raise OSError(ctypes.get_errno(), f"cannot ask which pages of {self.weights} are cached")
-        page = mmap.PAGESIZE
-        if all((self._residency[r.offset // page: -(-(r.offset + r.high - r.low) // page)] & 1).all() for r in ranges):
+        if (residency & 1).all():
             return
-        scratch = memoryview(bytearray(chunk))
+        scratch = bytearray(min(chunk, r.high - r.low))
         with open(self.weights, "rb", buffering=0) as file:
-            for r in ranges:
-                file.seek(r.offset)
-                left = r.high - r.low
-                while left > 0:
-                    got = file.readinto(scratch[:min(chunk, left)])
-                    if not got:
-                        break  # the mapping runs past the file's end: its last page is partly file
-                    left -= got
+            file.seek(r.offset)
+            for _ in range(0, r.high - r.low, chunk):
+                file.readinto(scratch)
 
 
 if __name__ == "__main__":  # the child `prepare` starts: ROOT GRAPH CHECKSUM [GRAPH CHECKSUM ...]
