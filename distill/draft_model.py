@@ -116,6 +116,7 @@ def _step_mask(mask, step: int, dtype):
     blocks = [t[None, :] <= (t[:, None] - step + 1)]
     blocks += [t[None, :] == (t[:, None] - step + j) for j in range(2, step + 1)]
     allowed = torch.cat(blocks, dim=1)[None] & mask.bool().repeat(1, step)[:, None, :]
-    own_key = torch.cat([torch.zeros(rows, (step - 1) * rows, dtype=torch.bool), torch.eye(rows, dtype=torch.bool)], dim=1)
+    own_key = torch.cat([torch.zeros(rows, (step - 1) * rows, dtype=torch.bool), torch.eye(rows, dtype=torch.bool)],
+                        dim=1)
     allowed = allowed | own_key  # a padded row sees at least itself: no row of the softmax is empty
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]

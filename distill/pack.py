@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 from edgespec.distill.draft_model import build_draft
-from edgespec.distill.train import write_draft
-from edgespec.exporters.export import DRAFT_INFO
+from edgespec.distill.train import draft_state, write_draft
 from edgespec.runtime.errors import ExportError
 
 PACKED_INFO = "draft.json"
@@ -23,14 +22,9 @@ PACKED_WEIGHTS = "weights.safetensors"
 
 def pack_draft(draft_folder: Path, out: Path, provenance: dict) -> Path:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    info = json.loads((draft_folder / DRAFT_INFO).read_text())
-    state = {}
-    for file in sorted(draft_folder.glob("model*.safetensors")):
-        state.update(load_file(file))
-    if info.get("features") is not None:  # a feature design's projection lives in its own file
-        state.update({f"feature_fc.{k}": v for k, v in load_file(draft_folder / info["features"]["file"]).items()})
+    info, state = draft_state(draft_folder)
     shared = ("model.embed_tokens.weight", "lm_head.weight")
     trained = {k: v.to(torch.float16).contiguous() for k, v in state.items() if k not in shared}
     out.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 
 Loss at each supervised position: cross-entropy of the draft's distribution over its head tokens against
 the target's top-k probabilities restricted to those tokens and renormalised (KL up to a constant); a
-feature design (EAGLE) also regresses the target's feature there (smooth L1). The learning rate follows the elapsed share of the time budget (warm-up, then cosine), so a resumed run
-continues the same schedule. A held-out shard of target answers measures top-1 agreement with the target's greedy token.
+feature design (EAGLE) also regresses the target's feature there (smooth L1). The learning rate follows
+the elapsed share of the time budget (warm-up, then cosine), so a resumed run continues the same schedule. A held-out shard of target answers measures top-1 agreement with the target's greedy token.
 
 State on disk: checkpoints/last.pt (trainable weights, optimizer, step, seconds used, head tokens),
 replaced atomically; the finished draft is written next to it as a Hugging Face folder.
@@ -169,7 +169,7 @@ def batch_loss(draft, head, batch: Batch, steps: int = 1):
         step_loss = distill_loss(logits[keep], batch.idx[keep], batch.p[keep])
         if batch.features_in is not None:
             step_loss = step_loss + torch.nn.functional.smooth_l1_loss(rows[keep], batch.features_out[keep])
-        loss = loss + (1.0 if step == 1 else LATER_STEP_WEIGHT ** (step - 1)) * step_loss
+        loss = loss + LATER_STEP_WEIGHT ** (step - 1) * step_loss
     return loss
 
 
@@ -347,18 +347,26 @@ def _trained_state(draft, trainable: list[str]) -> dict:
 FEATURE_FC_FILE = "feature_fc.safetensors"
 
 
-def read_draft(draft, folder: Path, design: str) -> np.ndarray:
-    """Loads a draft folder's weights (as `write_draft` wrote them) into `draft`; returns its head tokens."""
-    import torch
+def draft_state(folder: Path) -> tuple[dict, dict]:
+    """A draft folder as `write_draft` wrote it: its info (head tokens, training report) and every tensor,
+    the projection of a feature design included (as `feature_fc.*`)."""
     from safetensors.torch import load_file
 
     info = json.loads((folder / DRAFT_INFO).read_text())
+    state = {}
+    for file in sorted(folder.glob("model*.safetensors")):
+        state.update(load_file(file))
+    if info.get("features") is not None:
+        state.update({f"feature_fc.{k}": v for k, v in load_file(folder / info["features"]["file"]).items()})
+    return info, state
+
+
+def read_draft(draft, folder: Path, design: str) -> np.ndarray:
+    """Loads a draft folder's weights (as `write_draft` wrote them) into `draft`; returns its head tokens."""
+    info, state = draft_state(folder)
     trained_as = info.get("training", {}).get("design")
     if trained_as != design:
         raise ValueError(f"{folder} holds a {trained_as} draft; it cannot start a {design} one")
-    state = load_file(str(folder / "model.safetensors"))
-    if hasattr(draft, "feature_fc"):
-        state.update({f"feature_fc.{name}": value for name, value in load_file(str(folder / FEATURE_FC_FILE)).items()})
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or [name for name in missing if name != "lm_head.weight"]:  # the head is tied to the embedding
         raise ValueError(f"{folder} does not fit the {design} draft of this target "

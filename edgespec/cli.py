@@ -228,12 +228,12 @@ def cmd_plan(args) -> None:
 def _packed_disk(manifest, folder) -> dict | None:
     """The packed copies a staged run maps on this machine (Linux), and the disk they take."""
     from edgespec.runtime import prepacked
-    from edgespec.runtime.pipeline import _default_prepared_dir, packed_copies
+    from edgespec.runtime.pipeline import default_prepared_dir, packed_copies
 
     if not prepacked.available():
         return None
     copies = packed_copies(manifest)
-    return {"folder": str(_default_prepared_dir() / prepacked.machine_key()), "stages": len(copies),
+    return {"folder": str(default_prepared_dir() / prepacked.machine_key()), "stages": len(copies),
             "missing": sum(size is None for _, size in copies), "written_bytes": sum(size or 0 for _, size in copies)}
 
 

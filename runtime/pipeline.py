@@ -20,7 +20,7 @@ from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunn
 from .tokenizer import TextCodec
 
 
-def _default_prepared_dir() -> Path:
+def default_prepared_dir() -> Path:
     from edgespec.defaults import cache_dir
 
     return cache_dir() / "prepacked"
@@ -40,7 +40,7 @@ def window_specs(manifest: Manifest) -> list[GraphSpec]:
 def packed_copies(manifest: Manifest, root: Path | None = None) -> list[tuple[str, int | None]]:
     """Per float stage of the window (the ones mapped from a packed copy on this machine): its checksum and
     the disk its copy takes, None where it has not been written yet."""
-    root = Path(root) if root else _default_prepared_dir()
+    root = Path(root) if root else default_prepared_dir()
     checksums = [prepacked.stage_checksum(manifest.files, spec) for spec in window_specs(manifest) if spec.tensors]
     return [(c, prepacked.prepared_bytes(c, root)) for c in checksums]
 
@@ -58,7 +58,7 @@ class Pipeline:
         memory limit counts the cache); otherwise the OS keeps them cached while memory is free."""
         self.evict_page_cache = evict_page_cache
         self.folder = Path(folder)
-        self.prepared_dir = Path(prepared_dir) if prepared_dir else _default_prepared_dir()
+        self.prepared_dir = Path(prepared_dir) if prepared_dir else default_prepared_dir()
         self.manifest: Manifest = open_bundle(self.folder)
         self.memory = plan_memory(self.manifest, self.folder,
                                   None if memory_budget is None else parse_size(memory_budget))

@@ -7,7 +7,7 @@ When every stage is pinned, each is fetched once.
 
 A stage is either
 - `prepacked.PrepackedStage` (float stages, Linux): its session maps onnxruntime's packed copy of the
-  weights, written once per machine. Fetching faults the pages in, releasing drops them from the
+  weights, written once per machine. Fetching maps the pages in, releasing drops them from the
   process (the OS may keep them cached): a stage costs its bytes and nothing more, the sessions are
   made once, and the kernels are the single graph's;
 - `MappedStage` (float stages elsewhere, streamed): its weights stay in the bundle's file, mapped, and
