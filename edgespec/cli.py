@@ -125,7 +125,9 @@ def cmd_tune(args) -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"acceptance by sibling rank: {result['acceptance_by_rank']}; draft {result['draft_ms_per_level']} ms per level")
+    print("acceptance by depth (rows) and sibling rank: "
+          + "; ".join(f"{d}: {row}" for d, row in enumerate(result["acceptance_by_depth_and_rank"], start=1))
+          + f"; draft {result['draft_ms_per_level']} ms per level")
     print("pass ms by node count: " + ", ".join(f"{n}: {ms}" for n, ms in result["pass_ms"].items()))
     print(f"chosen tree: parents {result['tree']['parents']} ({result['tree']['size']} nodes)")
     print(f"  predicted {result['predicted_tokens_per_s']} tokens/s ({result['predicted_tokens_per_pass']} per pass), "

@@ -1,8 +1,9 @@
 """`edgespec tune`: measure acceptance and pass cost on this device, choose the tree, write it into the bundle.
 
-1. acceptance by sibling rank: speculative decoding of calibration prompts with a wide probe tree,
-   counting, at every accepted node, which rank of candidate (if any) the target continued with;
-2. cost: one step's time for every node count (target pass + drafting), at a typical context length;
+1. acceptance by depth and sibling rank: speculative decoding of calibration prompts with a probe
+   tree, counting, at every accepted node, which rank of candidate (if any) the target continued with;
+2. cost: the target pass's time for every node count at a typical context length, and the draft's
+   time per level of depth;
 3. the tree maximizing expected tokens per second (runtime/treeopt.py), and the best chain;
 4. both measured end to end on the same prompts, so the prediction can be checked.
 """
@@ -21,20 +22,32 @@ from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import ModelRunner, prefill
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.tree import Topology, parse_tree_spec
+from edgespec.runtime.tree import Topology
 from edgespec.runtime.treeopt import choose_tree
 
-PROBE = "topk:4x2"  # four candidates per node, two levels: 21 nodes per calibration pass
-PROBE_DEPTH = parse_tree_spec(PROBE).max_depth
+PROBE_WIDTH, PROBE_DEPTH = 4, 6
+MIN_OPPORTUNITIES = 20  # a depth reached fewer times than this is too thin to give its own rates
 
 
-class RankCounter:
-    """Wraps a drafter; after every step counts, per sibling rank, opportunities and continuations."""
+def probe_topology(width: int = PROBE_WIDTH, depth: int = PROBE_DEPTH) -> Topology:
+    """A spine of top candidates `depth` deep, each spine node with `width` candidates: the target's
+    choice is seen by rank at every depth the drafter's best guesses reach (4 x 6 + 1 = 25 nodes)."""
+    parents, spine = [-1], 0
+    for _ in range(depth):
+        first = len(parents)
+        parents += [spine] * width
+        spine = first
+    return Topology(tuple(parents))
 
-    def __init__(self, inner, ranks: int):
+
+class AcceptanceCounter:
+    """Wraps a drafter; after every step counts, per depth and sibling rank, the times a node at that
+    depth was reached with candidates below it (opportunities) and which rank the target continued with."""
+
+    def __init__(self, inner, ranks: int = PROBE_WIDTH, depths: int = PROBE_DEPTH):
         self.inner, self.tree = inner, None
-        self.opportunities = np.zeros(ranks)
-        self.hits = np.zeros(ranks)
+        self.opportunities = np.zeros(depths)
+        self.hits = np.zeros((depths, ranks))
         self.draft_seconds, self.draft_levels = 0.0, 0
 
     def propose(self, committed, max_nodes, sampler, target_features=None):
@@ -51,13 +64,14 @@ class RankCounter:
         topo, node = self.tree.topology, 0
         for token in accepted[:-1] + [None]:  # the accepted drafts, then the bonus (never a tree node)
             kids = topo.children[node]
-            if topo.depths[node] >= PROBE_DEPTH:
+            depth = int(topo.depths[node])
+            if not kids or depth >= len(self.opportunities):
                 break
-            self.opportunities += 1
+            self.opportunities[depth] += 1
             rank = next((r for r, c in enumerate(kids) if token is not None and int(self.tree.tokens[c]) == token), None)
-            if rank is None:
+            if rank is None or rank >= self.hits.shape[1]:
                 break
-            self.hits[rank] += 1
+            self.hits[depth, rank] += 1
             node = kids[rank]
 
     def rewind(self, length):
@@ -65,8 +79,10 @@ class RankCounter:
 
     @property
     def acceptance(self) -> np.ndarray:
-        return np.divide(self.hits, self.opportunities, out=np.zeros_like(self.hits), where=self.opportunities > 0)
-
+        """[depth, rank] rates, for the depths reached at least MIN_OPPORTUNITIES times (depth 1 always)."""
+        rows = max(1, int(np.sum(np.cumprod(self.opportunities >= MIN_OPPORTUNITIES))))
+        opportunities = self.opportunities[:rows, None]
+        return np.divide(self.hits[:rows], opportunities, out=np.zeros_like(self.hits[:rows]), where=opportunities > 0)
 
 
 def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repeats: int) -> dict[int, float]:
@@ -92,8 +108,8 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     pipeline = Pipeline(folder, threads)
     prompts = load_prompts(prompts_file)
     # 1. acceptance by rank, with a wide probe tree
-    pipeline.tree = parse_tree_spec(PROBE)
-    counter = RankCounter(pipeline.make_drafter(True), ranks=4)
+    pipeline.tree = probe_topology()
+    counter = AcceptanceCounter(pipeline.make_drafter(True))
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for item in prompts:
         pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
@@ -102,14 +118,13 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     past = min(256, pipeline.context // 2)
     verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + 1), past, repeats=15)
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
-    # 3. choose
-    # drafting costs per level of depth; a tree of n nodes is at most n - 1 deep (exact for chains)
-    step_seconds = {n: verify[n] + draft_per_level * max(0, n - 1) for n in verify}
-    tree, chain = choose_tree(accept, step_seconds)
-    # 4. measure the choice and the best chain end to end
-    pipeline.tree = tree.topology
+    # 3. choose: a step costs the target pass plus one draft call per level of depth
+    tree, chain = choose_tree(accept, verify, draft_per_level)
+    # 4. measure the choice and the best chain end to end, each as a fresh pipeline would run: a
+    # recycling table kept from calibration would already hold the target's answers to these prompts
+    pipeline.tree, pipeline.recycling_table = tree.topology, None
     measured = run_bench(pipeline, prompts, max_new_tokens)
-    pipeline.tree = chain.topology
+    pipeline.tree, pipeline.recycling_table = chain.topology, None
     chain_measured = run_bench(pipeline, prompts, max_new_tokens)
     if write:
         write_tree(folder, tree.topology)
@@ -123,7 +138,8 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "best_chain_predicted_tokens_per_s": round(chain.tokens_per_s, 2),
         "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
         "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
-        "acceptance_by_rank": [round(float(a), 4) for a in accept],
+        "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in accept],
+        "opportunities_by_depth": [int(n) for n in counter.opportunities],
         "pass_ms": {n: round(s * 1000, 2) for n, s in verify.items()},
         "draft_ms_per_level": round(draft_per_level * 1000, 3),
         "written": write,

@@ -1,10 +1,18 @@
 """Choosing a static tree from measured acceptance and measured cost (Sequoia's dynamic program).
 
-Model: a node drafted as its parent's r-th candidate (rank r = 0, 1, ...) is accepted, given its
-parent was, with probability accept[r], independently of depth. The expected number of tokens one
-target pass yields from a tree T is 1 (the bonus token) plus the sum over non-root nodes v of the
-product of accept[rank(u)] along the path to v. For every node count N the program finds the tree
-maximizing that expectation; the best N maximizes expected tokens / measured pass time t(N).
+Model: a node at depth d drafted as its parent's r-th candidate (rank r = 0, 1, ...) is the target's
+choice, given its parent was accepted, with probability accept[d - 1, r]; depths beyond the measured
+rows take the deepest row. Ranks are disjoint events (the target picks one token), so the expected
+number of tokens one target pass yields from a tree T is
+
+    E[T] = 1 + sum over non-root nodes v of  prod over the path root -> v of accept[depth(u) - 1, rank(u)]
+
+(1 for the bonus token). Acceptance depends on depth because a draft reading its own guesses drifts
+(falling rows) while a context match that held so far tends to go on holding (rising rows).
+
+Cost: a step with a tree of n nodes and depth L costs pass(n) + L * draft_level: the target verifies
+all n nodes at once, the drafter expands one level at a time. So the program finds, for every node
+count n and depth limit L, the tree maximizing E[T]; the choice maximizes E[T] / cost.
 """
 from __future__ import annotations
 
@@ -20,43 +28,52 @@ from .tree import Topology
 class TreeChoice:
     topology: Topology
     expected_tokens: float  # per target pass, bonus token included
-    pass_seconds: float
+    step_seconds: float     # target pass plus drafting
 
     @property
     def tokens_per_s(self) -> float:
-        return self.expected_tokens / self.pass_seconds
+        return self.expected_tokens / self.step_seconds
 
 
-def best_trees(accept: np.ndarray, max_nodes: int) -> list[tuple[float, Topology]]:
-    """For N = 1..max_nodes: (expected tokens per pass, the best tree of N nodes)."""
-    accept = [float(a) for a in accept]
-    ranks = len(accept)
+def _rates(accept) -> np.ndarray:
+    """accept as [depth, rank] (a 1-D array: the same rates at every depth)."""
+    rates = np.atleast_2d(np.asarray(accept, dtype=float))
+    if rates.size == 0 or (rates < 0).any() or (rates > 1).any():
+        raise ValueError("acceptance rates must be probabilities, one row per depth")
+    return rates
+
+
+def best_trees(accept, max_nodes: int) -> dict[tuple[int, int], tuple[float, Topology]]:
+    """For every node budget n = 1..max_nodes and depth limit L = 0..n-1: (E[T], the best tree with
+    at most n nodes and at most L levels below the root)."""
+    rates = _rates(accept)
+    rows, ranks = rates.shape
+
+    def rate(depth: int, rank: int) -> float:
+        return float(rates[min(depth, rows) - 1, rank])
 
     @lru_cache(maxsize=None)
-    def children(n: int, rank: int) -> tuple[float, tuple]:
-        """Best value of spending at most n nodes on the subtrees of one node's candidates of rank
-        `rank` and after. Returns (value, ((subtree size, subtree plan), ...))."""
+    def children(n: int, depth: int, rank: int, room: int) -> tuple[float, tuple]:
+        """Best value of at most n nodes spent on one node's candidates of rank `rank` and after, at
+        `depth`, whose subtrees span at most `room` levels (these children's included).
+        Returns (value, ((subtree size, subtree plan), ...))."""
         best = (0.0, ())  # no more children: a drafter fills ranks in order, so none can be skipped
-        if n == 0 or rank == ranks:
+        if n == 0 or rank == ranks or room == 0:
             return best
         for size in range(1, n + 1):
-            sub_value, sub_plan = subtree(size)
-            rest_value, rest_plan = children(n - size, rank + 1)
-            value = accept[rank] * sub_value + rest_value
+            # depths past the last measured row share its rates, so they share one cache entry
+            sub_value, sub_plan = children(size - 1, min(depth + 1, rows + 1), 0, room - 1)
+            rest_value, rest_plan = children(n - size, depth, rank + 1, room)
+            value = rate(depth, rank) * (1.0 + sub_value) + rest_value
             if value > best[0] + 1e-12:
                 best = (value, ((size, sub_plan),) + rest_plan)
         return best
 
-    @lru_cache(maxsize=None)
-    def subtree(n: int) -> tuple[float, tuple]:
-        """A subtree of n nodes rooted at an accepted candidate: 1 token plus its descendants' value."""
-        value, plan = children(n - 1, 0)
-        return 1.0 + value, plan
-
-    out = []
+    out = {}
     for n in range(1, max_nodes + 1):
-        value, plan = children(n - 1, 0)
-        out.append((1.0 + value, Topology(_parents(plan))))
+        for limit in range(n):
+            value, plan = children(n - 1, 1, 0, limit)
+            out[n, limit] = (1.0 + value, Topology(_parents(plan)))
     return out
 
 
@@ -73,15 +90,27 @@ def _parents(plan: tuple) -> tuple[int, ...]:
     return tuple(parents)
 
 
-def choose_tree(accept: np.ndarray, pass_seconds: dict[int, float]) -> tuple[TreeChoice, TreeChoice]:
+def chain_value(accept, length: int) -> float:
+    """E[T] of a chain of `length` drafted tokens: 1 + sum over d of the product of the rank-0 rates to d."""
+    rates = _rates(accept)
+    reach, value = 1.0, 1.0
+    for depth in range(1, length + 1):
+        reach *= float(rates[min(depth, len(rates)) - 1, 0])
+        value += reach
+    return value
+
+
+def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level: float = 0.0
+                ) -> tuple[TreeChoice, TreeChoice]:
     """The best tree over the measured node counts, and the best chain (for comparison).
-    pass_seconds[n]: the measured time of one step (draft + verify) with an n-node tree."""
-    max_nodes = max(pass_seconds)
-    trees = best_trees(accept, max_nodes)
-    tree = max((TreeChoice(t, value, pass_seconds[t.size]) for n, (value, t) in enumerate(trees, start=1)
-                if n in pass_seconds and t.size in pass_seconds), key=lambda c: c.tokens_per_s)
-    chains = []
-    for n in pass_seconds:
-        value = 1.0 + sum(float(accept[0]) ** d for d in range(1, n))
-        chains.append(TreeChoice(Topology(tuple(range(-1, n - 1))), value, pass_seconds[n]))
-    return tree, max(chains, key=lambda c: c.tokens_per_s)
+    pass_seconds[n]: the measured time of one target pass over n nodes."""
+    def cost(topology: Topology) -> float:
+        return pass_seconds[topology.size] + draft_seconds_per_level * topology.max_depth
+
+    trees = best_trees(accept, max(pass_seconds))
+    tree = max((TreeChoice(t, value, cost(t)) for value, t in trees.values() if t.size in pass_seconds),
+               key=lambda c: c.tokens_per_s)
+    chains = [TreeChoice(Topology(tuple(range(-1, n - 1))), chain_value(accept, n - 1), 0.0) for n in pass_seconds]
+    chain = max((TreeChoice(c.topology, c.expected_tokens, cost(c.topology)) for c in chains),
+                key=lambda c: c.tokens_per_s)
+    return tree, chain

@@ -2,17 +2,37 @@ import json
 
 from edgespec.cli import main
 from edgespec.runtime.bundle import open_bundle
-from edgespec.tune import RankCounter, tune
+from edgespec.tune import AcceptanceCounter, probe_topology, tune
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.engine import GenerationConfig
 
 
-def test_self_draft_is_accepted_at_rank_zero_every_time(bundle_factory):
-    """With the target as its own draft, the top candidate is always the target's choice."""
+def test_probe_is_a_spine_of_top_candidates_with_siblings():
+    probe = probe_topology(width=3, depth=2)
+    assert probe.parents == (-1, 0, 0, 0, 1, 1, 1)
+
+
+def test_self_draft_is_accepted_at_rank_zero_at_every_depth(bundle_factory):
+    """With the target as its own draft, the top candidate is always the target's choice, so every
+    step walks the whole spine."""
     pipeline = Pipeline(bundle_factory(draft="target", tree="topk:2x2"))
-    counter = RankCounter(pipeline.make_drafter(True), ranks=4)
-    pipeline.generate("def add(a, b):", config=GenerationConfig(max_new_tokens=30, stop_at_eos=False), drafter=counter)
-    assert counter.acceptance[0] == 1.0 and counter.hits[1:].sum() == 0
+    pipeline.tree = probe_topology(width=2, depth=3)
+    counter = AcceptanceCounter(pipeline.make_drafter(True), ranks=2, depths=3)
+    result = pipeline.generate("def add(a, b):", config=GenerationConfig(max_new_tokens=30, stop_at_eos=False),
+                               drafter=counter)
+    steps = result.stats.target_passes  # decoding passes (the prefill is not one)
+    assert counter.opportunities.tolist() == [steps] * 3
+    assert (counter.hits[:, 0] == steps).all() and counter.hits[:, 1].sum() == 0
+
+
+def test_a_draft_that_never_agrees_is_measured_at_depth_one_only(bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft="ngram", tree="chain:2"))
+    pipeline.tree = probe_topology()
+    counter = AcceptanceCounter(pipeline.make_drafter(True))
+    pipeline.generate("one two three four", config=GenerationConfig(max_new_tokens=12, stop_at_eos=False),
+                      drafter=counter)
+    assert counter.opportunities[1:].sum() == counter.hits[1:].sum() == 0
+    assert counter.acceptance.shape == (1, 4)
 
 
 def test_tune_chooses_measures_and_writes_the_tree(bundle_factory, tmp_path, capsys):
@@ -26,7 +46,8 @@ def test_tune_chooses_measures_and_writes_the_tree(bundle_factory, tmp_path, cap
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"tree", "predicted_tokens_per_s", "measured_tokens_per_s", "best_chain_tokens_per_s"} <= set(result)
-    assert len(result["acceptance_by_rank"]) == 4 and all(0 <= a <= 1 for a in result["acceptance_by_rank"])
+    rates = result["acceptance_by_depth_and_rank"]
+    assert len(rates) >= 1 and all(len(row) == 4 and all(0 <= a <= 1 for a in row) for row in rates)
     assert sorted(map(int, result["pass_ms"])) == list(range(1, 7))
     assert 1 <= result["tree"]["size"] <= 6 and result["predicted_tokens_per_pass"] >= 1
     assert open_bundle(bundle).tree.parents == tuple(result["tree"]["parents"])
