@@ -2,10 +2,12 @@
 
     python benchmarks/drafter_table.py [BUNDLE] [--prompts FILE.jsonl] [--max-new-tokens 64]
                                        [--tree parents:...]   (a tuned tree to include)
+                                       [--free-tree parents:...]  (a tree for the training-free rows)
 
 The bundle must have a draft model; the training-free drafters run on the same target. Each row
 decodes every prompt greedily; plain decoding runs first and last, so drift shows. Outputs are
-checked against plain decoding.
+checked against plain decoding. Every recycling row starts from an empty table, as a fresh pipeline
+does: a table kept from an earlier row would already hold the target's answers to these prompts.
 """
 import argparse
 import time
@@ -25,12 +27,12 @@ parser.add_argument("--prompts", default=None)
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--tree", action="append", default=[], help="more trees for the draft model (repeatable)")
 parser.add_argument("--dynamic", type=int, default=12, help="node budget of the dynamic tree")
+parser.add_argument("--free-tree", action="append", default=[], help="more trees for the training-free drafters")
 args = parser.parse_args()
 
 pipeline = Pipeline(resolve_bundle(args.bundle))
 prompts = load_prompts(Path(args.prompts) if args.prompts else None)
 chunk, facts = pipeline.manifest.prefill_chunk, pipeline.manifest.target.facts
-table = new_recycling_table(facts.vocab_size)
 
 
 def model(spec):
@@ -42,10 +44,11 @@ rows += [(f"draft model, chain:{k}", model(f"chain:{k}")) for k in (1, 2, 3, 4, 
 rows += [(f"draft model, {spec}", model(spec)) for spec in ["topk:2x3"] + args.tree]
 rows += [(f"draft model, dynamic:{args.dynamic}", lambda: DynamicDrafter(
     pipeline.draft, pipeline.new_draft_cache(), DynamicTreeConfig(budget=args.dynamic), chunk))]
-rows += [("n-gram, chain:4", lambda: NgramDrafter(parse_tree_spec("chain:4"))),
-         ("token recycling, topk:2x3", lambda: RecyclingDrafter(parse_tree_spec("topk:2x3"), table)),
-         ("n-gram + recycling, topk:2x3", lambda: RecyclingDrafter(parse_tree_spec("topk:2x3"), table,
-                                                                   NgramDrafter(parse_tree_spec("topk:2x3"))))]
+for spec in ["chain:4", "topk:2x3"] + args.free_tree:
+    rows += [(f"n-gram, {spec}", lambda spec=spec: NgramDrafter(parse_tree_spec(spec))),
+             (f"token recycling, {spec}", lambda spec=spec: RecyclingDrafter(parse_tree_spec(spec), table)),
+             (f"n-gram + recycling, {spec}", lambda spec=spec: RecyclingDrafter(
+                 parse_tree_spec(spec), table, NgramDrafter(parse_tree_spec(spec))))]
 rows += [("plain (again)", NoDrafter)]
 
 config = GenerationConfig(max_new_tokens=args.max_new_tokens)
@@ -54,6 +57,7 @@ reference = None
 print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {pipeline.threads} threads")
 print(f"{'drafter and tree':34s} {'tokens/s':>9s} {'tokens/pass':>11s} {'identical':>9s}")
 for name, make in rows:
+    table = new_recycling_table(facts.vocab_size)  # shared by the row's prompts, as in one pipeline
     decoded = passes = accepted = 0
     seconds = 0.0
     outputs = []

@@ -5,6 +5,9 @@ Every candidate's score is the product of the draft's probabilities along its pa
 early when no new node reaches `min_confidence` (the draft is unsure: SpecDec++/Kangaroo style). The
 tree is then the `budget` most confident nodes — a set closed under parents, because a child never
 scores above its parent — so verification sees at most `budget` nodes, as a static graph needs.
+For the same reason a node that does not score above the budget's current cut (the (budget - 1)-th
+best score so far) cannot lead to a chosen node, up to exact ties, and is not expanded: with a small
+budget most draft calls deep in the tree would be wasted.
 
 Proposals are deterministic given the draft, so under sampling they count as point masses
 (tree.q_draft stays None) and verification stays exact.
@@ -21,7 +24,7 @@ import numpy as np
 from .kvcache import KVCache
 from .drafters import catch_up, own_features
 from .model import ModelRunner
-from .sampling import Sampler, SamplingConfig, probabilities
+from .sampling import Sampler
 from .tree import Tree
 
 
@@ -41,7 +44,14 @@ class DynamicTreeConfig:
                 "min_confidence": self.min_confidence}
 
 
-UNPROCESSED = SamplingConfig(temperature=1.0)  # the draft's own distribution: confidence, not a sampler
+def top_candidates(logits: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `width` likeliest tokens under the draft's own distribution (softmax at temperature 1: a
+    confidence, not a sampler), most likely first, and their probabilities."""
+    width = min(width, len(logits))
+    top = np.argpartition(-logits, width - 1)[:width]
+    top = top[np.argsort(-logits[top], kind="stable")]
+    shifted = logits.astype(np.float64) - float(logits[top[0]])
+    return top, np.exp(shifted[top]) / np.exp(shifted).sum()
 
 
 class DynamicDrafter:
@@ -59,12 +69,14 @@ class DynamicDrafter:
         for depth in range(1, cfg.max_depth + 1):
             new = []  # 2. children of the frontier, scored by cumulative confidence
             for parent in frontier:
-                probs = probabilities(node_logits[parent][None], UNPROCESSED)[0]
-                for token in np.argsort(-probs, kind="stable")[: cfg.width]:
+                for token, prob in zip(*top_candidates(node_logits[parent], cfg.width)):
                     parents.append(parent), tokens.append(int(token)), depths.append(depth)
-                    scores.append(scores[parent] * float(probs[token]))
+                    scores.append(scores[parent] * float(prob))
                     new.append(len(tokens) - 1)
-            expand = [n for n in sorted(new, key=lambda n: -scores[n])[: cfg.width] if scores[n] >= cfg.min_confidence]
+            ranked = sorted(scores[1:], reverse=True)
+            cut = ranked[budget - 2] if len(ranked) >= budget - 1 else -1.0
+            expand = [n for n in sorted(new, key=lambda n: -scores[n])[: cfg.width]
+                      if scores[n] >= cfg.min_confidence and scores[n] > cut]
             if budget <= 2 or not expand or depth == cfg.max_depth:
                 break
             # 3. feed the most confident new nodes; each sees the committed rows and its fed ancestors

@@ -146,3 +146,53 @@ def test_speculation_runs_to_the_end_of_the_context_like_plain_decoding(draft, t
 def both_with(pipeline, config, **ask):
     return (pipeline.generate(**ask, config=config, speculate=False),
             pipeline.generate(**ask, config=config, speculate=True))
+
+
+@pytest.mark.parametrize("budget", [3, 6, 12])
+def test_dynamic_tree_skips_only_expansions_that_cannot_reach_the_budget(budget, bundle_factory):
+    """Against the unpruned construction: expand the `width` most confident new nodes at every level
+    down to max_depth, then keep the budget's most confident nodes. Same tree, fewer draft calls."""
+    from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig, top_candidates
+    from edgespec.runtime.drafters import catch_up
+
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="dynamic:8"))
+    config = DynamicTreeConfig(budget=budget, width=3, max_depth=4, min_confidence=0.0)
+    committed = pipeline.encode("def add(a, b): return a + b")
+
+    def unpruned() -> tuple[list[tuple[int, ...]], int]:
+        """(the chosen paths, the number of expanded nodes)"""
+        cache = pipeline.new_draft_cache()
+        logits = catch_up(pipeline.draft, cache, committed, pipeline.manifest.prefill_chunk, None)
+        paths, frontier, rows = {(): (1.0, logits)}, [()], 0
+        for depth in range(1, config.max_depth + 1):
+            new = []
+            for path in frontier:
+                score, parent_logits = paths[path]
+                for token, prob in zip(*top_candidates(parent_logits, config.width)):
+                    new.append((path + (int(token),), score * float(prob)))
+            new = sorted(new, key=lambda item: -item[1])
+            for path, score in new:
+                paths[path] = (score, None)
+            if depth == config.max_depth:
+                break
+            frontier = [path for path, _ in new[: config.width]]
+            for path in frontier:  # one row at a time: slow, but plainly what the draft predicts there
+                branch = pipeline.new_draft_cache()
+                out = catch_up(pipeline.draft, branch, committed + list(path), pipeline.manifest.prefill_chunk, None)
+                paths[path] = (paths[path][0], out)
+                rows += 1
+        best = sorted((p for p in paths if p), key=lambda p: (-paths[p][0], len(p)))[: budget - 1]
+        return sorted(best), rows
+
+    drafter = DynamicDrafter(pipeline.draft, pipeline.new_draft_cache(), config, pipeline.manifest.prefill_chunk)
+    fed = []  # rows fed per draft call
+    forward = pipeline.draft.forward
+    pipeline.draft.forward = lambda cache, tokens, *args, **kwargs: fed.append(len(tokens)) or forward(
+        cache, tokens, *args, **kwargs)
+    tree = drafter.propose(committed, budget, None)
+    pipeline.draft.forward = forward
+    chosen = sorted(tuple(path) for path in tree.paths() if path)
+    expected, unpruned_rows = unpruned()
+    assert chosen == expected
+    expanded = sum(fed[1:])  # the first call catches up on the prompt
+    assert expanded < unpruned_rows if budget <= 6 else expanded <= unpruned_rows
