@@ -3,6 +3,7 @@
     python benchmarks/drafter_table.py [BUNDLE] [--prompts FILE.jsonl] [--max-new-tokens 64]
                                        [--tree parents:...]   (a tuned tree to include)
                                        [--free-tree parents:...]  (a tree for the training-free rows)
+                                       [--only TEXT]  (only the rows whose name contains TEXT; repeatable)
 
 The bundle must have a draft model; the training-free drafters run on the same target. Each row
 decodes every prompt greedily; plain decoding runs first and last, so drift shows. Outputs are
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import resolve_bundle
-from edgespec.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
+from edgespec.runtime.drafters import (LookupConfig, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, WithLookup,
+                                       new_recycling_table)
 from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
@@ -28,6 +30,7 @@ parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--tree", action="append", default=[], help="more trees for the draft model (repeatable)")
 parser.add_argument("--dynamic", type=int, default=12, help="node budget of the dynamic tree")
 parser.add_argument("--free-tree", action="append", default=[], help="more trees for the training-free drafters")
+parser.add_argument("--only", action="append", default=[], help="keep only the rows whose name contains this")
 args = parser.parse_args()
 
 pipeline = Pipeline(resolve_bundle(args.bundle))
@@ -42,6 +45,8 @@ def model(spec):
 rows = [("plain", NoDrafter)]
 rows += [(f"draft model, chain:{k}", model(f"chain:{k}")) for k in (1, 2, 3, 4, 5, 6)]
 rows += [(f"draft model, {spec}", model(spec)) for spec in ["topk:2x3"] + args.tree]
+rows += [(f"draft model, chain:1 + lookup {k}", lambda k=k: WithLookup(model("chain:1")(), LookupConfig(tokens=k)))
+         for k in (4,)]
 rows += [(f"draft model, dynamic:{args.dynamic}", lambda: DynamicDrafter(
     pipeline.draft, pipeline.new_draft_cache(), DynamicTreeConfig(budget=args.dynamic), chunk))]
 for spec in ["chain:4", "topk:2x3"] + args.free_tree:
@@ -49,13 +54,16 @@ for spec in ["chain:4", "topk:2x3"] + args.free_tree:
              (f"token recycling, {spec}", lambda spec=spec: RecyclingDrafter(parse_tree_spec(spec), table)),
              (f"n-gram + recycling, {spec}", lambda spec=spec: RecyclingDrafter(
                  parse_tree_spec(spec), table, NgramDrafter(parse_tree_spec(spec))))]
+rows += [("n-gram, chain:5, from one token (min_n 1, max_n 4)", lambda: NgramDrafter(parse_tree_spec("chain:5"), 4, 1))]
 rows += [("plain (again)", NoDrafter)]
+if args.only:
+    rows = [(name, make) for name, make in rows if name.startswith("plain") or any(o in name for o in args.only)]
 
 config = GenerationConfig(max_new_tokens=args.max_new_tokens)
 pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8))  # warm-up
 reference = None
 print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {pipeline.threads} threads")
-print(f"{'drafter and tree':34s} {'tokens/s':>9s} {'tokens/pass':>11s} {'identical':>9s}")
+print(f"{'drafter and tree':50s} {'tokens/s':>9s} {'tokens/pass':>11s} {'identical':>9s}")
 for name, make in rows:
     table = new_recycling_table(facts.vocab_size)  # shared by the row's prompts, as in one pipeline
     decoded = passes = accepted = 0
@@ -69,5 +77,5 @@ for name, make in rows:
         accepted += result.stats.accepted_drafts
         outputs.append(result.token_ids)
     reference = reference or outputs
-    print(f"{name:34s} {decoded / seconds:9.2f} {(accepted + passes) / max(passes, 1):11.2f} "
+    print(f"{name:50s} {decoded / seconds:9.2f} {(accepted + passes) / max(passes, 1):11.2f} "
           f"{str(outputs == reference):>9s}", flush=True)

@@ -74,6 +74,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         temperature=sampling.temperature,
         prompts=len(prompts), max_new_tokens=max_new_tokens, threads=pipeline.threads,
         drafter=pipeline.manifest.drafter, tree=pipeline.tree.spec(),
+        lookup=pipeline.manifest.lookup.tokens if pipeline.manifest.lookup else 0,
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     )
     return report
@@ -82,7 +83,8 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
 def print_report(report: dict, out=sys.stdout) -> None:
     p, s = report["plain"], report["speculative"]
     print(f"prompts: {report['prompts']} x {report['max_new_tokens']} new tokens, {report['threads']} threads, "
-          f"drafter: {report['drafter']}, tree: {report['tree']}", file=out)
+          f"drafter: {report['drafter']}, tree: {report['tree']}"
+          + (f" + lookup of {report['lookup']} tokens" if report.get("lookup") else ""), file=out)
     print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms", file=out)
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{s['mean_accepted_per_pass']:.2f} tokens per target pass", file=out)

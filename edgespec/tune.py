@@ -109,7 +109,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     prompts = load_prompts(prompts_file)
     # 1. acceptance by rank, with a wide probe tree
     pipeline.tree = probe_topology()
-    counter = AcceptanceCounter(pipeline.make_drafter(True))
+    counter = AcceptanceCounter(pipeline.make_drafter(True, lookup=False))  # the tree is the draft model's
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for item in prompts:
         pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
@@ -152,7 +152,7 @@ def write_tree(folder: Path, topology: Topology) -> None:
     manifest = json.loads(path.read_text(encoding="utf-8"))
     if manifest["profile"].get("static_shapes"):
         raise ValueError("this bundle's profile has static shapes: its tree is fixed at export")
-    manifest["tree"] = topology.to_dict()
+    manifest["tree"] = {**manifest["tree"], **topology.to_dict()}  # keeps the lookup and dynamic settings
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     partial.replace(path)

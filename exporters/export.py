@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
-from edgespec.runtime.drafters import TRAINING_FREE
+from edgespec.runtime.drafters import TRAINING_FREE, LookupConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.tree import Topology, parse_tree_spec
@@ -39,6 +39,7 @@ class ExportConfig:
     quant_policy: Path | None = None  # applies to the target
     force: bool = False
     stages: int = 0  # > 0: the target also as stages with this many groups of layers (streamed under a budget)
+    lookup: int = 0  # > 0: a prompt-lookup chain of up to this many tokens beside the draft model's tree
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
 
 
@@ -103,6 +104,19 @@ def export(config: ExportConfig) -> Path:
         raise ExportError("the prefill chunk must be at least 2 tokens")
     if dynamic is not None and config.draft in TRAINING_FREE:
         raise ExportError("a dynamic tree grows by a draft model's confidence: give --draft a model")
+    if config.lookup < 0:
+        raise ExportError("--lookup must be 0 (off) or a number of drafted tokens")
+    if config.lookup and config.draft in TRAINING_FREE:
+        raise ExportError(f"--lookup adds prompt lookup to a draft model; the {config.draft!r} drafter has none "
+                          "(use --draft ngram or ngram+recycling for prompt lookup alone)")
+    tree_extra = {}
+    if dynamic is not None:
+        tree_extra["dynamic"] = dynamic.to_dict()
+    if config.lookup:
+        tree_extra["lookup"] = LookupConfig(tokens=config.lookup).to_dict()
+    if config.context < topology.size + config.lookup + 2:
+        raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes "
+                          f"and {config.lookup} lookup tokens")
     profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:
@@ -165,6 +179,6 @@ def export(config: ExportConfig) -> Path:
 
     out = write_bundle(config.out, config.force, fill, profile, topology, config.prefill_chunk,
                        finish=tune_tree if config.tree == "auto" else None,
-                       tree_extra={"dynamic": dynamic.to_dict()} if dynamic else {})
+                       tree_extra=tree_extra)
     _say(f"bundle written to {out}", started)
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BundleError
+from .drafters import LookupConfig
 from .dynamic_tree import DynamicTreeConfig
 from .facts import ModelFacts
 from .features import FEATURES_OUT
@@ -73,6 +74,7 @@ class Manifest:
     drafter: str  # "model", or a training-free drafter: "ngram", "recycling", "ngram+recycling"
     tree: Topology
     dynamic: DynamicTreeConfig | None  # set: a draft model grows each step's tree within a node budget
+    lookup: LookupConfig | None  # set: a prompt-lookup chain is grafted onto the draft model's tree
     prefill_chunk: int
     tokenizer: TokenizerSpec
     profile: str
@@ -86,6 +88,8 @@ class Manifest:
                               f"{SCHEMA_VERSION}; re-export the bundle or upgrade edgespec")
         try:
             draft = data.get("draft")
+            if data["tree"].get("lookup") and _drafter_kind(draft) != "model":
+                raise BundleError("the manifest adds prompt lookup to a training-free drafter: it is for a draft model")
             return cls(
                 raw=data,
                 target=ModelEntry.from_dict(data["target"]),
@@ -93,6 +97,7 @@ class Manifest:
                 drafter=_drafter_kind(draft),
                 tree=Topology(tuple(data["tree"]["parents"])),
                 dynamic=DynamicTreeConfig(**data["tree"]["dynamic"]) if data["tree"].get("dynamic") else None,
+                lookup=LookupConfig(**data["tree"]["lookup"]) if data["tree"].get("lookup") else None,
                 prefill_chunk=int(data["steps"]["prefill_chunk"]),
                 tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
                 profile=data["profile"]["name"],

@@ -9,7 +9,8 @@ from edgespec.targets.profiles import get_profile
 from .budget import parse_size, plan_memory
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
 from .dynamic_tree import DynamicDrafter
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
+from .drafters import (Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, WithLookup,
+                       new_recycling_table)
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError
 from .kvcache import KVCache
@@ -122,7 +123,9 @@ class Pipeline:
         draft = self.manifest.draft
         return KVCache(draft.facts, self.context, draft.feature_size)
 
-    def make_drafter(self, speculate: bool) -> Drafter:
+    def make_drafter(self, speculate: bool, lookup: bool = True) -> Drafter:
+        """The bundle's drafter (NoDrafter for plain decoding); `lookup=False` leaves out the manifest's
+        prompt lookup, to measure the draft model alone (tune)."""
         m = self.manifest
         if not speculate:
             return NoDrafter()
@@ -135,8 +138,10 @@ class Pipeline:
             return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)
         cache = self.new_draft_cache()
         if m.dynamic is not None:
-            return DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
-        return ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)
+            drafter = DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
+        else:
+            drafter = ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)
+        return drafter if m.lookup is None or not lookup else WithLookup(drafter, m.lookup)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):

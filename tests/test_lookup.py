@@ -1,0 +1,123 @@
+"""Prompt lookup beside a draft model (`export --lookup K`): the grafted chain, and exactness."""
+import json
+
+import numpy as np
+import pytest
+
+from edgespec.runtime.drafters import LookupConfig, WithLookup, graft_chain
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.errors import BundleError
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.sampling import SamplingConfig
+from edgespec.runtime.tree import Tree
+
+REPEATING = ["one two three four five six seven eight one two three four five six seven eight one two",
+             "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):\n    return"]
+CONFIG = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+
+
+def test_the_chain_follows_matching_nodes_then_grows_new_ones():
+    tree = Tree.from_parents((-1, 0, 0, 1), [7, 10, 11, 12])
+    grafted = graft_chain(tree, [10, 12, 13, 14], max_nodes=16)
+    assert grafted.parents == (-1, 0, 0, 1, 3, 4) and list(grafted.tokens) == [7, 10, 11, 12, 13, 14]
+    other = graft_chain(tree, [20, 21], max_nodes=16)
+    assert other.parents == (-1, 0, 0, 1, 0, 4) and list(other.tokens[4:]) == [20, 21]
+
+
+def test_the_chain_stops_at_the_node_limit():
+    tree = Tree.from_parents((-1, 0), [7, 10])
+    assert graft_chain(tree, [20, 21, 22], max_nodes=3).parents == (-1, 0, 0)
+    assert graft_chain(tree, [10, 21, 22], max_nodes=3).parents == (-1, 0, 1)
+
+
+class FixedDrafter:
+    def __init__(self, tree):
+        self.tree = tree
+
+    def propose(self, committed, max_nodes, sampler, target_features=None):
+        return self.tree
+
+    def observe(self, accepted, tokens=None, logits=None):
+        pass
+
+    def rewind(self, length):
+        pass
+
+
+def test_lookup_continues_an_earlier_occurrence_and_leaves_sampled_trees_alone():
+    committed = [5, 6, 7, 8, 9, 5, 6]
+    plain = Tree.from_parents((-1, 0), [6, 30])
+    drafter = WithLookup(FixedDrafter(plain), LookupConfig(tokens=3, min_n=1, max_n=4))
+    tree = drafter.propose(committed, 16, None)
+    assert tree.paths()[-1] == [7, 8, 9]  # what followed "5 6" before
+    sampled = Tree(plain.topology, plain.tokens, q_draft=np.full((2, 40), 1 / 40))
+    drafter = WithLookup(FixedDrafter(sampled), LookupConfig(tokens=3))
+    assert drafter.propose(committed, 16, None) is sampled
+
+
+@pytest.mark.parametrize("tree", ["chain:1", "dynamic:4"])
+def test_lookup_is_lossless(tree, bundle_factory):
+    """The verified trees do carry grafted chains (the prompts repeat), and the output stays exact.
+    How many of their tokens the target accepts is a benchmark's question (RESULTS.md), not a random
+    model's."""
+    pipeline = Pipeline(bundle_factory(draft="draft", tree=tree, lookup=4))
+    assert pipeline.manifest.lookup == LookupConfig(tokens=4)
+    largest = pipeline.manifest.dynamic.budget if pipeline.manifest.dynamic else pipeline.manifest.tree.size
+    for prompt in REPEATING:
+        drafter = pipeline.make_drafter(True)
+        assert isinstance(drafter, WithLookup)
+        sizes, propose = [], drafter.propose
+
+        def recording(*args, **kwargs):
+            tree = propose(*args, **kwargs)
+            sizes.append(tree.size)
+            return tree
+
+        drafter.propose = recording
+        plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
+        spec = pipeline.generate(prompt, config=CONFIG, drafter=drafter)
+        assert spec.token_ids == plain.token_ids
+        assert max(sizes) > largest and max(sizes) <= largest + 4
+
+
+def test_sampling_with_lookup_reproduces_its_seed(bundle_factory):
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="dynamic:4", lookup=4))
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False, sampling=SamplingConfig(temperature=0.8, seed=3))
+    first = pipeline.generate(REPEATING[0], config=config)
+    assert pipeline.generate(REPEATING[0], config=config).token_ids == first.token_ids
+
+
+def test_lookup_needs_a_draft_model(models, tmp_path):
+    from edgespec.exporters.export import ExportConfig, ExportError, export
+
+    with pytest.raises(ExportError, match="--lookup adds prompt lookup to a draft model"):
+        export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", lookup=4, cache_dir=tmp_path))
+    with pytest.raises(ExportError, match="--lookup must be 0"):
+        export(ExportConfig(model=str(models["target"]), draft=str(models["draft"]), out=tmp_path / "b", lookup=-1,
+                            cache_dir=tmp_path))
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_manifest_with_lookup_for_a_training_free_drafter_is_refused(bundle_factory, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft="ngram"), bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["tree"]["lookup"] = LookupConfig().to_dict()
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="prompt lookup"):
+        Pipeline(bundle)
+
+
+def test_tune_keeps_the_lookup_setting(bundle_factory, tmp_path):
+    import shutil
+
+    from edgespec.tune import tune
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft="draft", tree="chain:1", lookup=4), bundle)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": REPEATING[0]}) + "\n")
+    tune(bundle, prompts, max_nodes=4, max_new_tokens=12, threads=1, write=True)
+    assert Pipeline(bundle).manifest.lookup == LookupConfig(tokens=4)
