@@ -19,6 +19,11 @@ and after an accepted leaf, the bonus token is sampled from p_target[leaf]. Each
 then distributed exactly as the target's own sampling distribution. A deterministic proposal (an
 n-gram drafter, or greedy draft tokens) is a point mass: q = onehot(t), so a child is accepted with
 probability p[t] and on rejection p loses t — sequential sampling of p, also exact.
+
+Siblings may mix the two (a prompt-lookup token beside the draft model's drawn tokens, tree.drawn):
+each check is the same rule with that child's own proposal — q for a drawn child, onehot(t) for a
+point mass — and p stays the target's distribution given every rejection so far. The drawn
+children's q loses only the drawn tokens, because only they were drawn without replacement.
 """
 from __future__ import annotations
 
@@ -44,9 +49,11 @@ def accept_greedy(tokens: np.ndarray, children: tuple[tuple[int, ...], ...],
 
 
 def accept_sampled(tokens: np.ndarray, children: tuple[tuple[int, ...], ...], p_target: np.ndarray,
-                   q_draft: np.ndarray | None, rng: np.random.Generator) -> tuple[list[int], int]:
+                   q_draft: np.ndarray | None, rng: np.random.Generator,
+                   drawn: np.ndarray | None = None) -> tuple[list[int], int]:
     """p_target [N, V]: the target's processed distribution at every node; q_draft [N, V]: the
-    distribution node u's children were drawn from (None: every proposal is a point mass).
+    distribution node u's children were drawn from (None: every proposal is a point mass); drawn [N]:
+    which nodes were drawn from it (None: all, when q_draft is set).
     Returns (accepted path of node indices from the root, the token emitted after it)."""
     path = [0]
     node = 0
@@ -60,12 +67,13 @@ def accept_sampled(tokens: np.ndarray, children: tuple[tuple[int, ...], ...], p_
             if t in rejected:  # a repeated sibling (the draft's support was smaller than the fan-out)
                 continue
             rejected.add(t)
-            q_t = 1.0 if q is None else q[t]
+            from_q = q is not None and (drawn is None or bool(drawn[child]))
+            q_t = q[t] if from_q else 1.0
             if q_t > 0 and rng.random() < min(1.0, p[t] / q_t):
                 accepted = child
                 break
-            p = _residual(p, q, t)
-            if q is not None:
+            p = _residual(p, q if from_q else None, t)
+            if from_q:
                 q[t] = 0.0
                 total = q.sum()
                 q = q / total if total > 0 else q

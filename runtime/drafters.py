@@ -149,8 +149,8 @@ class WithLookup:
     Where the answer quotes its context (code edits, rewrites, summaries) the lookup chain runs long and
     is accepted whole; elsewhere the draft model's candidates do the work. Nodes are shared where the
     chain starts with the model's own candidates, so the tree grows by at most `tokens` nodes. Under
-    sampling with a draft distribution (tree.q_draft set) siblings must all be drawn from it for the
-    acceptance rule to stay exact, so the model's tree is used alone there.
+    sampling the lookup tokens are point masses beside the model's drawn siblings (tree.drawn), which
+    the acceptance rule handles exactly (runtime/accept.py).
     """
 
     def __init__(self, inner: Drafter, config: LookupConfig):
@@ -160,7 +160,7 @@ class WithLookup:
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
         tree = self.inner.propose(committed, max_nodes, sampler, target_features)
-        if tree.q_draft is not None or tree.size >= max_nodes:
+        if tree.size >= max_nodes:
             return tree
         chain = self.ngram.propose(committed, 1 + self.config.tokens, None)
         return graft_chain(tree, [int(t) for t in chain.tokens[1:]], max_nodes)
@@ -175,7 +175,8 @@ class WithLookup:
 
 def graft_chain(tree: Tree, chain: list[int], max_nodes: int) -> Tree:
     """`tree` with the path root -> chain[0] -> chain[1] ... added, following existing nodes while they
-    match and stopping at max_nodes. New nodes come after the old ones, so the old indices stay."""
+    match and stopping at max_nodes. New nodes come after the old ones, so the old indices stay; they
+    are point masses (not drawn from the tree's q_draft)."""
     parents, tokens = list(tree.parents), [int(t) for t in tree.tokens]
     node = 0
     for token in chain:
@@ -188,7 +189,13 @@ def graft_chain(tree: Tree, chain: list[int], max_nodes: int) -> Tree:
             tokens.append(token)
             child = len(parents) - 1
         node = child
-    return Tree.from_parents(tuple(parents), tokens)
+    added = len(parents) - tree.size
+    if tree.q_draft is None:
+        return Tree.from_parents(tuple(parents), tokens)
+    q_draft = np.concatenate([tree.q_draft, np.zeros((added, tree.q_draft.shape[1]))])  # point masses' parents
+    drawn = np.ones(tree.size, dtype=bool) if tree.drawn is None else tree.drawn
+    drawn = np.concatenate([drawn, np.zeros(added, dtype=bool)])
+    return Tree(Topology(tuple(parents)), np.asarray(tokens, dtype=np.int64), q_draft, drawn)
 
 
 def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: int,

@@ -94,6 +94,9 @@ class Tree:
     # q_draft[u]: the distribution node u's children were drawn from, without replacement (sampling
     # with a draft model); None when the proposals are deterministic (point masses)
     q_draft: np.ndarray | None = None
+    # drawn[v]: node v was drawn from q_draft[parent(v)]; False: a point mass beside the drawn siblings
+    # (a prompt-lookup token). None: every node is drawn when q_draft is set, none when it is not.
+    drawn: np.ndarray | None = None
 
     @classmethod
     def from_parents(cls, parents: tuple[int, ...], tokens) -> "Tree":

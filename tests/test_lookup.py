@@ -44,15 +44,18 @@ class FixedDrafter:
         pass
 
 
-def test_lookup_continues_an_earlier_occurrence_and_leaves_sampled_trees_alone():
+def test_lookup_continues_an_earlier_occurrence_as_point_masses():
     committed = [5, 6, 7, 8, 9, 5, 6]
     plain = Tree.from_parents((-1, 0), [6, 30])
     drafter = WithLookup(FixedDrafter(plain), LookupConfig(tokens=3, min_n=1, max_n=4))
     tree = drafter.propose(committed, 16, None)
     assert tree.paths()[-1] == [7, 8, 9]  # what followed "5 6" before
-    sampled = Tree(plain.topology, plain.tokens, q_draft=np.full((2, 40), 1 / 40))
-    drafter = WithLookup(FixedDrafter(sampled), LookupConfig(tokens=3))
-    assert drafter.propose(committed, 16, None) is sampled
+    assert tree.q_draft is None and tree.drawn is None
+    q_root = np.full(40, 1 / 40)
+    sampled = Tree(plain.topology, plain.tokens, q_draft=np.stack([q_root, np.zeros(40)]))
+    tree = WithLookup(FixedDrafter(sampled), LookupConfig(tokens=3)).propose(committed, 16, None)
+    assert tree.parents == (-1, 0, 0, 2, 3) and list(tree.drawn) == [True, True, False, False, False]
+    assert np.array_equal(tree.q_draft[0], q_root) and tree.q_draft.shape == (5, 40)
 
 
 @pytest.mark.parametrize("tree", ["chain:1", "dynamic:4"])

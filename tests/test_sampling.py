@@ -9,7 +9,8 @@ from scipy.stats import chisquare
 
 from edgespec.runtime.accept import _residual, accept_sampled
 from edgespec.runtime.sampling import SamplingConfig, probabilities, sample, sample_without_replacement
-from edgespec.runtime.tree import parse_tree_spec
+from edgespec.runtime.drafters import graft_chain
+from edgespec.runtime.tree import Tree, parse_tree_spec
 
 ALPHA = 1e-3
 V = 4
@@ -163,6 +164,43 @@ def buggy_verifier(use_residual: bool):
 def test_the_statistical_test_detects_a_wrong_verifier(use_residual, spec):
     rng = np.random.default_rng(7)
     samples = [speculative_tokens(spec, Q_FAR, 3, rng, verifier=buggy_verifier(use_residual)) for _ in range(TRIALS)]
+    assert fit_pvalue(samples, 3) < 1e-6
+
+
+def mixed_tokens(spec, lookup, count, rng, verifier=accept_sampled):
+    """Like speculative_tokens, with a deterministic chain grafted onto a tree drawn from Q_CLOSE, so
+    drawn and point-mass siblings mix. The chain follows the target's likeliest tokens, as a lookup that
+    is often right would: it is accepted often, and sometimes it shares its first node with a drawn one."""
+    topology = parse_tree_spec(spec)
+    out, last = [], 0
+    while len(out) < count:
+        tokens, q_draft = draft_tree(topology, last, Q_CLOSE, rng, deterministic=False)
+        chain, token = [], last
+        for _ in range(lookup):
+            token = int(np.argmax(P[token]))
+            chain.append(token)
+        tree = graft_chain(Tree(topology, tokens, q_draft), chain, max_nodes=64)
+        path, bonus = verifier(tree.tokens, tree.topology.children, P[tree.tokens], tree.q_draft, rng, tree.drawn)
+        out += [int(t) for t in tree.tokens[path[1:]]] + [bonus]
+        last = out[-1]
+    return tuple(out[:count])
+
+
+@pytest.mark.parametrize("spec,lookup", [("chain:1", 3), ("topk:2x1", 2), ("chain:2", 2)])
+def test_lookup_tokens_beside_drawn_siblings_keep_the_target_distribution(spec, lookup):
+    rng = np.random.default_rng(11)
+    samples = [mixed_tokens(spec, lookup, 3, rng) for _ in range(TRIALS)]
+    assert fit_pvalue([s[:1] for s in samples], 1) > ALPHA
+    assert fit_pvalue(samples, 3) > ALPHA
+
+
+def test_the_statistical_test_detects_point_masses_taken_as_drawn():
+    """The bug: checking a lookup token against the draft's q at its parent, as if drawn from it."""
+    def as_if_drawn(tokens, children, p_target, q_draft, rng, drawn):
+        return accept_sampled(tokens, children, p_target, Q_CLOSE[tokens], rng)
+
+    rng = np.random.default_rng(11)
+    samples = [mixed_tokens("chain:1", 2, 3, rng, verifier=as_if_drawn) for _ in range(TRIALS)]
     assert fit_pvalue(samples, 3) < 1e-6
 
 

@@ -57,6 +57,19 @@ def test_speculative_sampling_has_the_plain_distribution(draft, tree, point_mass
     assert chi2_contingency(table).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("draft,tree", [("draft", "chain:1"), ("draft", "topk:2x1")])
+def test_lookup_beside_a_sampled_draft_has_the_plain_distribution(draft, tree, bundle_factory):
+    """Prompt-lookup point masses grafted beside siblings drawn from the draft (a prompt that repeats,
+    so the lookup chain is there at every step)."""
+    pipeline = Pipeline(bundle_factory(draft=draft, tree=tree, lookup=3), threads=1)
+    prompt = "one two three one two three one two three one"
+    plain = first_tokens(pipeline, False, TRIALS, prompt)
+    spec = first_tokens(pipeline, True, TRIALS, prompt)
+    cells = sorted(set(plain) | set(spec))
+    table = np.array([[plain[c] for c in cells], [spec[c] for c in cells]])
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
 def test_the_same_seed_reproduces_the_same_output(bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
     config = GenerationConfig(max_new_tokens=20, stop_at_eos=False,
