@@ -51,9 +51,10 @@ def accept_greedy(tokens: np.ndarray, children: tuple[tuple[int, ...], ...],
 def accept_sampled(tokens: np.ndarray, children: tuple[tuple[int, ...], ...], p_target: np.ndarray,
                    q_draft: np.ndarray | None, rng: np.random.Generator,
                    drawn: np.ndarray | None = None) -> tuple[list[int], int]:
-    """p_target [N, V]: the target's processed distribution at every node; q_draft [N, V]: the
-    distribution node u's children were drawn from (None: every proposal is a point mass); drawn [N]:
-    which nodes were drawn from it (None: all, when q_draft is set).
+    """p_target [N, V]: the target's processed distribution at every node (an array, or rows computed
+    when read: only the nodes the walk reaches are); q_draft [N, V]: the distribution node u's children
+    were drawn from (None: every proposal is a point mass); drawn [N]: which nodes were drawn from it
+    (None: all, when q_draft is set).
     Returns (accepted path of node indices from the root, the token emitted after it)."""
     path = [0]
     node = 0

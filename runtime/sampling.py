@@ -108,3 +108,18 @@ class Sampler:
             for row, path in enumerate(paths):
                 seen[row, path] = True
         return probabilities(logits, self.config, seen)
+
+    def rows(self, logits: np.ndarray, committed: list[int], paths: list[list[int]]) -> "LazyRows":
+        """distributions() row by row, each computed when first read: verification reads only the
+        nodes it reaches, usually a few of the tree's."""
+        return LazyRows(lambda r: self.distributions(logits[r : r + 1], committed, [paths[r]])[0])
+
+
+class LazyRows:
+    def __init__(self, compute):
+        self.compute, self.done = compute, {}
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        if row not in self.done:
+            self.done[row] = self.compute(row)
+        return self.done[row]
