@@ -98,14 +98,15 @@ def export(config: ExportConfig) -> Path:
         topology, dynamic = tree_plan(config.tree)
     except ValueError as err:
         raise ExportError(str(err)) from err
-    if config.context < topology.size + 2:
-        raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes")
+    if config.lookup < 0:
+        raise ExportError("--lookup must be 0 (off) or a number of drafted tokens")
+    if config.context < topology.size + config.lookup + 2:
+        raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes"
+                          + (f" and {config.lookup} lookup tokens" if config.lookup else ""))
     if config.prefill_chunk < 2:
         raise ExportError("the prefill chunk must be at least 2 tokens")
     if dynamic is not None and config.draft in TRAINING_FREE:
         raise ExportError("a dynamic tree grows by a draft model's confidence: give --draft a model")
-    if config.lookup < 0:
-        raise ExportError("--lookup must be 0 (off) or a number of drafted tokens")
     if config.lookup and config.draft in TRAINING_FREE:
         raise ExportError(f"--lookup adds prompt lookup to a draft model; the {config.draft!r} drafter has none "
                           "(use --draft ngram or ngram+recycling for prompt lookup alone)")
@@ -114,9 +115,6 @@ def export(config: ExportConfig) -> Path:
         tree_extra["dynamic"] = dynamic.to_dict()
     if config.lookup:
         tree_extra["lookup"] = LookupConfig(tokens=config.lookup).to_dict()
-    if config.context < topology.size + config.lookup + 2:
-        raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes "
-                          f"and {config.lookup} lookup tokens")
     profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:
