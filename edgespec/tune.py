@@ -6,6 +6,10 @@
    time per level of depth;
 3. the tree maximizing expected tokens per second (runtime/treeopt.py), and the best chain;
 4. both measured end to end on the same prompts, so the prediction can be checked.
+
+With the bundle's prompt lookup (`export --lookup K`) calibration leaves the lookup out, a tree of n
+nodes is costed at n + K nodes, and the measurements include the lookup. The prediction counts the
+draft model's tokens only, so there it is a floor: the lookup's accepted tokens come on top.
 """
 from __future__ import annotations
 
@@ -107,21 +111,28 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
          write: bool = True) -> dict:
     pipeline = Pipeline(folder, threads)
     prompts = load_prompts(prompts_file)
-    # 1. acceptance by rank, with a wide probe tree
+    # 1. acceptance by depth and rank, with the probe tree, of the draft model alone: lookup tokens
+    # grafted on would blur which rank the target chose
+    lookup, pipeline.lookup = pipeline.lookup, None
     pipeline.tree = probe_topology()
-    counter = AcceptanceCounter(pipeline.make_drafter(True, lookup=False))  # the tree is the draft model's
+    counter = AcceptanceCounter(pipeline.make_drafter(True))
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for item in prompts:
         pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
     accept = counter.acceptance
-    # 2. cost of a step by node count: the target pass plus drafting (per level of depth)
+    # 2. cost of a step by node count: the target pass plus drafting (per level of depth); with the
+    # bundle's prompt lookup a step carries up to that many more nodes, so a tree of n nodes pays for n + k
+    extra = lookup.tokens if lookup else 0
     past = min(256, pipeline.context // 2)
-    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + 1), past, repeats=15)
+    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + extra + 1), past,
+                          repeats=15)
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
     # 3. choose: a step costs the target pass plus one draft call per level of depth
-    tree, chain = choose_tree(accept, verify, draft_per_level)
-    # 4. measure the choice and the best chain end to end, each as a fresh pipeline would run: a
-    # recycling table kept from calibration would already hold the target's answers to these prompts
+    tree, chain = choose_tree(accept, {n: verify[n + extra] for n in range(1, max_nodes + 1)}, draft_per_level)
+    # 4. measure the choice and the best chain end to end (with the bundle's lookup), each as a fresh
+    # pipeline would run: a recycling table kept from calibration would already hold the target's
+    # answers to these prompts
+    pipeline.lookup = lookup
     pipeline.tree, pipeline.recycling_table = tree.topology, None
     measured = run_bench(pipeline, prompts, max_new_tokens)
     pipeline.tree, pipeline.recycling_table = chain.topology, None
@@ -138,6 +149,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "best_chain_predicted_tokens_per_s": round(chain.tokens_per_s, 2),
         "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
         "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
+        "lookup_tokens": extra,
         "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in accept],
         "opportunities_by_depth": [int(n) for n in counter.opportunities],
         "pass_ms": {n: round(s * 1000, 2) for n, s in verify.items()},

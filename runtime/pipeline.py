@@ -81,6 +81,7 @@ class Pipeline:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
                                                    self.threads), m.target.facts)
         self.tree = m.tree  # the tree drafters fill: the manifest's, unless a caller (tune) tries another
+        self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         if m.drafter == "model":
@@ -123,9 +124,7 @@ class Pipeline:
         draft = self.manifest.draft
         return KVCache(draft.facts, self.context, draft.feature_size)
 
-    def make_drafter(self, speculate: bool, lookup: bool = True) -> Drafter:
-        """The bundle's drafter (NoDrafter for plain decoding); `lookup=False` leaves out the manifest's
-        prompt lookup, to measure the draft model alone (tune)."""
+    def make_drafter(self, speculate: bool) -> Drafter:
         m = self.manifest
         if not speculate:
             return NoDrafter()
@@ -141,7 +140,7 @@ class Pipeline:
             drafter = DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
         else:
             drafter = ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)
-        return drafter if m.lookup is None or not lookup else WithLookup(drafter, m.lookup)
+        return drafter if self.lookup is None else WithLookup(drafter, self.lookup)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):

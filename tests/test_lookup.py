@@ -113,7 +113,7 @@ def test_a_manifest_with_lookup_for_a_training_free_drafter_is_refused(bundle_fa
         Pipeline(bundle)
 
 
-def test_tune_keeps_the_lookup_setting(bundle_factory, tmp_path):
+def test_tune_costs_the_lookup_nodes_and_keeps_the_setting(bundle_factory, tmp_path):
     import shutil
 
     from edgespec.tune import tune
@@ -122,5 +122,7 @@ def test_tune_keeps_the_lookup_setting(bundle_factory, tmp_path):
     shutil.copytree(bundle_factory(draft="draft", tree="chain:1", lookup=4), bundle)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": REPEATING[0]}) + "\n")
-    tune(bundle, prompts, max_nodes=4, max_new_tokens=12, threads=1, write=True)
+    result = tune(bundle, prompts, max_nodes=4, max_new_tokens=12, threads=1, write=True)
     assert Pipeline(bundle).manifest.lookup == LookupConfig(tokens=4)
+    assert result["lookup_tokens"] == 4 and sorted(map(int, result["pass_ms"])) == list(range(1, 4 + 4 + 1))
+    assert result["tree"]["size"] <= 4 and result["measured_tokens_per_pass"] >= 1
