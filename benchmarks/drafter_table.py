@@ -16,8 +16,8 @@ from pathlib import Path
 
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import resolve_bundle
-from edgespec.runtime.drafters import (LookupConfig, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, WithLookup,
-                                       new_recycling_table)
+from edgespec.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
+from edgespec.runtime.lookup import LookupConfig, WithLookup
 from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
-from edgespec.runtime.drafters import TRAINING_FREE, LookupConfig
+from edgespec.runtime.drafters import TRAINING_FREE
+from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.tree import Topology, parse_tree_spec

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BundleError
-from .drafters import LookupConfig
+from .lookup import LookupConfig
 from .dynamic_tree import DynamicTreeConfig
 from .facts import ModelFacts
 from .features import FEATURES_OUT

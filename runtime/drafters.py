@@ -6,7 +6,6 @@ owns its draft KV cache, whose `length` is how many committed tokens it has alre
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -125,77 +124,6 @@ class NgramDrafter:
     def rewind(self, length: int) -> None:
         if length < len(self.context):
             self.context, self.index = [], {}  # rebuilt lazily by the next propose
-
-
-@dataclass(frozen=True)
-class LookupConfig:
-    """Prompt lookup beside a draft model: up to `tokens` drafted tokens that continue the context the
-    way it continued after an earlier occurrence of its suffix (n = min_n..max_n tokens)."""
-    tokens: int = 4
-    min_n: int = 1
-    max_n: int = 4
-
-    def __post_init__(self):
-        if self.tokens < 1 or not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"bad lookup settings: {self}")
-
-    def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "min_n": self.min_n, "max_n": self.max_n}
-
-
-class WithLookup:
-    """A draft model's tree with a prompt-lookup chain grafted on at the root.
-
-    Where the answer quotes its context (code edits, rewrites, summaries) the lookup chain runs long and
-    is accepted whole; elsewhere the draft model's candidates do the work. Nodes are shared where the
-    chain starts with the model's own candidates, so the tree grows by at most `tokens` nodes. Under
-    sampling the lookup tokens are point masses beside the model's drawn siblings (tree.drawn), which
-    the acceptance rule handles exactly (runtime/accept.py).
-    """
-
-    def __init__(self, inner: Drafter, config: LookupConfig):
-        self.inner, self.config = inner, config
-        self.ngram = NgramDrafter(Topology(tuple(range(-1, config.tokens))), config.max_n, config.min_n)
-
-    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
-                target_features: np.ndarray | None = None) -> Tree:
-        tree = self.inner.propose(committed, max_nodes, sampler, target_features)
-        if tree.size >= max_nodes:
-            return tree
-        chain = self.ngram.propose(committed, 1 + self.config.tokens, None)
-        return graft_chain(tree, [int(t) for t in chain.tokens[1:]], max_nodes)
-
-    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
-        self.inner.observe(accepted, tokens, logits)
-
-    def rewind(self, length: int) -> None:
-        self.inner.rewind(length)
-        self.ngram.rewind(length)
-
-
-def graft_chain(tree: Tree, chain: list[int], max_nodes: int) -> Tree:
-    """`tree` with the path root -> chain[0] -> chain[1] ... added, following existing nodes while they
-    match and stopping at max_nodes. New nodes come after the old ones, so the old indices stay; they
-    are point masses (not drawn from the tree's q_draft)."""
-    parents, tokens = list(tree.parents), [int(t) for t in tree.tokens]
-    node = 0
-    for token in chain:
-        child = next((c for c in tree.topology.children[node] if tokens[c] == token), None) \
-            if node < tree.size else None
-        if child is None:
-            if len(parents) == max_nodes:
-                break
-            parents.append(node)
-            tokens.append(token)
-            child = len(parents) - 1
-        node = child
-    added = len(parents) - tree.size
-    if tree.q_draft is None:
-        return Tree.from_parents(tuple(parents), tokens)
-    q_draft = np.concatenate([tree.q_draft, np.zeros((added, tree.q_draft.shape[1]))])  # point masses' parents
-    drawn = np.ones(tree.size, dtype=bool) if tree.drawn is None else tree.drawn
-    drawn = np.concatenate([drawn, np.zeros(added, dtype=bool)])
-    return Tree(Topology(tuple(parents)), np.asarray(tokens, dtype=np.int64), q_draft, drawn)
 
 
 def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: int,

@@ -9,8 +9,8 @@ from edgespec.targets.profiles import get_profile
 from .budget import parse_size, plan_memory
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
 from .dynamic_tree import DynamicDrafter
-from .drafters import (Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, WithLookup,
-                       new_recycling_table)
+from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
+from .lookup import WithLookup
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError
 from .kvcache import KVCache

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from edgespec.runtime.drafters import LookupConfig, WithLookup, graft_chain
+from edgespec.runtime.lookup import LookupConfig, WithLookup, graft_chain
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BundleError
 from edgespec.runtime.pipeline import Pipeline
