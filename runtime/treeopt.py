@@ -110,7 +110,6 @@ def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level:
     trees = best_trees(accept, max(pass_seconds))
     tree = max((TreeChoice(t, value, cost(t)) for value, t in trees.values() if t.size in pass_seconds),
                key=lambda c: c.tokens_per_s)
-    chains = [TreeChoice(Topology(tuple(range(-1, n - 1))), chain_value(accept, n - 1), 0.0) for n in pass_seconds]
-    chain = max((TreeChoice(c.topology, c.expected_tokens, cost(c.topology)) for c in chains),
-                key=lambda c: c.tokens_per_s)
+    chains = (Topology(tuple(range(-1, n - 1))) for n in pass_seconds)
+    chain = max((TreeChoice(c, chain_value(accept, c.size - 1), cost(c)) for c in chains), key=lambda c: c.tokens_per_s)
     return tree, chain
