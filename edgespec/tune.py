@@ -110,6 +110,9 @@ def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repe
 def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens: int, threads: int | None,
          write: bool = True) -> dict:
     pipeline = Pipeline(folder, threads)
+    if pipeline.manifest.dynamic is not None:
+        raise ValueError(f"{folder} grows a dynamic tree each step (dynamic:{pipeline.manifest.dynamic.budget}); tune "
+                         "chooses a static one: export the bundle with --tree auto or a static tree to tune it")
     prompts = load_prompts(prompts_file)
     # 1. acceptance by depth and rank, with the probe tree, of the draft model alone: lookup tokens
     # grafted on would blur which rank the target chose

@@ -75,3 +75,9 @@ def test_export_with_an_automatic_tree(models, tmp_path):
     tree = open_bundle(out).tree
     assert 1 <= tree.size <= 12
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+
+
+def test_a_dynamic_tree_bundle_is_refused_before_any_work(bundle_factory, capsys):
+    bundle = bundle_factory(draft="draft", tree="dynamic:6")
+    assert main(["tune", str(bundle), "--dry-run"]) != 0
+    assert "dynamic tree" in capsys.readouterr().err
