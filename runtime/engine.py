@@ -111,7 +111,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     if sampler is None:                                                       # 3. accept
         path, bonus = accept_greedy(tree.tokens, topo.children, out.logits.argmax(-1))
     else:
-        p_target = sampler.rows(out.logits, session.committed, tree.paths())
+        p_target = sampler.rows(out.logits, session.committed, tree)
         path, bonus = accept_sampled(tree.tokens, topo.children, p_target, tree.q_draft, sampler.rng, tree.drawn)
     cache.append(out.new_kv, path, out.features)                              # 4. compact to the path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]

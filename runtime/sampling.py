@@ -109,17 +109,15 @@ class Sampler:
                 seen[row, path] = True
         return probabilities(logits, self.config, seen)
 
-    def rows(self, logits: np.ndarray, committed: list[int], paths: list[list[int]]) -> "LazyRows":
-        """distributions() row by row, each computed when first read: verification reads only the
-        nodes it reaches, usually a few of the tree's."""
-        return LazyRows(lambda r: self.distributions(logits[r : r + 1], committed, [paths[r]])[0])
+    def rows(self, logits: np.ndarray, committed: list[int], tree) -> "LazyRows":
+        """distributions() of the tree's nodes, each row computed when read: verification reads only
+        the nodes it reaches, usually a few of the tree's, and each of them once."""
+        return LazyRows(lambda node: self.distributions(logits[node : node + 1], committed, [tree.path(node)])[0])
 
 
 class LazyRows:
     def __init__(self, compute):
-        self.compute, self.done = compute, {}
+        self.compute = compute
 
     def __getitem__(self, row: int) -> np.ndarray:
-        if row not in self.done:
-            self.done[row] = self.compute(row)
-        return self.done[row]
+        return self.compute(row)

@@ -102,9 +102,13 @@ class Tree:
     def from_parents(cls, parents: tuple[int, ...], tokens) -> "Tree":
         return cls(Topology(tuple(parents)), np.asarray(tokens, dtype=np.int64))
 
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root's child down to `node` itself."""
+        return [int(self.tokens[i]) for i in self.topology.path_to(node)[1:]]
+
     def paths(self) -> list[list[int]]:
-        """For every node, the tokens from the root's child down to the node itself."""
-        return [[int(self.tokens[i]) for i in self.topology.path_to(node)[1:]] for node in range(self.size)]
+        """path(node) for every node."""
+        return [self.path(node) for node in range(self.size)]
 
     @property
     def parents(self) -> tuple[int, ...]:
