@@ -28,10 +28,12 @@ def _shipped_draft_digest() -> str:
 
 
 def default_bundle_path() -> Path:
-    """Named by edgespec's version, the recipe and the shipped draft, so a change builds a new bundle."""
+    """Named by edgespec's version, the recipe, the shipped draft and the bundle schema, so a change builds a new bundle."""
     from edgespec import __version__
 
-    recipe = json.dumps({**DEFAULT_RECIPE, "draft": _shipped_draft_digest()}, sort_keys=True)
+    from edgespec.runtime.bundle import SCHEMA_VERSION
+
+    recipe = json.dumps({**DEFAULT_RECIPE, "draft": _shipped_draft_digest(), "schema": SCHEMA_VERSION}, sort_keys=True)
     return cache_dir() / "bundles" / f"default-{__version__}-{hashlib.sha256(recipe.encode()).hexdigest()[:8]}"
 
 

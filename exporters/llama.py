@@ -5,10 +5,21 @@ CPU profiles), their position ids, the [past + N] attention mask and the past ke
 returns logits and the keys/values of the N new tokens only. The runtime owns the cache.
 
     inputs:  input_ids [1, N] int64, position_ids [1, N] int64,
-             attention_mask [N, P + N] bool (True = may attend),
+             path_nodes [B, L] int64    (the new tokens attend in B sequences of L slots: which token
+                                         sits in each slot)
+             node_slots [N] int64       (the slot b * L + k whose attention output each token takes)
+             attention_mask [B, L, P + L] bool (True = may attend; columns: the P past rows, then the
+                                         L slots of the same sequence)
              past_key_{l}, past_value_{l} [P, kv_heads, head_dim] float32   (token-major)
              logit_rows [R] int64       (which of the N rows need logits: the last for prefill)
     outputs: logits [1, R, V], new_kv [layers, 2, N, kv_heads, head_dim] float32
+
+Why sequences: a token's attention sums over the columns it may see, and onnxruntime's softmax and
+matmul kernels round those sums differently when the same values sit at other columns. In plain
+decoding a token's path lies at columns P, P+1, ...; in a tree pass its siblings would sit in between.
+So the runtime gives each root-to-leaf path of a tree its own sequence, in which every token sees
+exactly the columns plain decoding shows it, and its row has the same bits (runtime/model.py). A chain
+or a prefill chunk is one sequence; the past is shared by all sequences, never copied per key.
 
 A feature-reading draft (runtime/features.py) also takes `features` [1, N, H] and mixes them into its
 embeddings through a trained projection; a graph built with `features_out` also returns `features_out`
@@ -162,18 +173,23 @@ class LlamaBuilder:
     def decoder_layers(self, g: GraphBuilder, x: str, branch: str | None, layers: range, nodes):
         f = self.facts
         pos = g.input("position_ids", INT64, [1, nodes])
-        mask = g.input("attention_mask", BOOL, [nodes, "total"])
+        path_nodes = g.input("path_nodes", INT64, ["paths", "slots"])
+        node_slots = g.input("node_slots", INT64, [nodes])
+        mask = g.input("attention_mask", BOOL, ["paths", "slots", "total"])
         cos_table, sin_table = self.rope_tables()
         half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half
         rope = (g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half]), pos)
-        keep = g.op("Unsqueeze", [mask, g.const([0, 1])])  # [1, 1, N, P+N]
-        new_kv = []
+        keep = g.op("Unsqueeze", [mask, g.const([1, 2])])  # [B, 1, 1, L, P+L]
+        new_kv, past_per_path = [], None
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
             past = (g.input(f"past_key_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]),
                     g.input(f"past_value_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]))
+            if past_per_path is None:  # [B, P, kvH, D]: every layer's past has the same shape
+                past_per_path = g.op("Concat", [g.op("Shape", [path_nodes], start=0, end=1), g.op("Shape", [past[1]])],
+                                     axis=0)
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
             h, x = self.add_and_norm(g, x, branch, w["input_norm"])
-            attn, k_new, v_new = self.attention(g, h, w, rope, keep, past)
+            attn, k_new, v_new = self.attention(g, h, w, rope, keep, past, (path_nodes, node_slots, past_per_path))
             h, x = self.add_and_norm(g, x, attn, w["post_norm"])
             branch = self.mlp(g, h, w)
             new_kv += [k_new, v_new]
@@ -198,10 +214,12 @@ class LlamaBuilder:
         cos, sin, pos = rope
         return g.op("RotaryEmbedding", [x, pos, cos, sin], "rope", domain="com.microsoft", num_heads=heads)
 
-    def attention(self, g, h, w, rope, keep, past):
+    def attention(self, g, h, w, rope, keep, past, sequences):
+        """Attention of the N new tokens, each in its slot of one of B sequences (see the module's docstring)."""
         f = self.facts
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
         group = heads // kv_heads
+        path_nodes, node_slots, past_per_path = sequences
         qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
         if "qkv_bias" in w:
             qkv = g.op("Add", [qkv, w["qkv_bias"]], "qkv")
@@ -211,18 +229,26 @@ class LlamaBuilder:
         v_new = g.op("Reshape", [v, g.const([-1, kv_heads, d])])
 
         # Query heads h = kv * group + j share kv head `kv` (HF's repeat_kv order).
-        q = g.op("Reshape", [q, g.const([-1, kv_heads, group, d])])
-        q = g.op("Transpose", [q], perm=[1, 2, 0, 3])  # [kvH, group, N, D]
+        q = g.op("Gather", [g.op("Reshape", [q, g.const([-1, kv_heads, group, d])]), path_nodes], axis=0)
+        q = g.op("Transpose", [q], perm=[0, 2, 3, 1, 4])  # [B, kvH, group, L, D]
         q = g.op("Mul", [q, g.const(d ** -0.5, np.float32)])
-        keys = g.op("Concat", [past[0], k_new], axis=0)  # [P+N, kvH, D]
-        values = g.op("Concat", [past[1], v_new], axis=0)
-        keys_t = g.op("Unsqueeze", [g.op("Transpose", [keys], perm=[1, 2, 0]), g.const([1])])  # [kvH, 1, D, P+N]
-        values = g.op("Unsqueeze", [g.op("Transpose", [values], perm=[1, 0, 2]), g.const([1])])  # [kvH, 1, P+N, D]
-        scores = g.op("MatMul", [q, keys_t], "scores")  # [kvH, group, N, P+N]
+        # Scores are dot products, the same bits in any layout: the past's are computed once for all
+        # sequences (broadcast), the slots' per sequence, and joined.
+        past_keys = g.op("Unsqueeze", [g.op("Transpose", [past[0]], perm=[1, 2, 0]), g.const([0, 2])])  # [1, kvH, 1, D, P]
+        slot_keys = g.op("Transpose", [g.op("Gather", [k_new, path_nodes], axis=0)], perm=[0, 2, 3, 1])  # [B, kvH, D, L]
+        scores = g.op("Concat", [g.op("MatMul", [q, past_keys], "scores"),
+                                 g.op("MatMul", [q, g.op("Unsqueeze", [slot_keys, g.const([2])])], "scores")],
+                      axis=-1)  # [B, kvH, group, L, P+L]
         scores = g.op("Where", [keep, scores, g.const(-np.inf, np.float32)])
         probs = g.op("Softmax", [scores], axis=-1)
-        out = g.op("MatMul", [probs, values], "attn")  # [kvH, group, N, D]
-        out = g.op("Transpose", [out], perm=[2, 0, 1, 3])  # [N, kvH, group, D]
+        # The weighted sum is one matmul over [past, slots], as in plain decoding: each sequence gets its
+        # own copy of the past values (one copy for a chain, as a concatenation costs anyway).
+        values = g.op("Concat", [g.op("Expand", [g.op("Unsqueeze", [past[1], g.const([0])]), past_per_path]),
+                                 g.op("Gather", [v_new, path_nodes], axis=0)], axis=1)  # [B, P+L, kvH, D]
+        values = g.op("Unsqueeze", [g.op("Transpose", [values], perm=[0, 2, 1, 3]), g.const([2])])  # [B, kvH, 1, P+L, D]
+        out = g.op("MatMul", [probs, values], "attn")  # [B, kvH, group, L, D]
+        out = g.op("Transpose", [out], perm=[0, 3, 1, 2, 4])  # [B, L, kvH, group, D]
+        out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, heads * d])]), node_slots], axis=0)  # [N, H*D]
         out = g.op("Reshape", [out, g.const([1, -1, heads * d])])
         return g.op("MatMul", [out, w["o"]], "o_proj"), k_new, v_new
 

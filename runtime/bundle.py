@@ -19,7 +19,7 @@ from .features import FEATURES_OUT
 from .tokenizer import TokenizerSpec
 from .tree import Topology
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: graphs take path_nodes/node_slots, attention per root-to-leaf path
 MANIFEST = "manifest.json"
 
 

@@ -192,7 +192,7 @@ class ModelDrafter:
             features = own_features(cache, committed_len, fed, [topo.parents[n] for n in level])
             out = self.runner.forward(cache, tokens[level], root_position + topo.depths[level],
                                       anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask,
-                                      features=features)
+                                      features=features, exact_rows=False)
             cache.append(out.new_kv, range(len(level)), out.features)
             fed += level
             node_logits.update(zip(level, out.logits))

@@ -85,7 +85,7 @@ class DynamicDrafter:
             features = own_features(cache, committed_len, fed, [parents[n] for n in expand])
             out = self.runner.forward(cache, [tokens[n] for n in expand], [committed_len - 1 + depth] * len(expand),
                                       np.eye(len(expand), dtype=bool), range(len(expand)), past_mask=past_mask,
-                                      features=features)
+                                      features=features, exact_rows=False)
             cache.append(out.new_kv, range(len(expand)), out.features)
             fed += expand
             node_logits.update(zip(expand, out.logits))

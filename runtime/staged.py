@@ -153,10 +153,11 @@ class StagedRunner:
         self.window, self.stage_inputs, self.facts, self.embedding = window, stage_inputs, facts, embedding
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
-                past_mask: np.ndarray | None = None, features: np.ndarray | None = None) -> Pass:
+                past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
+                exact_rows: bool = True) -> Pass:
         if features is not None:
             raise ValueError("a staged target reads no features; only a draft does")
-        feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask)
+        feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows)
         new_kv, logits, features = [], None, None
         first = 0
         if self.embedding is not None:

@@ -22,3 +22,40 @@ def assert_rows_shape_invariant(runner: ModelRunner, seed: int, prefix: int, chu
                          range(tail))
     assert np.array_equal(out.logits, np.array(singles[prefix:]))
     assert np.array_equal(together.data[:, :, :prefix], alone.data[:, :, :prefix])
+
+
+# Siblings sit between a node and its ancestors in a tree pass: node 5's path 0-2-5 has nodes 1, 3 and 4
+# in between. The tree is wider than MLAS's 6-row blocks and deep enough to cross lane boundaries.
+TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 2, 3, 5, 5, 8)
+
+
+def assert_tree_rows_match_plain_decoding(runner: ModelRunner, seed: int, prefix: int,
+                                          parents: tuple[int, ...] = TREE_PARENTS) -> None:
+    """Every node of a tree verified in one pass has, bit for bit, the logits and keys/values that plain
+    decoding (one token at a time) gives the same token after the same path."""
+    facts = runner.facts
+    rng = np.random.default_rng(seed)
+    context = list(rng.integers(3, facts.vocab_size, prefix))
+    tokens = list(rng.integers(3, facts.vocab_size, len(parents)))
+    paths = []
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        paths.append(path[::-1])
+    ancestors = np.zeros((len(parents), len(parents)), bool)
+    for node, path in enumerate(paths):
+        ancestors[node, path] = True
+    depths = np.array([len(path) - 1 for path in paths])
+
+    cache = KVCache(facts, 64)
+    prefill(runner, cache, context, 8)
+    tree = runner.forward(cache, tokens, cache.length + depths, ancestors, range(len(parents)))
+    for node, path in enumerate(paths):
+        plain = KVCache(facts, 64)
+        prefill(runner, plain, context, 8)
+        for step in path:
+            alone = runner.forward(plain, [tokens[step]], [plain.length], np.ones((1, 1), bool), [0])
+            plain.append(alone.new_kv, [0])
+        assert np.array_equal(tree.logits[node], alone.logits[0]), f"node {node} (path {path})"
+        assert np.array_equal(tree.new_kv[:, :, node], alone.new_kv[:, :, 0]), f"node {node} (path {path})"

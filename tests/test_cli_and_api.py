@@ -32,7 +32,7 @@ def test_generate_streams_text_and_stats(bundle_factory, capsys):
 def test_inspect_prints_manifest_and_verifies(bundle_factory, capsys):
     assert main(["inspect", str(bundle_factory(draft="draft"))]) == 0
     out = capsys.readouterr().out
-    assert "schema version 1" in out and "sha256 verified" in out and "draft:" in out
+    assert "schema version 2" in out and "sha256 verified" in out and "draft:" in out
 
 
 def test_bench_json_keys(bundle_factory, tmp_path, capsys):

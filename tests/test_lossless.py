@@ -4,7 +4,7 @@ import pytest
 
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
-from rows import assert_rows_shape_invariant
+from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens", "{\"name\": \"edge"]
 CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
@@ -123,6 +123,13 @@ def test_a_token_computed_alone_or_inside_a_tree_has_the_same_bits(bundle_factor
     """The reason greedy equality holds: per-row results do not depend on the pass's shape
     (see MIN_ROWS in runtime/model.py)."""
     assert_rows_shape_invariant(Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target, seed=5, prefix=30, chunk=16)
+
+
+def test_every_node_of_a_verified_tree_has_the_bits_plain_decoding_gives_it(bundle_factory):
+    """A node's siblings sit between it and its ancestors in the pass; its row must not notice."""
+    target = Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target
+    for seed, prefix in [(6, 29), (7, 13)]:
+        assert_tree_rows_match_plain_decoding(target, seed=seed, prefix=prefix)
 
 
 @pytest.mark.parametrize("draft,tree", [("ngram", "chain:6"), ("target", "topk:2x2"), ("draft", "chain:4")])

@@ -9,7 +9,7 @@ from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.pipeline import Pipeline
-from rows import assert_rows_shape_invariant
+from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
 
 CONFIG = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
 PROMPTS = ["def add(a, b):", "The quick brown fox", "a b c d e f a b c d e f a b"]
@@ -53,6 +53,7 @@ def test_int4_rows_do_not_depend_on_the_pass_shape(accuracy_level, symmetric, qu
     logits are the same bits alone, in a prefill chunk or in a tree."""
     pipeline = Pipeline(quantized("int4", draft="ngram", accuracy_level=accuracy_level, symmetric=symmetric))
     assert_rows_shape_invariant(pipeline.target, seed=3, prefix=20, chunk=7)
+    assert_tree_rows_match_plain_decoding(pipeline.target, seed=4, prefix=21)
 
 
 def test_manifest_records_every_graphs_scheme_and_quality(quantized):

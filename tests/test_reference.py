@@ -5,6 +5,7 @@ from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import ensure_default_bundle
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
+from rows import assert_tree_rows_match_plain_decoding
 
 pytestmark = pytest.mark.reference
 
@@ -57,3 +58,8 @@ def test_reply_is_coherent_english(pipeline):
     result = pipeline.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
                                config=GenerationConfig(max_new_tokens=24))
     assert "Paris" in result.text
+
+
+def test_every_node_of_a_tree_has_the_bits_of_plain_decoding_on_the_reference_model(pipeline):
+    """SmolLM2's heads and widths, where a sibling between a node and its ancestors did change bits."""
+    assert_tree_rows_match_plain_decoding(pipeline.target, seed=1, prefix=37)

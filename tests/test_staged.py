@@ -262,7 +262,8 @@ def test_a_packed_stage_is_resident_after_fetch_and_gone_after_release(staged_bu
     sizes = {"nodes": 3, "total": 3, "past": 0}
     feed = {i.name: rng.standard_normal([sizes.get(d, d) for d in i.shape]).astype(np.float32)
             for i in stage.session.get_inputs() if i.type == "tensor(float)"}
-    feed.update(position_ids=np.arange(3)[None], attention_mask=np.tril(np.ones((3, 3), bool)))
+    feed.update(position_ids=np.arange(3)[None], attention_mask=np.tril(np.ones((1, 3, 3), bool)),
+                path_nodes=np.arange(3)[None], node_slots=np.arange(3))
     before = stage.session.run(None, feed)
     stage.release()
     assert _mapped_rss_kib(weights) == 0
