@@ -89,9 +89,10 @@ class AcceptanceCounter:
         return np.divide(self.hits[:rows], opportunities, out=np.zeros_like(self.hits[:rows]), where=opportunities > 0)
 
 
-def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repeats: int) -> dict[int, float]:
-    """Median time of one pass of `runner` (target or draft) with n chain-masked nodes after `past` cached
-    tokens, logits for every node."""
+def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repeats: int,
+                 star: bool = False) -> dict[int, float]:
+    """Median time of one pass of `runner` (target or draft) with n nodes after `past` cached tokens,
+    logits for every node: a chain of n, or with `star` the root and n - 1 children (n - 1 leaves)."""
     facts = runner.facts
     cache = KVCache(facts, max(past + max(sizes) + 1, 8))
     rng = np.random.default_rng(0)
@@ -101,7 +102,8 @@ def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repe
         tokens, times = rng.integers(3, facts.vocab_size, n), []
         for _ in range(repeats):
             start = time.perf_counter()
-            runner.forward(cache, tokens, range(past, past + n), np.tril(np.ones((n, n), bool)), range(n))
+            topology = Topology((-1,) + (0,) * (n - 1) if star else tuple(range(-1, n - 1)))
+            runner.forward(cache, tokens, past + topology.depths, topology.ancestor_mask, range(n))
             times.append(time.perf_counter() - start)
         out[n] = statistics.median(times)
     return out
@@ -129,9 +131,14 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     past = min(256, pipeline.context // 2)
     verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + extra + 1), past,
                           repeats=15)
+    # each root-to-leaf path beyond the first attends in a sequence of its own: measured on a star
+    star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(3, max_nodes + extra + 1), past,
+                        repeats=15, star=True)
+    leaf = {n: max(0.0, (star[n] - verify[n]) / (n - 2)) for n in star}
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
     # 3. choose: a step costs the target pass plus one draft call per level of depth
-    tree, chain = choose_tree(accept, {n: verify[n + extra] for n in range(1, max_nodes + 1)}, draft_per_level)
+    tree, chain = choose_tree(accept, {n: verify[n + extra] for n in range(1, max_nodes + 1)}, draft_per_level,
+                              {n: leaf.get(n + extra, 0.0) for n in range(1, max_nodes + 1)}, extra_leaves=int(extra > 0))
     # 4. measure the choice and the best chain end to end (with the bundle's lookup), each as a fresh
     # pipeline would run: a recycling table kept from calibration would already hold the target's
     # answers to these prompts
@@ -156,6 +163,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in accept],
         "opportunities_by_depth": [int(n) for n in counter.opportunities],
         "pass_ms": {n: round(s * 1000, 2) for n, s in verify.items()},
+        "leaf_ms": {n: round(s * 1000, 2) for n, s in leaf.items()},
         "draft_ms_per_level": round(draft_per_level * 1000, 3),
         "written": write,
     }

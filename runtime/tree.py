@@ -63,6 +63,11 @@ class Topology:
         return tuple(tuple(int(i) for i in np.flatnonzero(self.depths == d)) for d in range(self.max_depth + 1))
 
     @property
+    def leaves(self) -> int:
+        """Root-to-leaf paths: the sequences a verifying pass attends in (runtime/model.py)."""
+        return sum(1 for kids in self.children if not kids)
+
+    @property
     def max_width(self) -> int:
         return max(len(level) for level in self.levels)
 

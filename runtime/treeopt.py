@@ -10,9 +10,11 @@ number of tokens one target pass yields from a tree T is
 (1 for the bonus token). Acceptance depends on depth because a draft reading its own guesses drifts
 (falling rows) while a context match that held so far tends to go on holding (rising rows).
 
-Cost: a step with a tree of n nodes and depth L costs pass(n) + L * draft_level: the target verifies
-all n nodes at once, the drafter expands one level at a time. So the program finds, for every node
-count n and depth limit L, the tree maximizing E[T]; the choice maximizes E[T] / cost.
+Cost: a step with a tree of n nodes, depth L and B leaves costs
+pass(n) + (B - 1) * leaf(n) + L * draft_level: the target verifies all n nodes at once, each
+root-to-leaf path attending in a sequence of its own (which copies the past values once more per
+leaf), and the drafter expands one level at a time. So the program finds, for every node count n and
+depth limit L, the tree maximizing E[T]; the choice maximizes E[T] / cost over those trees.
 """
 from __future__ import annotations
 
@@ -100,12 +102,15 @@ def chain_value(accept, length: int) -> float:
     return value
 
 
-def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level: float = 0.0
-                ) -> tuple[TreeChoice, TreeChoice]:
+def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level: float = 0.0,
+                leaf_seconds: dict[int, float] | None = None, extra_leaves: int = 0) -> tuple[TreeChoice, TreeChoice]:
     """The best tree over the measured node counts, and the best chain (for comparison).
-    pass_seconds[n]: the measured time of one target pass over n nodes."""
+    pass_seconds[n]: the measured time of one target pass over n chained nodes; leaf_seconds[n]: what
+    each root-to-leaf path beyond the first adds to it; extra_leaves: paths every step adds (a lookup chain)."""
     def cost(topology: Topology) -> float:
-        return pass_seconds[topology.size] + draft_seconds_per_level * topology.max_depth
+        leaves = topology.leaves - 1 + extra_leaves
+        return (pass_seconds[topology.size] + (leaf_seconds or {}).get(topology.size, 0.0) * leaves
+                + draft_seconds_per_level * topology.max_depth)
 
     trees = best_trees(accept, max(pass_seconds))
     tree = max((TreeChoice(t, value, cost(t)) for value, t in trees.values() if t.size in pass_seconds),

@@ -102,3 +102,17 @@ def test_drafting_cost_per_level_favours_shallow_trees():
 def test_rates_must_be_probabilities():
     with pytest.raises(ValueError, match="probabilities"):
         best_trees(np.array([1.2, 0.1]), 3)
+
+
+def test_each_leaf_beyond_the_first_is_charged_so_costly_paths_make_the_choice_a_chain():
+    """Each root-to-leaf path attends in its own sequence: a bushy tree pays for its leaves."""
+    accept = np.array([0.6, 0.3, 0.1])
+    flat = {n: 0.010 for n in range(1, 5)}
+    bushy, _ = choose_tree(accept, flat, draft_seconds_per_level=0.005)
+    assert bushy.topology.leaves > 1
+    chained, chain = choose_tree(accept, flat, draft_seconds_per_level=0.005, leaf_seconds={n: 0.01 for n in flat})
+    assert chained.topology.leaves == 1 and chained.tokens_per_s == chain.tokens_per_s
+    star = Topology((-1, 0, 0, 0))
+    assert star.leaves == 3 and Topology((-1, 0, 1)).leaves == 1
+    lookup, _ = choose_tree(accept, flat, leaf_seconds={n: 0.002 for n in flat}, extra_leaves=1)
+    assert np.isclose(lookup.step_seconds, 0.010 + 0.002 * lookup.topology.leaves)
