@@ -49,6 +49,7 @@ def test_tune_chooses_measures_and_writes_the_tree(bundle_factory, tmp_path, cap
     rates = result["acceptance_by_depth_and_rank"]
     assert len(rates) >= 1 and all(len(row) == 4 and all(0 <= a <= 1 for a in row) for row in rates)
     assert sorted(map(int, result["pass_ms"])) == list(range(1, 7))
+    assert sorted(map(int, result["leaf_ms"])) == list(range(3, 7)) and min(result["leaf_ms"].values()) >= 0
     assert 1 <= result["tree"]["size"] <= 6 and result["predicted_tokens_per_pass"] >= 1
     assert open_bundle(bundle).tree.parents == tuple(result["tree"]["parents"])
     assert result["measured_tokens_per_pass"] >= 1
