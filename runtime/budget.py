@@ -99,11 +99,31 @@ def _files_bytes(folder: Path, names) -> int:
 
 def scratch_bytes(manifest: Manifest) -> int:
     """Activations of the largest pass (a prefill chunk or a tree) kept by onnxruntime's arena, and the
-    logits numpy receives: every layer's intermediates may be live at once in the planner's worst case."""
+    logits numpy receives: every layer's intermediates may be live at once in the planner's worst case.
+
+    A tree attends in one sequence per root-to-leaf path (runtime/model.py): its scores have a row per
+    slot of every path, and every path holds its own copy of the past values (three, counting the
+    expansion and the transpose around the concatenation)."""
     f = manifest.target.facts
-    rows = max(manifest.prefill_chunk, manifest.tree.size, 2)
-    per_layer = rows * (4 * f.hidden_size + 3 * f.intermediate_size) + f.num_heads * rows * f.max_context
+    nodes, paths, slots = largest_tree(manifest)
+    rows = max(manifest.prefill_chunk, nodes, 2)
+    slot_rows = max(manifest.prefill_chunk, paths * slots, 2)
+    kv_row = f.num_kv_heads * f.head_dim
+    per_layer = (rows * (4 * f.hidden_size + 3 * f.intermediate_size) + f.num_heads * slot_rows * f.max_context
+                 + (3 * max(paths, 1) + 1) * f.max_context * kv_row)
     return 4 * (2 * per_layer + rows * f.vocab_size * 2)
+
+
+def largest_tree(manifest: Manifest) -> tuple[int, int, int]:
+    """(nodes, root-to-leaf paths, slots per path) a verification pass may take at most: the manifest's
+    tree, or any tree within a dynamic budget (at worst a star for paths, a chain for depth), plus the
+    prompt-lookup chain grafted at the root."""
+    lookup = manifest.lookup.tokens if manifest.lookup else 0
+    if manifest.dynamic:
+        nodes, paths, depth = manifest.dynamic.budget, manifest.dynamic.budget - 1, manifest.dynamic.max_depth
+    else:
+        nodes, paths, depth = manifest.tree.size, manifest.tree.leaves, manifest.tree.max_depth
+    return nodes + lookup, paths + (1 if lookup else 0), max(depth, lookup) + 1
 
 
 def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryPlan:
@@ -122,7 +142,7 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
     least = min(MIN_CONTEXT, full)
     plan = dict(budget=budget, runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights,
                 scratch=scratch, target_kv_per_token=target_kv_token,
-                draft_kv_per_token=draft_kv_token, tree_slots=manifest.tree.size)
+                draft_kv_per_token=draft_kv_token, tree_slots=largest_tree(manifest)[0])
     if budget is None:
         return MemoryPlan(target_weights=target_weights, context=full, **plan)
     if budget >= others + target_weights + least * per_token:
