@@ -74,7 +74,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         temperature=sampling.temperature,
         prompts=len(prompts), max_new_tokens=max_new_tokens, threads=pipeline.threads,
         drafter=pipeline.manifest.drafter, tree=pipeline.tree.spec(),
-        lookup=pipeline.manifest.lookup.tokens if pipeline.manifest.lookup else 0,
+        lookup=pipeline.lookup.tokens if pipeline.lookup else 0,
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     )
     return report

@@ -135,9 +135,13 @@ def cmd_tune(args) -> None:
     print(f"best chain: {result['best_chain']['size'] - 1} drafted tokens, predicted "
           f"{result['best_chain_predicted_tokens_per_s']}, measured {result['best_chain_tokens_per_s']} tokens/s; "
           f"plain {result['plain_tokens_per_s']} tokens/s")
+    if len(result["speedup_by_lookup"]) > 1:
+        print("speedup over plain by lookup length: "
+              + ", ".join(f"{k}: {x}x" for k, x in result["speedup_by_lookup"].items())
+              + f"; chosen: {result['lookup_tokens']}")
     if result["lookup_tokens"]:
-        print(f"with the bundle's lookup of {result['lookup_tokens']} tokens: trees are costed with those nodes, "
-              f"measured with them; predictions count the draft model's tokens only")
+        print(f"with a lookup of {result['lookup_tokens']} tokens trees are costed with those nodes and measured "
+              f"with them; predictions count the draft model's tokens only")
     print("written into the bundle" if result["written"] else "not written (--dry-run)")
 
 

@@ -7,15 +7,18 @@
 3. the tree maximizing expected tokens per second (runtime/treeopt.py), and the best chain;
 4. both measured end to end on the same prompts, so the prediction can be checked.
 
-With the bundle's prompt lookup (`export --lookup K`) calibration leaves the lookup out, a tree of n
-nodes is costed at n + K nodes, and the measurements include the lookup. The prediction counts the
-draft model's tokens only, so there it is a floor: the lookup's accepted tokens come on top.
+Beside a draft model, prompt lookup (`export --lookup K`) is chosen too: calibration leaves it out, and
+for each length K in LOOKUP_CHOICES (and the bundle's own) the tree is chosen with a tree of n nodes
+costed at n + K, then measured end to end against plain decoding in the same run; the length with the
+best speedup is written with its tree. The prediction counts the draft model's tokens only, so with a
+lookup it is a floor: the lookup's accepted tokens come on top.
 """
 from __future__ import annotations
 
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +27,16 @@ from edgespec.bench import load_prompts, prompt_kwargs, run_bench
 from edgespec.runtime.bundle import MANIFEST
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.model import ModelRunner, prefill
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.tree import Topology
 from edgespec.runtime.treeopt import choose_tree
 
 PROBE_WIDTH, PROBE_DEPTH = 4, 6
+# Lookup lengths measured beside a draft model (and the bundle's own): what a lookup token costs depends
+# on the device and the weights (nearly nothing on fp32 here, a lot on int4: RESULTS.md §30).
+LOOKUP_CHOICES = (0, 2, 4)
 MIN_OPPORTUNITIES = 20  # a depth reached fewer times than this is too thin to give its own rates
 
 
@@ -125,30 +132,34 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     for item in prompts:
         pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
     accept = counter.acceptance
-    # 2. cost of a step by node count: the target pass plus drafting (per level of depth); with the
-    # bundle's prompt lookup a step carries up to that many more nodes, so a tree of n nodes pays for n + k
-    extra = lookup.tokens if lookup else 0
+    # 2. cost of a step by node count: the target pass plus drafting (per level of depth); a step with
+    # k lookup tokens carries up to k more nodes, so a tree of n nodes pays for n + k
+    choices = lookup_choices(pipeline, lookup)
     past = min(256, pipeline.context // 2)
-    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + extra + 1), past,
-                          repeats=15)
+    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + max(choices) + 1),
+                          past, repeats=15)
     # each root-to-leaf path beyond the first attends in a sequence of its own: measured on a star
-    star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(3, max_nodes + extra + 1), past,
-                        repeats=15, star=True)
+    star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(3, max_nodes + max(choices) + 1),
+                        past, repeats=15, star=True)
     leaf = {n: max(0.0, (star[n] - verify[n]) / (n - 2)) for n in star}
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
-    # 3. choose: a step costs the target pass plus one draft call per level of depth
-    tree, chain = choose_tree(accept, {n: verify[n + extra] for n in range(1, max_nodes + 1)}, draft_per_level,
-                              {n: leaf.get(n + extra, 0.0) for n in range(1, max_nodes + 1)}, extra_leaves=int(extra > 0))
-    # 4. measure the choice and the best chain end to end (with the bundle's lookup), each as a fresh
-    # pipeline would run: a recycling table kept from calibration would already hold the target's
-    # answers to these prompts
-    pipeline.lookup = lookup
-    pipeline.tree, pipeline.recycling_table = tree.topology, None
-    measured = run_bench(pipeline, prompts, max_new_tokens)
+    # 3. for each lookup length, choose the tree (a step costs the target pass plus one draft call per
+    # level) and 4. measure it end to end, as a fresh pipeline would run it (a recycling table kept from
+    # calibration would already hold the target's answers to these prompts); keep the fastest
+    runs = {}
+    for k in choices:
+        pipeline.lookup = replace(lookup or LookupConfig(), tokens=k) if k else None
+        tree, chain = choose_tree(accept, {n: verify[n + k] for n in range(1, max_nodes + 1)}, draft_per_level,
+                                  {n: leaf.get(n + k, 0.0) for n in range(1, max_nodes + 1)}, extra_leaves=int(k > 0))
+        pipeline.tree, pipeline.recycling_table = tree.topology, None
+        runs[k] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
+    extra = max(runs, key=lambda k: runs[k][2]["speedup"])  # against plain decoding in the same run: drift cancels
+    tree, chain, measured = runs[extra]
+    pipeline.lookup = replace(lookup or LookupConfig(), tokens=extra) if extra else None
     pipeline.tree, pipeline.recycling_table = chain.topology, None
     chain_measured = run_bench(pipeline, prompts, max_new_tokens)
     if write:
-        write_tree(folder, tree.topology)
+        write_tree(folder, tree.topology, pipeline.lookup)
     return {
         "tree": tree.topology.to_dict(),
         "predicted_tokens_per_s": round(tree.tokens_per_s, 2),
@@ -160,6 +171,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
         "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
         "lookup_tokens": extra,
+        "speedup_by_lookup": {k: run[2]["speedup"] for k, run in runs.items()},
         "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in accept],
         "opportunities_by_depth": [int(n) for n in counter.opportunities],
         "pass_ms": {n: round(s * 1000, 2) for n, s in verify.items()},
@@ -169,13 +181,25 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     }
 
 
-def write_tree(folder: Path, topology: Topology) -> None:
-    """Rewrites the manifest's tree (graphs take any node count on dynamic profiles), atomically."""
+def lookup_choices(pipeline: Pipeline, lookup: LookupConfig | None) -> tuple[int, ...]:
+    """Lookup lengths worth measuring: prompt lookup goes beside a draft model only."""
+    if pipeline.manifest.drafter != "model":
+        return (0,)
+    return tuple(sorted(set(LOOKUP_CHOICES) | {lookup.tokens if lookup else 0}))
+
+
+def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None | str = "keep") -> None:
+    """Rewrites the manifest's tree (graphs take any node count on dynamic profiles), atomically, and its
+    prompt lookup: a config, None for none, "keep" to leave it as it is."""
     path = Path(folder) / MANIFEST
     manifest = json.loads(path.read_text(encoding="utf-8"))
     if manifest["profile"].get("static_shapes"):
         raise ValueError("this bundle's profile has static shapes: its tree is fixed at export")
-    manifest["tree"] = {**manifest["tree"], **topology.to_dict()}  # keeps the lookup and dynamic settings
+    manifest["tree"] = {**manifest["tree"], **topology.to_dict()}  # keeps the dynamic settings
+    if lookup is None:
+        manifest["tree"].pop("lookup", None)
+    elif lookup != "keep":
+        manifest["tree"]["lookup"] = lookup.to_dict()
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     partial.replace(path)

@@ -82,3 +82,38 @@ def test_a_dynamic_tree_bundle_is_refused_before_any_work(bundle_factory, capsys
     bundle = bundle_factory(draft="draft", tree="dynamic:6")
     assert main(["tune", str(bundle), "--dry-run"]) != 0
     assert "dynamic tree" in capsys.readouterr().err
+
+
+def test_tune_measures_each_lookup_length_beside_a_draft_model_and_writes_the_best(bundle_factory, tmp_path, capsys):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft="draft", tree="chain:1", lookup=3), bundle)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a b c d e f a b c d e f a b c"}\n')
+    assert main(["tune", str(bundle), "--prompts", str(prompts), "--max-nodes", "4", "--max-new-tokens", "16",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    speedups = {int(k): x for k, x in result["speedup_by_lookup"].items()}
+    assert sorted(speedups) == [0, 2, 3, 4]  # the standard lengths and the bundle's own
+    assert result["lookup_tokens"] == max(speedups, key=speedups.get)
+    lookup = open_bundle(bundle).lookup
+    assert (lookup.tokens if lookup else 0) == result["lookup_tokens"]
+    assert max(map(int, result["pass_ms"])) == 4 + 4  # a tree of 4 nodes with the longest lookup
+
+
+def test_write_tree_sets_or_removes_the_lookup(bundle_factory, tmp_path):
+    import shutil
+
+    from edgespec.runtime.lookup import LookupConfig
+    from edgespec.runtime.tree import Topology
+    from edgespec.tune import write_tree
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft="draft", tree="chain:1", lookup=4), bundle)
+    write_tree(bundle, Topology((-1, 0, 0)))
+    assert open_bundle(bundle).lookup.tokens == 4 and open_bundle(bundle).tree.size == 3
+    write_tree(bundle, Topology((-1, 0)), LookupConfig(tokens=2))
+    assert open_bundle(bundle).lookup == LookupConfig(tokens=2)
+    write_tree(bundle, Topology((-1, 0)), None)
+    assert open_bundle(bundle).lookup is None
