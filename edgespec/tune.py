@@ -139,8 +139,9 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + max(choices) + 1),
                           past, repeats=15)
     # each root-to-leaf path beyond the first attends in a sequence of its own: measured on a star
-    star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(3, max_nodes + max(choices) + 1),
-                        past, repeats=15, star=True)
+    stars = range(3, max_nodes + max(choices) + 1)  # a star of 3 or more nodes has 2 or more leaves
+    star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, stars, past, repeats=15,
+                        star=True) if len(stars) else {}
     leaf = {n: max(0.0, (star[n] - verify[n]) / (n - 2)) for n in star}
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
     # 3. for each lookup length, choose the tree (a step costs the target pass plus one draft call per

@@ -1,8 +1,8 @@
 """ONNX graphs for Llama-family decoders, built node by node from the checkpoint's weights.
 
 One builder writes every graph of a model: a graph takes N new tokens (N static, or symbolic for
-CPU profiles), their position ids, the [past + N] attention mask and the past keys/values, and
-returns logits and the keys/values of the N new tokens only. The runtime owns the cache.
+CPU profiles), their position ids, how they attend (sequences and masks, below) and the past
+keys/values, and returns logits and the keys/values of the N new tokens only. The runtime owns the cache.
 
     inputs:  input_ids [1, N] int64, position_ids [1, N] int64,
              path_nodes [B, L] int64    (the new tokens attend in B sequences of L slots: which token

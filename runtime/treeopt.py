@@ -113,8 +113,10 @@ def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level:
                 + draft_seconds_per_level * topology.max_depth)
 
     trees = best_trees(accept, max(pass_seconds))
-    tree = max((TreeChoice(t, value, cost(t)) for value, t in trees.values() if t.size in pass_seconds),
-               key=lambda c: c.tokens_per_s)
     chains = (Topology(tuple(range(-1, n - 1))) for n in pass_seconds)
     chain = max((TreeChoice(c, chain_value(accept, c.size - 1), cost(c)) for c in chains), key=lambda c: c.tokens_per_s)
+    # the program maximizes E[T] per size and depth, not counting leaves: a chain it passed over for a
+    # bushier tree of the same size may still be faster once each leaf is paid for
+    tree = max([TreeChoice(t, value, cost(t)) for value, t in trees.values() if t.size in pass_seconds] + [chain],
+               key=lambda c: c.tokens_per_s)
     return tree, chain

@@ -116,3 +116,11 @@ def test_each_leaf_beyond_the_first_is_charged_so_costly_paths_make_the_choice_a
     assert star.leaves == 3 and Topology((-1, 0, 1)).leaves == 1
     lookup, _ = choose_tree(accept, flat, leaf_seconds={n: 0.002 for n in flat}, extra_leaves=1)
     assert np.isclose(lookup.step_seconds, 0.010 + 0.002 * lookup.topology.leaves)
+
+
+def test_a_chain_the_program_passed_over_is_chosen_when_leaves_make_the_tree_slower():
+    """The program ranks trees by E[T] per size, leaves unpaid; the chains are candidates too."""
+    accept = np.array([[0.5, 0.4, 0.05]])
+    cost = {n: 0.010 + 0.0005 * n for n in range(1, 7)}
+    tree, chain = choose_tree(accept, cost, draft_seconds_per_level=0.001, leaf_seconds={n: 0.005 for n in cost})
+    assert tree.tokens_per_s >= chain.tokens_per_s  # failed before: (-1, 0) at 125 tokens/s against the chain's 130

@@ -117,3 +117,15 @@ def test_write_tree_sets_or_removes_the_lookup(bundle_factory, tmp_path):
     assert open_bundle(bundle).lookup == LookupConfig(tokens=2)
     write_tree(bundle, Topology((-1, 0)), None)
     assert open_bundle(bundle).lookup is None
+
+
+def test_tune_with_two_nodes_on_a_training_free_bundle(bundle_factory, tmp_path):
+    """No star fits in two nodes: no leaf cost to measure, and nothing to fail on."""
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft="ngram", tree="chain:1"), bundle)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a b c a b c a b"}\n')
+    result = tune(bundle, prompts, max_nodes=2, max_new_tokens=8, threads=1, write=False)
+    assert result["leaf_ms"] == {} and result["tree"]["size"] <= 2
