@@ -88,7 +88,8 @@ class Pipeline:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
-                                                  self.threads), m.draft.facts, read_head_tokens(self.folder, m.draft))
+                                                  self.threads, spin=not self.memory.streams),
+                                     m.draft.facts, read_head_tokens(self.folder, m.draft))
 
     def _packed_stages(self, specs: list[GraphSpec]) -> dict[int, Path]:
         """This machine's packed copies of the float stages, by index, where they can be mapped and released."""
@@ -109,7 +110,7 @@ class Pipeline:
             return prepacked.PrepackedStage(packed, providers, self.threads, self.evict_page_cache and not pinned)
         if spec.tensors and not pinned:
             return MappedStage(self.folder, spec, providers, self.threads)
-        return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.threads))
+        return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.threads, spin=False))
 
     @property
     def context(self) -> int:

@@ -10,20 +10,24 @@ from edgespec.targets.profiles import usable_providers
 
 def make_session(path: Path, providers: tuple[str, ...], threads: int,
                  initializers: dict[str, ort.OrtValue] | None = None, prepack: bool = True,
-                 optimize: bool = True) -> ort.InferenceSession:
+                 optimize: bool = True, spin: bool = True) -> ort.InferenceSession:
     """`initializers`: weights the caller holds (memory-mapped), used in place of the graph's external
     data; the caller keeps them alive as long as the session. `prepack=False` makes the kernels read
     weights where they lie instead of copying them into packed buffers (which would make them resident).
-    `optimize=False` for a graph onnxruntime already optimized for this machine."""
+    `optimize=False` for a graph onnxruntime already optimized for this machine. `spin=False` while
+    another thread needs the cores during a run (a streamed target's stage loader)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
                                         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.log_severity_level = 3
-    # The target and draft sessions take turns on the same cores. A pool that spins after its run keeps
-    # both cores busy while the other session computes: measured, it halved speculative decoding with
-    # a draft model (RESULTS.md §13); without spinning, plain decoding is unchanged.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # The pool's threads spin between the nodes of a run (waking a sleeping thread for each of a graph's
+    # thousand small nodes cost int4 decoding ~20%) and stop spinning when the run ends, so the draft
+    # and target sessions, which take turns on the same cores, do not keep both busy for each other:
+    # spinning past the run halved speculative decoding with a draft model (RESULTS.md §13, §31). While
+    # a streamed target's loader thread faults the next stage in, spinning takes its core: no spinning.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
     for name, value in (initializers or {}).items():

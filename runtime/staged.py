@@ -70,7 +70,8 @@ class MappedStage:
         self.values = {t["name"]: ort.OrtValue.ortvalue_from_numpy(
             np.frombuffer(self.map, np.dtype(t["dtype"]), count=int(np.prod(t["shape"])), offset=t["offset"])
             .reshape(t["shape"])) for t in spec.tensors}
-        self.session = make_session(Path(folder) / spec.file, providers, threads, self.values, prepack=False)
+        self.session = make_session(Path(folder) / spec.file, providers, threads, self.values, prepack=False,
+                                    spin=False)  # it streams
         self.pages = np.frombuffer(self.map, np.uint8)[:: mmap.PAGESIZE]
 
     def fetch(self) -> ort.InferenceSession:
