@@ -147,16 +147,19 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     # 3. for each lookup length, choose the tree (a step costs the target pass plus one draft call per
     # level) and 4. measure it end to end, as a fresh pipeline would run it (a recycling table kept from
     # calibration would already hold the target's answers to these prompts); keep the fastest
+    def lookup_of(k: int) -> LookupConfig | None:  # the bundle's own n-gram settings, k tokens
+        return replace(lookup or LookupConfig(), tokens=k) if k else None
+
     runs = {}
     for k in choices:
-        pipeline.lookup = replace(lookup or LookupConfig(), tokens=k) if k else None
+        pipeline.lookup = lookup_of(k)
         tree, chain = choose_tree(accept, {n: verify[n + k] for n in range(1, max_nodes + 1)}, draft_per_level,
                                   {n: leaf.get(n + k, 0.0) for n in range(1, max_nodes + 1)}, extra_leaves=int(k > 0))
         pipeline.tree, pipeline.recycling_table = tree.topology, None
         runs[k] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
     extra = max(runs, key=lambda k: runs[k][2]["speedup"])  # against plain decoding in the same run: drift cancels
     tree, chain, measured = runs[extra]
-    pipeline.lookup = replace(lookup or LookupConfig(), tokens=extra) if extra else None
+    pipeline.lookup = lookup_of(extra)
     pipeline.tree, pipeline.recycling_table = chain.topology, None
     chain_measured = run_bench(pipeline, prompts, max_new_tokens)
     if write:

@@ -19,7 +19,8 @@ matmul kernels round those sums differently when the same values sit at other co
 decoding a token's path lies at columns P, P+1, ...; in a tree pass its siblings would sit in between.
 So the runtime gives each root-to-leaf path of a tree its own sequence, in which every token sees
 exactly the columns plain decoding shows it, and its row has the same bits (runtime/model.py). A chain
-or a prefill chunk is one sequence; the past is shared by all sequences, never copied per key.
+or a prefill chunk is one sequence. The past keys serve all sequences at once; the past values are
+copied into each sequence, since a row's weighted sum is one matmul over [past, its slots].
 
 A feature-reading draft (runtime/features.py) also takes `features` [1, N, H] and mixes them into its
 embeddings through a trained projection; a graph built with `features_out` also returns `features_out`
@@ -242,7 +243,7 @@ class LlamaBuilder:
         scores = g.op("Where", [keep, scores, g.const(-np.inf, np.float32)])
         probs = g.op("Softmax", [scores], axis=-1)
         # The weighted sum is one matmul over [past, slots], as in plain decoding: each sequence gets its
-        # own copy of the past values (one copy for a chain, as a concatenation costs anyway).
+        # own copy of the past values.
         values = g.op("Concat", [g.op("Expand", [g.op("Unsqueeze", [past[1], g.const([0])]), past_per_path]),
                                  g.op("Gather", [v_new, path_nodes], axis=0)], axis=1)  # [B, P+L, kvH, D]
         values = g.op("Unsqueeze", [g.op("Transpose", [values], perm=[0, 2, 1, 3]), g.const([2])])  # [B, kvH, 1, P+L, D]
