@@ -1,0 +1,66 @@
+"""How a pass's rows are laid out in attention sequences (runtime/model.py: pass_feed)."""
+import numpy as np
+import pytest
+
+from edgespec.runtime.facts import ModelFacts
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.model import pass_feed, root_to_leaf_paths
+from edgespec.runtime.tree import Topology
+
+FACTS = ModelFacts(architecture="llama", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                   intermediate_size=16, vocab_size=32, max_context=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   tie_word_embeddings=True, sliding_window=None)
+
+
+def cache_with(length: int) -> KVCache:
+    cache = KVCache(FACTS, 64)
+    cache.length = length
+    return cache
+
+
+def test_paths_of_a_tree_in_leaf_order():
+    tree = Topology((-1, 0, 0, 1, 1, 2))
+    assert root_to_leaf_paths(tree.ancestor_mask) == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    assert root_to_leaf_paths(np.tril(np.ones((4, 4), bool))) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("mask", [
+    np.ones((3, 3), bool),                                  # a row sees a later row
+    np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1]], bool),      # row 2 sees its parent but not the root
+    np.array([[1, 0], [1, 0]], bool),                       # a row does not see itself
+])
+def test_a_mask_that_is_not_an_ancestor_mask_is_refused(mask):
+    with pytest.raises(ValueError, match="ancestor mask|chain of its parent"):
+        root_to_leaf_paths(mask)
+
+
+def test_every_node_sees_the_past_and_its_path_at_the_columns_plain_decoding_gives_it():
+    tree = Topology((-1, 0, 0, 1, 1, 2))
+    past = 5
+    feed, n, _ = pass_feed(cache_with(past), list(range(6)), past + tree.depths, tree.ancestor_mask, range(6))
+    paths, slots, mask = feed["path_nodes"], feed["node_slots"], feed["attention_mask"]
+    assert n == 6 and paths.shape == (3, 3) and mask.shape == (3, 3, past + 3)
+    for node in range(6):
+        b, k = divmod(int(slots[node]), paths.shape[1])
+        assert paths[b, k] == node and k == tree.depths[node]
+        assert list(paths[b, : k + 1]) == tree.path_to(node)  # root first, then ancestors, then the node
+        assert mask[b, k, :past].all() and list(mask[b, k, past:]) == [True] * (k + 1) + [False] * (2 - k)
+
+
+def test_a_single_token_is_one_sequence_with_its_padding_row_after_it():
+    feed, n, wanted = pass_feed(cache_with(3), [7], [3], np.ones((1, 1), bool), [0])
+    assert n == 1 and list(feed["path_nodes"][0]) == [0, 1] and list(feed["node_slots"]) == [0, 1]
+    assert list(feed["attention_mask"][0, 0]) == [True] * 3 + [True, False]  # never the padding row
+    assert list(feed["logit_rows"]) == [0, 0]
+
+
+def test_a_past_mask_is_applied_per_node_and_a_draft_pass_keeps_one_sequence():
+    past_mask = np.array([[True, False, True], [False, True, True]])
+    feed, _, _ = pass_feed(cache_with(3), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask,
+                           exact_rows=False)
+    assert feed["path_nodes"].shape == (1, 2)
+    assert (feed["attention_mask"][0, :, :3] == past_mask).all()
+    assert (feed["attention_mask"][0, :, 3:] == np.eye(2, dtype=bool)).all()
+    exact, _, _ = pass_feed(cache_with(3), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask)
+    assert exact["path_nodes"].shape == (2, 1)  # two roots: a sequence each
+    assert (exact["attention_mask"][:, 0, :3] == past_mask).all()
