@@ -6,13 +6,11 @@ and without spinning thread pools, to compare with edgespec's graph step for ste
 """
 import sys, time, numpy as np, onnxruntime as ort
 path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/ortgenai/int4/model.onnx"
-res = {}
 sess = {}
 for spin in ("0", "1"):
     o = ort.SessionOptions(); o.intra_op_num_threads = 2; o.log_severity_level = 3
     o.add_session_config_entry("session.intra_op.allow_spinning", spin)
     sess[spin] = ort.InferenceSession(path, o, providers=["CPUExecutionProvider"])
-s0 = sess["0"]
 def decode(s, P0=40, steps=100):
     pk = {f"past_key_values.{l}.{kind}": np.zeros((1, 3, 0, 64), np.float32) for l in range(30) for kind in ("key", "value")}
     ids = np.full((1, P0), 5, np.int64)

@@ -10,6 +10,7 @@ import json, sys, time, pathlib, numpy as np, onnxruntime as ort
 from edgespec.runtime.facts import ModelFacts
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import pass_feed, MIN_ROWS
+from edgespec.runtime.tree import Topology
 def old_feed(cache, tokens, positions, tree_mask, logit_rows):
     n = len(tokens); past_len = cache.length; rows = max(n, MIN_ROWS)
     mask = np.zeros((rows, past_len + rows), dtype=bool); mask[:n, :past_len] = True; mask[:n, past_len:past_len + n] = tree_mask
@@ -24,12 +25,8 @@ def session(bundle):
     o.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(pathlib.Path(bundle)/m["target"]["graph"]["file"]), o, providers=["CPUExecutionProvider"]), ModelFacts(**m["target"]["facts"])
 old, facts = session(sys.argv[1]); new, _ = session(sys.argv[2])
-parents = [-1, 0, 0, 2, 3, 4]
-anc = np.zeros((6, 6), bool)
-for i in range(6):
-    j = i
-    while j >= 0: anc[i, j] = True; j = parents[j]
-depth = anc.sum(1) - 1
+tree = Topology((-1, 0, 0, 2, 3, 4))
+anc, depth = tree.ancestor_mask, tree.depths
 for past in (16, 256, 1024):
     cache = KVCache(facts, 2048); cache.data[:] = 0.05; cache.length = past
     cases = {"one token": ([5], [past], np.ones((1, 1), bool), [0]),

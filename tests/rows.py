@@ -3,6 +3,7 @@ import numpy as np
 
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import ModelRunner, prefill
+from edgespec.runtime.tree import Topology
 
 
 def assert_rows_shape_invariant(runner: ModelRunner, seed: int, prefix: int, chunk: int, tail: int = 10) -> None:
@@ -37,20 +38,13 @@ def assert_tree_rows_match_plain_decoding(runner: ModelRunner, seed: int, prefix
     rng = np.random.default_rng(seed)
     context = list(rng.integers(3, facts.vocab_size, prefix))
     tokens = list(rng.integers(3, facts.vocab_size, len(parents)))
-    paths = []
-    for node in range(len(parents)):
-        path = [node]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        paths.append(path[::-1])
-    ancestors = np.zeros((len(parents), len(parents)), bool)
-    for node, path in enumerate(paths):
-        ancestors[node, path] = True
-    depths = np.array([len(path) - 1 for path in paths])
+    topology = Topology(tuple(parents))
+    paths = [topology.path_to(node) for node in range(topology.size)]
 
     cache = KVCache(facts, 64)
     prefill(runner, cache, context, 8)
-    tree = runner.forward(cache, tokens, cache.length + depths, ancestors, range(len(parents)))
+    tree = runner.forward(cache, tokens, cache.length + topology.depths, topology.ancestor_mask,
+                          range(topology.size))
     for node, path in enumerate(paths):
         plain = KVCache(facts, 64)
         prefill(runner, plain, context, 8)
