@@ -45,8 +45,9 @@ def model(spec):
 rows = [("plain", NoDrafter)]
 rows += [(f"draft model, chain:{k}", model(f"chain:{k}")) for k in (1, 2, 3, 4, 5, 6)]
 rows += [(f"draft model, {spec}", model(spec)) for spec in ["topk:2x3"] + args.tree]
-rows += [(f"draft model, chain:1 + lookup {k}", lambda k=k: WithLookup(model("chain:1")(), LookupConfig(tokens=k)))
-         for k in (4,)]
+rows += [(f"draft model, chain:1 + lookup {k}" + (f" ({q} when quoting)" if q else ""),
+          lambda k=k, q=q: WithLookup(model("chain:1")(), LookupConfig(tokens=k, quote_tokens=q)))
+         for k, q in ((4, 0), (4, 10), (0, 10))]
 rows += [(f"draft model, dynamic:{args.dynamic}", lambda: DynamicDrafter(
     pipeline.draft, pipeline.new_draft_cache(), DynamicTreeConfig(budget=args.dynamic), chunk))]
 for spec in ["chain:4", "topk:2x3"] + args.free_tree:
@@ -54,7 +55,9 @@ for spec in ["chain:4", "topk:2x3"] + args.free_tree:
              (f"token recycling, {spec}", lambda spec=spec: RecyclingDrafter(parse_tree_spec(spec), table)),
              (f"n-gram + recycling, {spec}", lambda spec=spec: RecyclingDrafter(
                  parse_tree_spec(spec), table, NgramDrafter(parse_tree_spec(spec))))]
-rows += [("n-gram, chain:5, from one token (min_n 1, max_n 4)", lambda: NgramDrafter(parse_tree_spec("chain:5"), 4, 1))]
+rows += [("n-gram, chain:5, from one token (min_n 1, max_n 4)", lambda: NgramDrafter(parse_tree_spec("chain:5"), 4, 1)),
+         ("n-gram, chain:11 when quoting, else chain:5, from one token",
+          lambda: NgramDrafter(parse_tree_spec("chain:11"), 4, 1, partial_match_depth=5))]
 rows += [("plain (again)", NoDrafter)]
 if args.only:
     rows = [(name, make) for name, make in rows if name.startswith("plain") or any(o in name for o in args.only)]

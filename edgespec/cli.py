@@ -45,7 +45,8 @@ def cmd_export(args) -> None:
                         quant=args.quant, draft_quant=args.draft_quant, block=args.block,
                         symmetric=not args.asymmetric, accuracy_level=args.accuracy_level,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
-                        force=args.force, stages=args.stages, lookup=args.lookup, cache_dir=cache_dir()))
+                        force=args.force, stages=args.stages, lookup=args.lookup, lookup_quote=args.lookup_quote,
+                        cache_dir=cache_dir()))
 
 
 def _sampling_config(args):
@@ -316,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup", type=int, default=0,
                    help="with a draft model: also draft up to this many tokens by prompt lookup (continuing the "
                         "context where its suffix occurred before), grafted onto the model's tree (0: off)")
+    p.add_argument("--lookup-quote", type=int, default=0,
+                   help="with a draft model: draft up to this many lookup tokens (more than --lookup, which may be 0) "
+                        "where the context's last 4 tokens occurred before, as when the answer quotes its input "
+                        "(0: as --lookup)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.set_defaults(run=cmd_export)
 

@@ -10,8 +10,9 @@
 Beside a draft model, prompt lookup (`export --lookup K`) is chosen too: calibration leaves it out, and
 for each length K in LOOKUP_CHOICES (and the bundle's own) the tree is chosen with a tree of n nodes
 costed at n + K, then measured end to end against plain decoding in the same run; the length with the
-best speedup is written with its tree. The prediction counts the draft model's tokens only, so with a
-lookup it is a floor: the lookup's accepted tokens come on top.
+best speedup is written with its tree. A bundle's longer chain while quoting (`--lookup-quote`) is kept
+for every K, so there K = 0 means lookup while quoting only. The prediction counts the draft model's
+tokens only, so with a lookup it is a floor: the lookup's accepted tokens come on top.
 """
 from __future__ import annotations
 
@@ -147,8 +148,9 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     # 3. for each lookup length, choose the tree (a step costs the target pass plus one draft call per
     # level) and 4. measure it end to end, as a fresh pipeline would run it (a recycling table kept from
     # calibration would already hold the target's answers to these prompts); keep the fastest
-    def lookup_of(k: int) -> LookupConfig | None:  # the bundle's own n-gram settings, k tokens
-        return replace(lookup or LookupConfig(), tokens=k) if k else None
+    def lookup_of(k: int) -> LookupConfig | None:  # the bundle's own n-gram and quote settings, k tokens
+        quoting = lookup is not None and lookup.quote_tokens > k
+        return replace(lookup or LookupConfig(), tokens=k) if k or quoting else None
 
     runs = {}
     for k in choices:
@@ -175,6 +177,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
         "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
         "lookup_tokens": extra,
+        "lookup_quote_tokens": pipeline.lookup.quote_tokens if pipeline.lookup else 0,
         "speedup_by_lookup": {k: run[2]["speedup"] for k, run in runs.items()},
         "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in accept],
         "opportunities_by_depth": [int(n) for n in counter.opportunities],

@@ -41,6 +41,7 @@ class ExportConfig:
     force: bool = False
     stages: int = 0  # > 0: the target also as stages with this many groups of layers (streamed under a budget)
     lookup: int = 0  # > 0: a prompt-lookup chain of up to this many tokens beside the draft model's tree
+    lookup_quote: int = 0  # > lookup: the chain may run this long where the context's last 4 tokens occurred before
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
 
 
@@ -101,21 +102,25 @@ def export(config: ExportConfig) -> Path:
         raise ExportError(str(err)) from err
     if config.lookup < 0:
         raise ExportError("--lookup must be 0 (off) or a number of drafted tokens")
-    if config.context < topology.size + config.lookup + 2:
+    if config.lookup_quote < 0 or 0 < config.lookup_quote <= config.lookup:
+        raise ExportError(f"--lookup-quote must be 0 (as --lookup) or more drafted tokens than --lookup "
+                          f"({config.lookup}): it is the chain's length while the answer quotes its context")
+    lookup_tokens = max(config.lookup, config.lookup_quote)
+    if config.context < topology.size + lookup_tokens + 2:
         raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes"
-                          + (f" and {config.lookup} lookup tokens" if config.lookup else ""))
+                          + (f" and {lookup_tokens} lookup tokens" if lookup_tokens else ""))
     if config.prefill_chunk < 2:
         raise ExportError("the prefill chunk must be at least 2 tokens")
     if dynamic is not None and config.draft in TRAINING_FREE:
         raise ExportError("a dynamic tree grows by a draft model's confidence: give --draft a model")
-    if config.lookup and config.draft in TRAINING_FREE:
+    if lookup_tokens and config.draft in TRAINING_FREE:
         raise ExportError(f"--lookup adds prompt lookup to a draft model; the {config.draft!r} drafter has none "
                           "(use --draft ngram or ngram+recycling for prompt lookup alone)")
     tree_extra = {}
     if dynamic is not None:
         tree_extra["dynamic"] = dynamic.to_dict()
-    if config.lookup:
-        tree_extra["lookup"] = LookupConfig(tokens=config.lookup).to_dict()
+    if lookup_tokens:
+        tree_extra["lookup"] = LookupConfig(tokens=config.lookup, quote_tokens=config.lookup_quote).to_dict()
     profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:

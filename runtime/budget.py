@@ -118,7 +118,7 @@ def largest_tree(manifest: Manifest) -> tuple[int, int, int]:
     """(nodes, root-to-leaf paths, slots per path) a verification pass may take at most: the manifest's
     tree, or any tree within a dynamic budget (at worst a star for paths, a chain for depth), plus the
     prompt-lookup chain grafted at the root."""
-    lookup = manifest.lookup.tokens if manifest.lookup else 0
+    lookup = manifest.lookup.longest if manifest.lookup else 0
     if manifest.dynamic:
         nodes, paths, depth = manifest.dynamic.budget, manifest.dynamic.budget - 1, manifest.dynamic.max_depth
     else:

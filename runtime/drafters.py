@@ -81,11 +81,17 @@ class NgramDrafter:
 
     An index from every n-gram (n = min_n..max_n) to the positions that followed it keeps each
     lookup O(1); siblings are the distinct continuations, most recent first.
+
+    With `partial_match_depth`, the tree is cut at that depth unless the context's last max_n tokens
+    occurred before. Such a full match means the answer is quoting, and a quote goes on for many
+    tokens; a shorter match is right less often, so its deep nodes would cost more than they bring
+    (benchmarks/RESULTS.md §32).
     """
 
-    def __init__(self, topology: Topology, max_n: int = 3, min_n: int = 2):
+    def __init__(self, topology: Topology, max_n: int = 3, min_n: int = 2, partial_match_depth: int | None = None):
         self.topology = topology
         self.max_n, self.min_n = max_n, min_n
+        self.partial_match_depth = partial_match_depth
         self.context: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
 
@@ -110,13 +116,20 @@ class NgramDrafter:
                         return found
         return found
 
+    def full_match(self) -> bool:
+        """Whether the indexed context's last max_n tokens occurred earlier in it."""
+        return len(self.context) > self.max_n and tuple(self.context[-self.max_n:]) in self.index
+
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
         # Proposals are deterministic: under sampling they are point masses (tree.q_draft stays None).
         # Indexing the root maps the n-grams ending just before it; the n-gram ending at the root has
         # no continuation yet, so a lookup never finds its own position.
         self._index_upto(committed)
-        return grow_tree(self.topology.prefix(max_nodes), committed[-1], self.candidates)
+        topology = self.topology
+        if self.partial_match_depth is not None and not self.full_match():
+            topology = topology.within_depth(self.partial_match_depth)
+        return grow_tree(topology.prefix(max_nodes), committed[-1], self.candidates)
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass

@@ -14,17 +14,26 @@ from .tree import Topology, Tree
 @dataclass(frozen=True)
 class LookupConfig:
     """Prompt lookup beside a draft model: up to `tokens` drafted tokens that continue the context the
-    way it continued after an earlier occurrence of its suffix (n = min_n..max_n tokens)."""
+    way it continued after an earlier occurrence of its suffix (n = min_n..max_n tokens), and up to
+    `quote_tokens` when all max_n of the suffix's tokens occurred before (0: no longer than `tokens`).
+    `tokens` = 0 drafts by lookup only while quoting: where each node costs (int4 weights), a shorter
+    match does not pay for its nodes (benchmarks/RESULTS.md §32)."""
     tokens: int = 4
     min_n: int = 1
     max_n: int = 4
+    quote_tokens: int = 0
 
     def __post_init__(self):
-        if self.tokens < 1 or not 1 <= self.min_n <= self.max_n:
+        if self.tokens < 0 or self.quote_tokens < 0 or self.longest < 1 or not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"bad lookup settings: {self}")
 
+    @property
+    def longest(self) -> int:
+        """The most lookup tokens one step may draft."""
+        return max(self.tokens, self.quote_tokens)
+
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "min_n": self.min_n, "max_n": self.max_n}
+        return {"tokens": self.tokens, "min_n": self.min_n, "max_n": self.max_n, "quote_tokens": self.quote_tokens}
 
 
 class WithLookup:
@@ -39,14 +48,15 @@ class WithLookup:
 
     def __init__(self, inner: Drafter, config: LookupConfig):
         self.inner, self.config = inner, config
-        self.ngram = NgramDrafter(Topology(tuple(range(-1, config.tokens))), config.max_n, config.min_n)
+        cut = config.tokens if config.quote_tokens > config.tokens else None
+        self.ngram = NgramDrafter(Topology(tuple(range(-1, config.longest))), config.max_n, config.min_n, cut)
 
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
         tree = self.inner.propose(committed, max_nodes, sampler, target_features)
         if tree.size >= max_nodes:
             return tree
-        chain = self.ngram.propose(committed, 1 + self.config.tokens, None)
+        chain = self.ngram.propose(committed, 1 + self.config.longest, None)
         return graft_chain(tree, [int(t) for t in chain.tokens[1:]], max_nodes)
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:

@@ -75,6 +75,14 @@ class Topology:
         """The first `size` nodes: parents precede children, so any prefix is itself a tree."""
         return self if size >= self.size else Topology(self.parents[: max(1, size)])
 
+    def within_depth(self, depth: int) -> "Topology":
+        """The nodes at most `depth` below the root, in their order (a subtree closed under parents)."""
+        keep = [i for i in range(self.size) if self.depths[i] <= depth]
+        if len(keep) == self.size:
+            return self
+        new_index = {old: new for new, old in enumerate(keep)}
+        return Topology(tuple(-1 if i == 0 else new_index[self.parents[i]] for i in keep))
+
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root to `node`, both included."""
         path = []

@@ -81,3 +81,10 @@ def test_plan_command_prints_the_split(bundle_factory, capsys):
     assert json.loads(capsys.readouterr().out)["budget"] == 2**30
     assert main(["plan", str(folder), "--memory-budget", "1kB"]) == 2
     assert re.search(r"minimum of [0-9.]+ MiB", capsys.readouterr().err)
+
+
+def test_the_largest_tree_counts_the_longest_lookup_chain(bundle_factory):
+    from edgespec.runtime.budget import largest_tree
+
+    manifest = open_bundle(bundle_factory(draft="draft", tree="chain:1", lookup=4, lookup_quote=9))
+    assert largest_tree(manifest) == (2 + 9, 2, 9 + 1)  # the chain's path and the lookup's, 9 deep below the root

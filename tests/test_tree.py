@@ -36,3 +36,10 @@ def test_bad_specs_are_refused(bad):
 def test_topology_rejects_forward_parent():
     with pytest.raises(ValueError):
         Topology((-1, 0, 3, 1))
+
+
+def test_within_depth_keeps_the_shallow_nodes_renumbered():
+    topo = Topology((-1, 0, 1, 0, 2, 3))  # depths 0 1 2 1 3 2
+    assert topo.within_depth(2).parents == (-1, 0, 1, 0, 3)  # node 5 (child of 3) becomes node 4
+    assert topo.within_depth(0).parents == (-1,)
+    assert topo.within_depth(3) is topo
