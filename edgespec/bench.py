@@ -85,7 +85,8 @@ def print_report(report: dict, out=sys.stdout) -> None:
     p, s = report["plain"], report["speculative"]
     print(f"prompts: {report['prompts']} x {report['max_new_tokens']} new tokens, {report['threads']} threads, "
           f"drafter: {report['drafter']}, tree: {report['tree']}"
-          + (f" + lookup of {report['lookup']} tokens" if report.get("lookup") or report.get("lookup_quote") else "")
+          + (f" + lookup of {report['lookup']} tokens" if report.get("lookup") or report.get("lookup_quote")
+             else "")
           + (f" ({report['lookup_quote']} when quoting)" if report.get("lookup_quote") else ""), file=out)
     print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms", file=out)
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "

@@ -7,12 +7,13 @@
 3. the tree maximizing expected tokens per second (runtime/treeopt.py), and the best chain;
 4. both measured end to end on the same prompts, so the prediction can be checked.
 
-Beside a draft model, prompt lookup (`export --lookup K`) is chosen too: calibration leaves it out, and
-for each length K in LOOKUP_CHOICES (and the bundle's own) the tree is chosen with a tree of n nodes
-costed at n + K, then measured end to end against plain decoding in the same run; the length with the
-best speedup is written with its tree. A bundle's longer chain while quoting (`--lookup-quote`) is kept
-for every K, so there K = 0 means lookup while quoting only. The prediction counts the draft model's
-tokens only, so with a lookup it is a floor: the lookup's accepted tokens come on top.
+Beside a draft model, prompt lookup (`export --lookup K --lookup-quote Q`) is chosen too: calibration
+leaves it out, and for each candidate (none; K in LOOKUP_CHOICES with Q = QUOTE_TOKENS; the bundle's
+own) the tree is chosen with a tree of n nodes costed at n + K, then measured end to end against plain
+decoding in the same run; the candidate with the best speedup is written with its tree. The longer
+chain while quoting is not costed: it is drafted only where the context quotes itself. The prediction
+counts the draft model's tokens only, so with a lookup it is a floor: the lookup's accepted tokens come
+on top.
 """
 from __future__ import annotations
 
@@ -36,8 +37,11 @@ from edgespec.runtime.treeopt import choose_tree
 
 PROBE_WIDTH, PROBE_DEPTH = 4, 6
 # Lookup lengths measured beside a draft model (and the bundle's own): what a lookup token costs depends
-# on the device and the weights (nearly nothing on fp32 here, a lot on int4: RESULTS.md §30).
+# on the device and the weights (nearly nothing on fp32 here, a lot on int4: RESULTS.md §30). While the
+# context quotes itself the chain runs to QUOTE_TOKENS; with K = 0 that is the only lookup, which int4
+# weights favour (§32).
 LOOKUP_CHOICES = (0, 2, 4)
+QUOTE_TOKENS = 10
 MIN_OPPORTUNITIES = 20  # a depth reached fewer times than this is too thin to give its own rates
 
 
@@ -136,32 +140,30 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     # 2. cost of a step by node count: the target pass plus drafting (per level of depth); a step with
     # k lookup tokens carries up to k more nodes, so a tree of n nodes pays for n + k
     choices = lookup_choices(pipeline, lookup)
+    most = max(config.tokens if config else 0 for config in choices)
     past = min(256, pipeline.context // 2)
-    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + max(choices) + 1),
+    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + most + 1),
                           past, repeats=15)
     # each root-to-leaf path beyond the first attends in a sequence of its own: measured on a star
-    stars = range(3, max_nodes + max(choices) + 1)  # a star of 3 or more nodes has 2 or more leaves
+    stars = range(3, max_nodes + most + 1)  # a star of 3 or more nodes has 2 or more leaves
     star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, stars, past, repeats=15,
                         star=True) if len(stars) else {}
     leaf = {n: max(0.0, (star[n] - verify[n]) / (n - 2)) for n in star}
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
-    # 3. for each lookup length, choose the tree (a step costs the target pass plus one draft call per
+    # 3. for each lookup candidate, choose the tree (a step costs the target pass plus one draft call per
     # level) and 4. measure it end to end, as a fresh pipeline would run it (a recycling table kept from
     # calibration would already hold the target's answers to these prompts); keep the fastest
-    def lookup_of(k: int) -> LookupConfig | None:  # the bundle's own n-gram and quote settings, k tokens
-        quoting = lookup is not None and lookup.quote_tokens > k
-        return replace(lookup or LookupConfig(), tokens=k) if k or quoting else None
-
     runs = {}
-    for k in choices:
-        pipeline.lookup = lookup_of(k)
+    for config in choices:
+        k = config.tokens if config else 0
+        pipeline.lookup = config
         tree, chain = choose_tree(accept, {n: verify[n + k] for n in range(1, max_nodes + 1)}, draft_per_level,
                                   {n: leaf.get(n + k, 0.0) for n in range(1, max_nodes + 1)}, extra_leaves=int(k > 0))
         pipeline.tree, pipeline.recycling_table = tree.topology, None
-        runs[k] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
-    extra = max(runs, key=lambda k: runs[k][2]["speedup"])  # against plain decoding in the same run: drift cancels
-    tree, chain, measured = runs[extra]
-    pipeline.lookup = lookup_of(extra)
+        runs[config] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
+    best = max(runs, key=lambda c: runs[c][2]["speedup"])  # against plain decoding in the same run: drift cancels
+    tree, chain, measured = runs[best]
+    pipeline.lookup = best
     pipeline.tree, pipeline.recycling_table = chain.topology, None
     chain_measured = run_bench(pipeline, prompts, max_new_tokens)
     if write:
@@ -176,9 +178,9 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "best_chain_predicted_tokens_per_s": round(chain.tokens_per_s, 2),
         "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
         "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
-        "lookup_tokens": extra,
-        "lookup_quote_tokens": pipeline.lookup.quote_tokens if pipeline.lookup else 0,
-        "speedup_by_lookup": {k: run[2]["speedup"] for k, run in runs.items()},
+        "lookup_tokens": best.tokens if best else 0,
+        "lookup_quote_tokens": best.quote_tokens if best else 0,
+        "speedup_by_lookup": {lookup_label(c): run[2]["speedup"] for c, run in runs.items()},
         "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in accept],
         "opportunities_by_depth": [int(n) for n in counter.opportunities],
         "pass_ms": {n: round(s * 1000, 2) for n, s in verify.items()},
@@ -188,11 +190,21 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     }
 
 
-def lookup_choices(pipeline: Pipeline, lookup: LookupConfig | None) -> tuple[int, ...]:
-    """Lookup lengths worth measuring: prompt lookup goes beside a draft model only."""
+def lookup_choices(pipeline: Pipeline, lookup: LookupConfig | None) -> list[LookupConfig | None]:
+    """Lookups worth measuring, with the bundle's n-gram settings: none, the standard lengths (longer
+    while quoting) and the bundle's own. Prompt lookup goes beside a draft model only."""
     if pipeline.manifest.drafter != "model":
-        return (0,)
-    return tuple(sorted(set(LOOKUP_CHOICES) | {lookup.tokens if lookup else 0}))
+        return [None]
+    base = lookup or LookupConfig()
+    found = [None] + [replace(base, tokens=k, quote_tokens=QUOTE_TOKENS) for k in LOOKUP_CHOICES] + [lookup]
+    return list(dict.fromkeys(found))  # distinct, in order
+
+
+def lookup_label(lookup: LookupConfig | None) -> str:
+    """'none', 'K' or 'K/Q' (K tokens, Q while quoting), as `tune --json` names the candidates."""
+    if lookup is None:
+        return "none"
+    return f"{lookup.tokens}/{lookup.quote_tokens}" if lookup.quote_tokens > lookup.tokens else str(lookup.tokens)
 
 
 def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None | str = "keep") -> None:

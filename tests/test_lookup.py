@@ -163,9 +163,8 @@ def test_tune_costs_the_lookup_nodes_and_writes_the_length_it_chose(quote, bundl
     result = tune(bundle, prompts, max_nodes=4, max_new_tokens=12, threads=1, write=True)
     written = Pipeline(bundle).manifest.lookup
     assert (written.tokens if written else 0) == result["lookup_tokens"] in (0, 2, 4)
-    assert (written is not None) == (result["lookup_tokens"] > 0 or quote > 0)  # 0: lookup while quoting only
-    if written:  # the bundle's own n-gram and quote settings are kept
-        assert (written.min_n, written.max_n, written.quote_tokens) == (1, 4, quote)
-        assert result["lookup_quote_tokens"] == quote
+    assert (written.quote_tokens if written else 0) == result["lookup_quote_tokens"] in (0, quote, 10)
+    if written:  # the bundle's own n-gram settings are kept
+        assert (written.min_n, written.max_n) == (1, 4)
     assert sorted(map(int, result["pass_ms"])) == list(range(1, 4 + 4 + 1))
     assert result["tree"]["size"] <= 4 and result["measured_tokens_per_pass"] >= 1

@@ -94,12 +94,16 @@ def test_tune_measures_each_lookup_length_beside_a_draft_model_and_writes_the_be
     assert main(["tune", str(bundle), "--prompts", str(prompts), "--max-nodes", "4", "--max-new-tokens", "16",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    speedups = {int(k): x for k, x in result["speedup_by_lookup"].items()}
-    assert sorted(speedups) == [0, 2, 3, 4]  # the standard lengths and the bundle's own
-    assert result["lookup_tokens"] == max(speedups, key=speedups.get)
+    speedups = result["speedup_by_lookup"]
+    # none, the standard lengths (10 tokens while quoting) and the bundle's own
+    assert sorted(speedups) == ["0/10", "2/10", "3", "4/10", "none"]
+    best = max(speedups, key=speedups.get)
     lookup = open_bundle(bundle).lookup
-    assert (lookup.tokens if lookup else 0) == result["lookup_tokens"]
-    assert max(map(int, result["pass_ms"])) == 4 + 4  # a tree of 4 nodes with the longest lookup
+    written = "none" if lookup is None else f"{lookup.tokens}" + (f"/{lookup.quote_tokens}" if lookup.quote_tokens else "")
+    assert written == best
+    assert (result["lookup_tokens"], result["lookup_quote_tokens"]) == ((lookup.tokens, lookup.quote_tokens)
+                                                                        if lookup else (0, 0))
+    assert max(map(int, result["pass_ms"])) == 4 + 4  # a tree of 4 nodes with the longest lookup (quotes not costed)
 
 
 def test_write_tree_sets_or_removes_the_lookup(bundle_factory, tmp_path):
