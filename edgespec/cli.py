@@ -137,11 +137,9 @@ def cmd_tune(args) -> None:
           f"{result['best_chain_predicted_tokens_per_s']}, measured {result['best_chain_tokens_per_s']} tokens/s; "
           f"plain {result['plain_tokens_per_s']} tokens/s")
     if len(result["speedup_by_lookup"]) > 1:
-        chosen = result["lookup_tokens"], result["lookup_quote_tokens"]
         print("speedup over plain by lookup (tokens, /tokens while quoting): "
               + ", ".join(f"{k}: {x}x" for k, x in result["speedup_by_lookup"].items())
-              + "; chosen: " + (f"{chosen[0]}" + (f"/{chosen[1]}" if chosen[1] > chosen[0] else "")
-                                if any(chosen) else "none"))
+              + f"; chosen: {result['lookup']}")
     if result["lookup_tokens"]:
         print(f"with a lookup of {result['lookup_tokens']} tokens trees are costed with those nodes and measured "
               f"with them; predictions count the draft model's tokens only")

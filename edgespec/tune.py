@@ -178,6 +178,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "best_chain_predicted_tokens_per_s": round(chain.tokens_per_s, 2),
         "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
         "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
+        "lookup": lookup_label(best),
         "lookup_tokens": best.tokens if best else 0,
         "lookup_quote_tokens": best.quote_tokens if best else 0,
         "speedup_by_lookup": {lookup_label(c): run[2]["speedup"] for c, run in runs.items()},

@@ -100,10 +100,14 @@ def test_tune_measures_each_lookup_length_beside_a_draft_model_and_writes_the_be
     best = max(speedups, key=speedups.get)
     lookup = open_bundle(bundle).lookup
     written = "none" if lookup is None else f"{lookup.tokens}" + (f"/{lookup.quote_tokens}" if lookup.quote_tokens else "")
-    assert written == best
+    assert written == best == result["lookup"]
     assert (result["lookup_tokens"], result["lookup_quote_tokens"]) == ((lookup.tokens, lookup.quote_tokens)
                                                                         if lookup else (0, 0))
     assert max(map(int, result["pass_ms"])) == 4 + 4  # a tree of 4 nodes with the longest lookup (quotes not costed)
+    assert main(["tune", str(bundle), "--prompts", str(prompts), "--max-nodes", "4", "--max-new-tokens", "8",
+                 "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "speedup over plain by lookup" in printed and "none: " in printed and "; chosen: " in printed
 
 
 def test_write_tree_sets_or_removes_the_lookup(bundle_factory, tmp_path):
