@@ -91,7 +91,8 @@ class NgramDrafter:
     def __init__(self, topology: Topology, max_n: int = 3, min_n: int = 2, partial_match_depth: int | None = None):
         self.topology = topology
         self.max_n, self.min_n = max_n, min_n
-        self.partial_match_depth = partial_match_depth
+        # the tree drafted without a full match: the whole topology, or its top levels
+        self.partial_topology = topology if partial_match_depth is None else topology.within_depth(partial_match_depth)
         self.context: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
 
@@ -126,9 +127,7 @@ class NgramDrafter:
         # Indexing the root maps the n-grams ending just before it; the n-gram ending at the root has
         # no continuation yet, so a lookup never finds its own position.
         self._index_upto(committed)
-        topology = self.topology
-        if self.partial_match_depth is not None and not self.full_match():
-            topology = topology.within_depth(self.partial_match_depth)
+        topology = self.topology if self.full_match() else self.partial_topology
         return grow_tree(topology.prefix(max_nodes), committed[-1], self.candidates)
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:

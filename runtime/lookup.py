@@ -41,7 +41,7 @@ class WithLookup:
 
     Where the answer quotes its context (code edits, rewrites, summaries) the lookup chain runs long and
     is accepted whole; elsewhere the draft model's candidates do the work. Nodes are shared where the
-    chain starts with the model's own candidates, so the tree grows by at most `tokens` nodes. Under
+    chain starts with the model's own candidates, so the tree grows by at most `config.longest` nodes. Under
     sampling the lookup tokens are point masses beside the model's drawn siblings (tree.drawn), which
     the acceptance rule handles exactly (runtime/accept.py).
     """
