@@ -76,9 +76,16 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         drafter=pipeline.manifest.drafter, tree=pipeline.tree.spec(),
         lookup=pipeline.lookup.tokens if pipeline.lookup else 0,
         lookup_quote=pipeline.lookup.quote_tokens if pipeline.lookup else 0,
+        ngram=pipeline.manifest.ngram.to_dict() if pipeline.manifest.ngram else None,
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     )
     return report
+
+
+def _ngram_text(ngram: dict) -> str:
+    cut = ngram["partial_match_depth"]
+    return (f", n-grams of {ngram['min_n']}..{ngram['max_n']} tokens"
+            + (f", depth {cut} unless quoting" if cut is not None else ""))
 
 
 def print_report(report: dict, out=sys.stdout) -> None:
@@ -87,7 +94,8 @@ def print_report(report: dict, out=sys.stdout) -> None:
           f"drafter: {report['drafter']}, tree: {report['tree']}"
           + (f" + lookup of {report['lookup']} tokens" if report.get("lookup") or report.get("lookup_quote")
              else "")
-          + (f" ({report['lookup_quote']} when quoting)" if report.get("lookup_quote") else ""), file=out)
+          + (f" ({report['lookup_quote']} when quoting)" if report.get("lookup_quote") else "")
+          + (_ngram_text(report["ngram"]) if report.get("ngram") else ""), file=out)
     print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms", file=out)
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{s['mean_accepted_per_pass']:.2f} tokens per target pass", file=out)

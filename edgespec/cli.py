@@ -297,9 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True,
                    help="draft model (same forms as MODEL), or a training-free drafter: ngram, recycling, ngram+recycling")
     p.add_argument("--out", required=True, help="bundle folder to write")
-    p.add_argument("--tree", default="chain:4",
+    p.add_argument("--tree", default=None,
                    help="chain:K, topk:BxD, parents:-1,0,..., auto (measured on this device, as `tune` does) "
-                        "or dynamic:N (a draft model grows each step's tree within N nodes)")
+                        "or dynamic:N (a draft model grows each step's tree within N nodes). Default: chain:4 "
+                        "for a draft model; chain:11 for an n-gram drafter, cut at depth 5 unless the answer "
+                        "quotes its context (with int4 weights every node costs: chain:5 is faster there)")
     p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")
     p.add_argument("--profile", default="cpu", help="device profile (targets/)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill pass")

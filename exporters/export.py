@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
-from edgespec.runtime.drafters import TRAINING_FREE
+from edgespec.runtime.drafters import NGRAM_DRAFTERS, TRAINING_FREE, NgramConfig
 from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
@@ -28,7 +28,7 @@ class ExportConfig:
     model: str
     draft: str  # a model spec, or a training-free drafter: "ngram", "recycling", "ngram+recycling"
     out: Path
-    tree: str = "chain:4"
+    tree: str | None = None  # None: the drafter's default (`default_tree`)
     context: int = 2048
     profile: str = "cpu"
     prefill_chunk: int = 64
@@ -43,6 +43,14 @@ class ExportConfig:
     lookup: int = 0  # > 0: a prompt-lookup chain of up to this many tokens beside the draft model's tree
     lookup_quote: int = 0  # > lookup: the chain may run this long where the context's last 4 tokens occurred before
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
+
+
+def default_tree(draft: str) -> str:
+    """A draft model's tree is a short chain until `tune` measures better. An n-gram drafter's is the
+    chain a quote runs to: it is cut at NgramConfig.partial_match_depth unless the context's suffix
+    occurred before, and 12 nodes is the last count before fp32's pass cost steps up
+    (benchmarks/RESULTS.md §25, §33)."""
+    return "chain:11" if draft in NGRAM_DRAFTERS else "chain:4"
 
 
 def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
@@ -97,7 +105,8 @@ def _say(message: str, started: float) -> None:
 def export(config: ExportConfig) -> Path:
     started = time.perf_counter()
     try:
-        topology, dynamic = tree_plan(config.tree)
+        tree_spec = config.tree or default_tree(config.draft)
+        topology, dynamic = tree_plan(tree_spec)
     except ValueError as err:
         raise ExportError(str(err)) from err
     if config.lookup < 0:
@@ -121,6 +130,8 @@ def export(config: ExportConfig) -> Path:
         tree_extra["dynamic"] = dynamic.to_dict()
     if lookup_tokens:
         tree_extra["lookup"] = LookupConfig(tokens=config.lookup, quote_tokens=config.lookup_quote).to_dict()
+    if config.draft in NGRAM_DRAFTERS:
+        tree_extra["ngram"] = NgramConfig().to_dict()
     profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:
@@ -182,7 +193,7 @@ def export(config: ExportConfig) -> Path:
              f"measured {result['measured_tokens_per_s']}", started)
 
     out = write_bundle(config.out, config.force, fill, profile, topology, config.prefill_chunk,
-                       finish=tune_tree if config.tree == "auto" else None,
+                       finish=tune_tree if tree_spec == "auto" else None,
                        tree_extra=tree_extra)
     _say(f"bundle written to {out}", started)
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BundleError
+from .drafters import LEGACY_NGRAM, NGRAM_DRAFTERS, NgramConfig
 from .lookup import LookupConfig
 from .dynamic_tree import DynamicTreeConfig
 from .facts import ModelFacts
@@ -75,6 +76,7 @@ class Manifest:
     tree: Topology
     dynamic: DynamicTreeConfig | None  # set: a draft model grows each step's tree within a node budget
     lookup: LookupConfig | None  # set: a prompt-lookup chain is grafted onto the draft model's tree
+    ngram: NgramConfig | None  # an n-gram drafter's settings; None: no n-gram drafter
     prefill_chunk: int
     tokenizer: TokenizerSpec
     profile: str
@@ -88,16 +90,20 @@ class Manifest:
                               f"{SCHEMA_VERSION}; re-export the bundle or upgrade edgespec")
         try:
             draft = data.get("draft")
-            if data["tree"].get("lookup") and _drafter_kind(draft) != "model":
+            drafter = _drafter_kind(draft)
+            if data["tree"].get("lookup") and drafter != "model":
                 raise BundleError("the manifest adds prompt lookup to a training-free drafter: it is for a draft model")
+            if data["tree"].get("ngram") and drafter not in NGRAM_DRAFTERS:
+                raise BundleError(f"the manifest gives n-gram settings to the {drafter!r} drafter, which has no n-grams")
             return cls(
                 raw=data,
                 target=ModelEntry.from_dict(data["target"]),
                 draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
-                drafter=_drafter_kind(draft),
+                drafter=drafter,
                 tree=Topology(tuple(data["tree"]["parents"])),
                 dynamic=DynamicTreeConfig(**data["tree"]["dynamic"]) if data["tree"].get("dynamic") else None,
                 lookup=LookupConfig(**data["tree"]["lookup"]) if data["tree"].get("lookup") else None,
+                ngram=_ngram_config(drafter, data["tree"].get("ngram")),
                 prefill_chunk=int(data["steps"]["prefill_chunk"]),
                 tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
                 profile=data["profile"]["name"],
@@ -112,6 +118,12 @@ def _drafter_kind(draft: dict | None) -> str:
     if kind not in ("model", "ngram", "recycling", "ngram+recycling"):
         raise BundleError(f"the manifest names an unknown drafter {kind!r}")
     return kind
+
+
+def _ngram_config(drafter: str, settings: dict | None) -> NgramConfig | None:
+    if drafter not in NGRAM_DRAFTERS:
+        return None
+    return LEGACY_NGRAM if settings is None else NgramConfig(**settings)
 
 
 def sha256_file(path: Path) -> str:

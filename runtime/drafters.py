@@ -6,6 +6,7 @@ owns its draft KV cache, whose `length` is how many committed tokens it has alre
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -76,6 +77,27 @@ def _path(parents, node):
     return out[::-1]
 
 
+@dataclass(frozen=True)
+class NgramConfig:
+    """A training-free n-gram drafter's settings (manifest `tree.ngram`): suffixes of min_n..max_n
+    tokens are looked up, and without a full max_n-token match the tree is cut at
+    `partial_match_depth` (None: never cut). Bundles written before these settings existed load as
+    `LEGACY_NGRAM`."""
+    min_n: int = 1
+    max_n: int = 4
+    partial_match_depth: int | None = 5
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n or (self.partial_match_depth is not None and self.partial_match_depth < 0):
+            raise ValueError(f"bad n-gram settings: {self}")
+
+    def to_dict(self) -> dict:
+        return {"min_n": self.min_n, "max_n": self.max_n, "partial_match_depth": self.partial_match_depth}
+
+
+LEGACY_NGRAM = NgramConfig(min_n=2, max_n=3, partial_match_depth=None)
+
+
 class NgramDrafter:
     """Prompt lookup: continue the current suffix the way it continued earlier in the context.
 
@@ -95,6 +117,10 @@ class NgramDrafter:
         self.partial_topology = topology if partial_match_depth is None else topology.within_depth(partial_match_depth)
         self.context: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
+
+    @classmethod
+    def from_config(cls, topology: Topology, config: NgramConfig) -> "NgramDrafter":
+        return cls(topology, config.max_n, config.min_n, config.partial_match_depth)
 
     def _index_upto(self, committed: list[int]) -> None:
         # maps each n-gram ending at p - 1 to p, the position of the token that followed it
@@ -126,9 +152,12 @@ class NgramDrafter:
         # Proposals are deterministic: under sampling they are point masses (tree.q_draft stays None).
         # Indexing the root maps the n-grams ending just before it; the n-gram ending at the root has
         # no continuation yet, so a lookup never finds its own position.
+        return grow_tree(self.step_topology(committed).prefix(max_nodes), committed[-1], self.candidates)
+
+    def step_topology(self, committed: list[int]) -> Topology:
+        """Indexes the committed tokens; the topology to fill this step: whole on a full match, else cut."""
         self._index_upto(committed)
-        topology = self.topology if self.full_match() else self.partial_topology
-        return grow_tree(topology.prefix(max_nodes), committed[-1], self.candidates)
+        return self.topology if self.full_match() else self.partial_topology
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass
@@ -219,6 +248,7 @@ class ModelDrafter:
 
 
 TRAINING_FREE = ("ngram", "recycling", "ngram+recycling")
+NGRAM_DRAFTERS = ("ngram", "ngram+recycling")  # the training-free drafters that look n-grams up
 
 
 def new_recycling_table(vocab_size: int, width: int = 8) -> np.ndarray:
@@ -254,9 +284,9 @@ class RecyclingDrafter:
 
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
-        if self.ngram is not None:
-            self.ngram._index_upto(committed)
-        return grow_tree(self.topology.prefix(max_nodes), committed[-1], self.candidates)
+        # behind an n-gram drafter the tree is cut as that drafter cuts it: recycled branches fill it
+        topology = self.topology if self.ngram is None else self.ngram.step_topology(committed)
+        return grow_tree(topology.prefix(max_nodes), committed[-1], self.candidates)
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         if logits is None:

@@ -129,10 +129,10 @@ class Pipeline:
         m = self.manifest
         if not speculate:
             return NoDrafter()
+        ngram = NgramDrafter.from_config(self.tree, m.ngram) if m.ngram is not None else None
         if m.drafter == "ngram":
-            return NgramDrafter(self.tree)
+            return ngram
         if m.drafter in ("recycling", "ngram+recycling"):
-            ngram = NgramDrafter(self.tree) if m.drafter == "ngram+recycling" else None
             if self.recycling_table is None:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
             return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from edgespec.runtime.drafters import NgramDrafter
+from edgespec.runtime.drafters import LEGACY_NGRAM, NgramConfig, NgramDrafter, RecyclingDrafter, new_recycling_table
 from edgespec.runtime.lookup import LookupConfig, WithLookup, graft_chain
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BundleError
@@ -68,6 +68,65 @@ def test_a_partial_match_is_cut_at_its_depth_and_a_full_match_runs_long():
     partial = [1, 2, 3, 4, 5, 6, 7, 8, 9, 5, 3]  # only "3" occurred before
     assert list(drafter.propose(partial, 16, None).tokens) == [3, 4, 5]
     assert not drafter.full_match()
+
+
+def test_recycled_branches_fill_the_tree_as_the_ngram_drafter_cuts_it():
+    topology = Topology(tuple(range(-1, 6)))
+    table = new_recycling_table(16, width=2)
+    table[:, 0] = (np.arange(16) + 1) % 16  # every token's recycled successor: the next id
+    partial = [1, 2, 3, 4, 5, 6, 7, 8, 9, 5, 3]
+    cut = RecyclingDrafter(topology, table, NgramDrafter(topology, max_n=3, min_n=1, partial_match_depth=2))
+    assert list(cut.propose(partial, 16, None).tokens) == [3, 4, 5]
+    quoting = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    whole = RecyclingDrafter(topology, table, NgramDrafter(topology, max_n=3, min_n=1, partial_match_depth=2))
+    assert list(whole.propose(quoting, 16, None).tokens) == [3, 4, 5, 6, 7, 8, 9]
+    alone = RecyclingDrafter(topology, table)  # no n-grams: no cut, the recycled chain runs to the full depth
+    assert list(alone.propose(partial, 16, None).tokens) == [3, 4, 5, 6, 7, 8, 9]
+
+
+def test_ngram_settings_are_checked():
+    assert NgramConfig().to_dict() == {"min_n": 1, "max_n": 4, "partial_match_depth": 5}
+    for bad in (dict(min_n=0), dict(min_n=3, max_n=2), dict(partial_match_depth=-1)):
+        with pytest.raises(ValueError, match="bad n-gram"):
+            NgramConfig(**bad)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "ngram+recycling"])
+def test_an_ngram_bundle_carries_its_settings_and_quotes_to_its_default_tree(draft, bundle_factory, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft=draft, tree=None), bundle)
+    pipeline = Pipeline(bundle)
+    assert pipeline.manifest.ngram == NgramConfig() and pipeline.tree.parents == tuple(range(-1, 11))
+    ngram = pipeline.make_drafter(True)
+    ngram = ngram if draft == "ngram" else ngram.ngram
+    assert (ngram.min_n, ngram.max_n) == (1, 4)
+    assert ngram.topology.size == 12 and ngram.partial_topology.size == 6
+    # a bundle written before the settings existed keeps the drafter it had
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    del manifest["tree"]["ngram"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    legacy = Pipeline(bundle)
+    assert legacy.manifest.ngram == LEGACY_NGRAM
+    ngram = legacy.make_drafter(True)
+    ngram = ngram if draft == "ngram" else ngram.ngram
+    assert (ngram.min_n, ngram.max_n) == (2, 3) and ngram.partial_topology is ngram.topology
+
+
+@pytest.mark.parametrize("draft", ["draft", "recycling"])
+def test_ngram_settings_for_a_drafter_without_ngrams_are_refused(draft, bundle_factory, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(draft=draft), bundle)
+    assert Pipeline(bundle).manifest.ngram is None
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert "ngram" not in manifest["tree"]
+    manifest["tree"]["ngram"] = NgramConfig().to_dict()
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="no n-grams"):
+        Pipeline(bundle)
 
 
 def test_lookup_quote_tokens_lengthen_the_chain_only_on_a_full_match():

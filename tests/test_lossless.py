@@ -38,7 +38,7 @@ def test_unrelated_draft(tree, bundle_factory):
     assert np.mean(accepted) < 1.5  # a random draft is almost never right
 
 
-@pytest.mark.parametrize("tree", ["chain:6", "topk:2x3"])
+@pytest.mark.parametrize("tree", ["chain:6", "topk:2x3", None])
 def test_ngram_drafter(tree, bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="ngram", tree=tree))
     for prompt in PROMPTS:
