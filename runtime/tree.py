@@ -92,6 +92,9 @@ class Topology:
         return path[::-1]
 
     def spec(self) -> str:
+        """The shortest spec `parse_tree_spec` reads back as this topology."""
+        if self.size > 1 and self.parents == tuple(range(-1, self.size - 1)):
+            return f"chain:{self.size - 1}"
         return "parents:" + ",".join(str(p) for p in self.parents)
 
     def to_dict(self) -> dict:

@@ -24,6 +24,7 @@ def test_topk_spec_is_full_tree():
 def test_explicit_parents_round_trip():
     topo = parse_tree_spec("parents:-1,0,0,1")
     assert parse_tree_spec(topo.spec()).parents == topo.parents
+    assert parse_tree_spec("chain:3").spec() == "chain:3" and parse_tree_spec("parents:-1").spec() == "parents:-1"
 
 
 @pytest.mark.parametrize("bad", ["chain:0", "topk:0x2", "ring:3", "parents:0,1", "parents:-1,2", "topk:9x9",
