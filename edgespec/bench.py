@@ -88,7 +88,8 @@ def _ngram_text(ngram: dict) -> str:
             + (f", depth {cut} unless quoting" if cut is not None else ""))
 
 
-def print_report(report: dict, out=sys.stdout) -> None:
+def print_report(report: dict, out=None) -> None:
+    out = out or sys.stdout  # looked up per call: a default bound at import would miss a redirected stdout
     p, s = report["plain"], report["speculative"]
     print(f"prompts: {report['prompts']} x {report['max_new_tokens']} new tokens, {report['threads']} threads, "
           f"drafter: {report['drafter']}, tree: {report['tree']}"
