@@ -16,7 +16,8 @@ from pathlib import Path
 
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import resolve_bundle
-from edgespec.runtime.drafters import ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
+from edgespec.runtime.drafters import (ModelDrafter, NgramConfig, NgramDrafter, NoDrafter, RecyclingDrafter,
+                                       new_recycling_table)
 from edgespec.runtime.lookup import LookupConfig, WithLookup
 from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
 from edgespec.runtime.engine import GenerationConfig
@@ -56,8 +57,8 @@ for spec in ["chain:4", "topk:2x3"] + args.free_tree:
              (f"n-gram + recycling, {spec}", lambda spec=spec: RecyclingDrafter(
                  parse_tree_spec(spec), table, NgramDrafter(parse_tree_spec(spec))))]
 rows += [("n-gram, chain:5, from one token (min_n 1, max_n 4)", lambda: NgramDrafter(parse_tree_spec("chain:5"), 4, 1)),
-         ("n-gram, chain:11 when quoting, else chain:5, from one token",
-          lambda: NgramDrafter(parse_tree_spec("chain:11"), 4, 1, partial_match_depth=5))]
+         ("n-gram, chain:11 when quoting, else chain:5, from one token (an n-gram bundle's default)",
+          lambda: NgramDrafter.from_config(parse_tree_spec("chain:11"), NgramConfig()))]
 rows += [("plain (again)", NoDrafter)]
 if args.only:
     rows = [(name, make) for name, make in rows if name.startswith("plain") or any(o in name for o in args.only)]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .drafters import Drafter, NgramDrafter
+from .drafters import Drafter, NgramConfig, NgramDrafter
 from .sampling import Sampler
 from .tree import Topology, Tree
 
@@ -32,6 +32,10 @@ class LookupConfig:
         """The most lookup tokens one step may draft."""
         return max(self.tokens, self.quote_tokens)
 
+    def ngram(self) -> NgramConfig:
+        """The n-gram drafter that drafts the chain: cut at `tokens` unless quoting, when there is a quote length."""
+        return NgramConfig(self.min_n, self.max_n, self.tokens if self.quote_tokens > self.tokens else None)
+
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "min_n": self.min_n, "max_n": self.max_n, "quote_tokens": self.quote_tokens}
 
@@ -48,8 +52,7 @@ class WithLookup:
 
     def __init__(self, inner: Drafter, config: LookupConfig):
         self.inner, self.config = inner, config
-        cut = config.tokens if config.quote_tokens > config.tokens else None
-        self.ngram = NgramDrafter(Topology(tuple(range(-1, config.longest))), config.max_n, config.min_n, cut)
+        self.ngram = NgramDrafter.from_config(Topology(tuple(range(-1, config.longest))), config.ngram())
 
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
