@@ -162,8 +162,12 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         pipeline.tree, pipeline.recycling_table = tree.topology, None
         runs[config] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
     best = max(runs, key=lambda c: runs[c][2]["speedup"])  # against plain decoding in the same run: drift cancels
-    tree, chain, measured = runs[best]
+    tree, chain, _ = runs[best]
+    # the winner of several noisy runs is measured again: its own selection run is biased upwards
+    # (the best of k draws), and the chain it is compared with gets one unselected run too
     pipeline.lookup = best
+    pipeline.tree, pipeline.recycling_table = tree.topology, None
+    measured = run_bench(pipeline, prompts, max_new_tokens)
     pipeline.tree, pipeline.recycling_table = chain.topology, None
     chain_measured = run_bench(pipeline, prompts, max_new_tokens)
     if write:
