@@ -132,10 +132,11 @@ def cmd_tune(args) -> None:
     print("pass ms by node count: " + ", ".join(f"{n}: {ms}" for n, ms in result["pass_ms"].items()))
     print(f"chosen tree: parents {result['tree']['parents']} ({result['tree']['size']} nodes)")
     print(f"  predicted {result['predicted_tokens_per_s']} tokens/s ({result['predicted_tokens_per_pass']} per pass), "
-          f"measured {result['measured_tokens_per_s']} ({result['measured_tokens_per_pass']} per pass)")
+          f"measured {result['measured_tokens_per_s']} ({result['measured_tokens_per_pass']} per pass, "
+          f"{result['measured_speedup']}x plain in its run)")
     print(f"best chain: {result['best_chain']['size'] - 1} drafted tokens, predicted "
-          f"{result['best_chain_predicted_tokens_per_s']}, measured {result['best_chain_tokens_per_s']} tokens/s; "
-          f"plain {result['plain_tokens_per_s']} tokens/s")
+          f"{result['best_chain_predicted_tokens_per_s']}, measured {result['best_chain_tokens_per_s']} tokens/s "
+          f"({result['best_chain_speedup']}x plain in its run); plain {result['plain_tokens_per_s']} tokens/s")
     if len(result["speedup_by_lookup"]) > 1:
         print("speedup over plain by lookup (tokens, /tokens while quoting): "
               + ", ".join(f"{k}: {x}x" for k, x in result["speedup_by_lookup"].items())

@@ -182,6 +182,9 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "best_chain_predicted_tokens_per_s": round(chain.tokens_per_s, 2),
         "best_chain_tokens_per_s": chain_measured["speculative"]["tokens_per_s"],
         "plain_tokens_per_s": measured["plain"]["tokens_per_s"],
+        # each against plain decoding in its own run: the fair way to compare the two across runs
+        "measured_speedup": measured["speedup"],
+        "best_chain_speedup": chain_measured["speedup"],
         "lookup": lookup_label(best),
         "lookup_tokens": best.tokens if best else 0,
         "lookup_quote_tokens": best.quote_tokens if best else 0,

@@ -45,7 +45,8 @@ def test_tune_chooses_measures_and_writes_the_tree(bundle_factory, tmp_path, cap
     assert main(["tune", str(bundle), "--prompts", str(prompts), "--max-nodes", "6", "--max-new-tokens", "24",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert {"tree", "predicted_tokens_per_s", "measured_tokens_per_s", "best_chain_tokens_per_s"} <= set(result)
+    assert {"tree", "predicted_tokens_per_s", "measured_tokens_per_s", "best_chain_tokens_per_s",
+            "measured_speedup", "best_chain_speedup"} <= set(result)
     rates = result["acceptance_by_depth_and_rank"]
     assert len(rates) >= 1 and all(len(row) == 4 and all(0 <= a <= 1 for a in row) for row in rates)
     assert sorted(map(int, result["pass_ms"])) == list(range(1, 7))
