@@ -6,15 +6,20 @@ bound on the draft's agreement (§34). The first bundle's target decodes the bui
 import json
 import sys
 from pathlib import Path
+
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
-bundles = sys.argv[1:]
-pipeline = Pipeline(Path(bundles[0]))
-for f in [None, "benchmarks/edit_prompts.jsonl"]:
-    tokens = []
-    for item in load_prompts(Path(f) if f else None):
-        tokens += pipeline.generate(**prompt_kwargs(item), config=GenerationConfig(max_new_tokens=128), speculate=False).token_ids
-    for b in bundles:
-        head = set(json.load(open(Path(b) / "draft_head_tokens.json")))
-        print(f or "built-in", b, f"{sum(t in head for t in tokens) / len(tokens):.3f} of {len(tokens)} greedy tokens in the head")
+
+bundles = [Path(b) for b in sys.argv[1:]]
+if not bundles:
+    raise SystemExit(__doc__)
+pipeline = Pipeline(bundles[0])
+config = GenerationConfig(max_new_tokens=128)
+for name, prompts_file in [("built-in", None), ("edit prompts", Path(__file__).parent / "edit_prompts.jsonl")]:
+    greedy = [t for item in load_prompts(prompts_file)
+              for t in pipeline.generate(**prompt_kwargs(item), config=config, speculate=False).token_ids]
+    for bundle in bundles:
+        head = set(json.loads((bundle / "draft_head_tokens.json").read_text()))
+        covered = sum(t in head for t in greedy) / len(greedy)
+        print(f"{name}: {bundle}: {covered:.3f} of {len(greedy)} greedy tokens in the head")
