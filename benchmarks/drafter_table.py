@@ -4,11 +4,16 @@
                                        [--tree parents:...]   (a tuned tree to include)
                                        [--free-tree parents:...]  (a tree for the training-free rows)
                                        [--only TEXT]  (only the rows whose name contains TEXT; repeatable)
+                                       [--temperature T [--seed S]]  (sampling instead of greedy)
 
 The bundle must have a draft model; the training-free drafters run on the same target. Each row
 decodes every prompt greedily; plain decoding runs first and last, so drift shows. Outputs are
 checked against plain decoding. Every recycling row starts from an empty table, as a fresh pipeline
 does: a table kept from an earlier row would already hold the target's answers to these prompts.
+
+With --temperature every row samples (prompt i with seed S + i), and each prompt is decoded plainly
+right before it is decoded speculatively: a row's speedup is over the plain decoding paired with it
+in the same minutes, since sampled outputs cannot be compared with a reference.
 """
 import argparse
 import time
@@ -22,6 +27,7 @@ from edgespec.runtime.lookup import LookupConfig, WithLookup
 from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.sampling import SamplingConfig
 from edgespec.runtime.tree import parse_tree_spec
 
 parser = argparse.ArgumentParser()
@@ -32,6 +38,8 @@ parser.add_argument("--tree", action="append", default=[], help="more trees for 
 parser.add_argument("--dynamic", type=int, default=12, help="node budget of the dynamic tree")
 parser.add_argument("--free-tree", action="append", default=[], help="more trees for the training-free drafters")
 parser.add_argument("--only", action="append", default=[], help="keep only the rows whose name contains this")
+parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
+parser.add_argument("--seed", type=int, default=0, help="with --temperature: prompt i samples with seed + i")
 args = parser.parse_args()
 
 pipeline = Pipeline(resolve_bundle(args.bundle))
@@ -63,23 +71,53 @@ rows += [("plain (again)", NoDrafter)]
 if args.only:
     rows = [(name, make) for name, make in rows if name.startswith("plain") or any(o in name for o in args.only)]
 
-config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+sampled = args.temperature > 0
+if sampled:
+    rows = [(name, make) for name, make in rows if not name.startswith("plain")]  # each row has its paired plain
+
+
+def config(prompt_index: int) -> GenerationConfig:
+    sampling = SamplingConfig(temperature=args.temperature, seed=args.seed + prompt_index) if sampled else SamplingConfig()
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
+
+
+class Tally:
+    """One drafter's decoding over the prompts."""
+
+    def __init__(self):
+        self.decoded = self.passes = self.accepted = 0
+        self.seconds = 0.0
+        self.outputs = []
+
+    def add(self, result) -> None:
+        self.decoded += max(0, result.stats.new_tokens - 1)  # the first token comes from prefill
+        self.seconds += result.stats.decode_s
+        self.passes += result.stats.target_passes
+        self.accepted += result.stats.accepted_drafts
+        self.outputs.append(result.token_ids)
+
+    @property
+    def speed(self) -> float:
+        return self.decoded / self.seconds
+
+    @property
+    def per_pass(self) -> float:
+        return (self.accepted + self.passes) / max(self.passes, 1)
+
+
 pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8))  # warm-up
 reference = None
-print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {pipeline.threads} threads")
-print(f"{'drafter and tree':50s} {'tokens/s':>9s} {'tokens/pass':>11s} {'identical':>9s}")
+print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, {pipeline.threads} threads"
+      + (f", temperature {args.temperature}, prompt i seeded {args.seed} + i" if sampled else ", greedy"))
+last = "speedup" if sampled else "identical"
+print(f"{'drafter and tree':50s} {'tokens/s':>9s} {'tokens/pass':>11s} {last:>9s}")
 for name, make in rows:
     table = new_recycling_table(facts.vocab_size)  # shared by the row's prompts, as in one pipeline
-    decoded = passes = accepted = 0
-    seconds = 0.0
-    outputs = []
-    for item in prompts:
-        result = pipeline.generate(**prompt_kwargs(item), config=config, drafter=make())
-        decoded += max(0, result.stats.new_tokens - 1)
-        seconds += result.stats.decode_s
-        passes += result.stats.target_passes
-        accepted += result.stats.accepted_drafts
-        outputs.append(result.token_ids)
-    reference = reference or outputs
-    print(f"{name:50s} {decoded / seconds:9.2f} {(accepted + passes) / max(passes, 1):11.2f} "
-          f"{str(outputs == reference):>9s}", flush=True)
+    plain, spec = Tally(), Tally()
+    for i, item in enumerate(prompts):
+        if sampled:  # plain right before speculative, prompt by prompt, so noise falls on both alike
+            plain.add(pipeline.generate(**prompt_kwargs(item), config=config(i), drafter=NoDrafter()))
+        spec.add(pipeline.generate(**prompt_kwargs(item), config=config(i), drafter=make()))
+    reference = reference or spec.outputs
+    verdict = f"{spec.speed / plain.speed:8.2f}x" if sampled else str(spec.outputs == reference)
+    print(f"{name:50s} {spec.speed:9.2f} {spec.per_pass:11.2f} {verdict:>9s}", flush=True)
