@@ -104,18 +104,24 @@ class AcceptanceCounter:
 def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repeats: int,
                  star: bool = False) -> dict[int, float]:
     """Median time of one pass of `runner` (target or draft) with n nodes after `past` cached tokens,
-    logits for every node: a chain of n, or with `star` the root and n - 1 children (n - 1 leaves)."""
+    logits for every node: a chain of n, or with `star` the root and n - 1 children (n - 1 leaves).
+    A draft that reads the target's features gets zeros: a pass costs the same whatever they hold."""
     facts = runner.facts
     cache = KVCache(facts, max(past + max(sizes) + 1, 8))
     rng = np.random.default_rng(0)
-    prefill(runner, cache, list(rng.integers(3, facts.vocab_size, past)), prefill_chunk)
+
+    def features(rows: int) -> np.ndarray | None:
+        return np.zeros((rows, facts.hidden_size), np.float32) if runner.reads_features else None
+
+    prefill(runner, cache, list(rng.integers(3, facts.vocab_size, past)), prefill_chunk, features(past))
     out = {}
     for n in sizes:
         tokens, times = rng.integers(3, facts.vocab_size, n), []
         for _ in range(repeats):
             start = time.perf_counter()
             topology = Topology((-1,) + (0,) * (n - 1) if star else tuple(range(-1, n - 1)))
-            runner.forward(cache, tokens, past + topology.depths, topology.ancestor_mask, range(n))
+            runner.forward(cache, tokens, past + topology.depths, topology.ancestor_mask, range(n),
+                           features=features(n))
             times.append(time.perf_counter() - start)
         out[n] = statistics.median(times)
     return out

@@ -156,3 +156,14 @@ def test_quality_report_measures_a_feature_draft_with_a_trimmed_head(models, tmp
     # measured with the target's features fed to the draft, for the fp32 and the int8 pair
     assert 0.0 <= agreement["quantized"] <= 1.0 and 0.0 <= agreement["fp32"] <= 1.0
     assert abs(agreement["fp32"] - agreement["quantized"]) <= 0.25
+
+
+def test_a_feature_draft_pass_can_be_timed(feature_bundles):
+    """`benchmarks/verify_cost.py` times the draft alone, with no target to give it features."""
+    from edgespec.runtime.pipeline import Pipeline
+    from edgespec.tune import pass_seconds
+
+    pipeline = Pipeline(feature_bundles["chain:3"], threads=1)
+    assert pipeline.draft.reads_features
+    seconds = pass_seconds(pipeline.draft, pipeline.manifest.prefill_chunk, (1, 3), past=5, repeats=2)
+    assert set(seconds) == {1, 3} and all(s > 0 for s in seconds.values())
