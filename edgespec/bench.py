@@ -51,25 +51,39 @@ def _summary(stats: list[Stats]) -> dict:
             "target_passes": passes}
 
 
+def _speedup(plain: dict, speculative: dict) -> float:
+    return round(speculative["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else 0.0
+
+
 def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
-              sampling: SamplingConfig = SamplingConfig()) -> dict:
-    """Greedy by default; with sampling, both modes sample (same seeds) and acceptance is reported."""
+              sampling: SamplingConfig = SamplingConfig(), rounds: int = 1) -> dict:
+    """Greedy by default; with sampling, both modes sample (same seeds) and acceptance is reported.
+    `rounds` > 1 runs the prompts that many times: the totals cover every round, and each round's own
+    speedup is reported beside them, so the spread of this machine's noise shows next to the figure."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1 (got {rounds})")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
     pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8))  # warm-up: first-run allocations
     runs = {"plain": [], "speculative": []}
+    by_round = []
     identical = True
-    for item in prompts:
-        ask = prompt_kwargs(item)
-        outputs = {}
-        for mode in runs:  # alternate per prompt so machine noise falls on both modes alike
-            result = pipeline.generate(**ask, config=config, speculate=(mode == "speculative"))
-            runs[mode].append(result.stats)
-            outputs[mode] = result.token_ids
-        identical &= outputs["plain"] == outputs["speculative"]
+    for _ in range(rounds):
+        this_round = {mode: [] for mode in runs}
+        for item in prompts:
+            ask = prompt_kwargs(item)
+            outputs = {}
+            for mode in runs:  # alternate per prompt so machine noise falls on both modes alike
+                result = pipeline.generate(**ask, config=config, speculate=(mode == "speculative"))
+                this_round[mode].append(result.stats)
+                outputs[mode] = result.token_ids
+            identical &= outputs["plain"] == outputs["speculative"]
+        for mode, stats in this_round.items():
+            runs[mode] += stats
+        by_round.append(_speedup(*(_summary(this_round[mode]) for mode in runs)))
     report = {mode: _summary(stats) for mode, stats in runs.items()}
-    plain_tps = report["plain"]["tokens_per_s"]
     report.update(
-        speedup=round(report["speculative"]["tokens_per_s"] / plain_tps, 3) if plain_tps else 0.0,
+        speedup=_speedup(report["plain"], report["speculative"]),
+        rounds=rounds, speedup_by_round=by_round,
         identical_greedy=identical if sampling.greedy else None,
         temperature=sampling.temperature,
         prompts=len(prompts), max_new_tokens=max_new_tokens, threads=pipeline.threads,
@@ -101,5 +115,6 @@ def print_report(report: dict, out=None) -> None:
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{s['mean_accepted_per_pass']:.2f} tokens per target pass", file=out)
     same = "n/a (sampling)" if report["identical_greedy"] is None else report["identical_greedy"]
-    print(f"speedup {report['speedup']:.2f}x   identical greedy output: {same}   "
+    spread = f" (rounds: {', '.join(f'{r:.2f}' for r in report['speedup_by_round'])})" if report["rounds"] > 1 else ""
+    print(f"speedup {report['speedup']:.2f}x{spread}   identical greedy output: {same}   "
           f"peak RSS {report['peak_rss_mb']:.0f} MB", file=out)

@@ -108,7 +108,9 @@ def cmd_bench(args) -> None:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
-    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, _sampling_config(args))
+    if args.rounds < 1:
+        raise ValueError("--rounds must be at least 1")
+    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, _sampling_config(args), args.rounds)
     if args.json:
         print(json.dumps(report))
     else:
@@ -346,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     bundle_arg(p)
     p.add_argument("--prompts", help="JSONL file: one object per line with 'messages' or 'prompt'")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the prompts this many times; each round's speedup is printed beside the total's")
     p.add_argument("--json", action="store_true")
     sampling_args(p)
     budget_arg(p)

@@ -49,6 +49,26 @@ def test_bench_json_keys(bundle_factory, tmp_path, capsys):
     assert "tree: chain:4, n-grams of 1..4 tokens, depth 5 unless quoting" in capsys.readouterr().out
 
 
+def test_bench_rounds_cover_every_round_and_give_each_its_speedup(bundle_factory, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add"}\n{"prompt": "The quick brown fox"}\n')
+    bundle = str(bundle_factory())
+    assert main(["bench", bundle, "--prompts", str(prompts), "--max-new-tokens", "8", "--json"]) == 0
+    once = json.loads(capsys.readouterr().out)
+    assert once["rounds"] == 1 and once["speedup_by_round"] == [once["speedup"]]
+    assert main(["bench", bundle, "--prompts", str(prompts), "--max-new-tokens", "8", "--rounds", "3", "--json"]) == 0
+    thrice = json.loads(capsys.readouterr().out)
+    assert thrice["rounds"] == 3 and len(thrice["speedup_by_round"]) == 3
+    assert all(r > 0 for r in thrice["speedup_by_round"]) and thrice["identical_greedy"] is True
+    for mode in ("plain", "speculative"):  # greedy: every round decodes the same tokens
+        assert thrice[mode]["tokens"] == 3 * once[mode]["tokens"]
+        assert thrice[mode]["target_passes"] == 3 * once[mode]["target_passes"]
+    assert main(["bench", bundle, "--prompts", str(prompts), "--max-new-tokens", "8", "--rounds", "2"]) == 0
+    assert "(rounds: " in capsys.readouterr().out
+    assert main(["bench", bundle, "--prompts", str(prompts), "--rounds", "0"]) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_bad_prompts_file(bundle_factory, tmp_path, capsys):
     prompts = tmp_path / "bad.jsonl"
     prompts.write_text('{"text": "no"}\n')
