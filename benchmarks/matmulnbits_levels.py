@@ -80,9 +80,4 @@ for label, zero_points in (("no zero points", None), ("float zero points", rng.u
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     session = ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    for _ in range(20):
-        session.run(None, {"x": x[:2]})
-    start = time.perf_counter()
-    for _ in range(300):
-        session.run(None, {"x": x[:2]})
-    print(f"accuracy level 4, {label}: M=2 {(time.perf_counter() - start) / 300 * 1e6:.0f} us")
+    print(f"accuracy level 4, {label}: M=2 {micros(session, 2):.0f} us")
