@@ -151,55 +151,12 @@ def cmd_tune(args) -> None:
 
 def cmd_inspect(args) -> None:
     from edgespec.defaults import resolve_bundle
-    from edgespec.runtime.bundle import open_bundle
+    from edgespec.inspection import check_exact, print_bundle
 
     folder = resolve_bundle(args.bundle)
-    manifest = open_bundle(folder)
-    raw = manifest.raw
-    print(f"bundle {folder}")
-    print(f"  schema version {raw['schema_version']}, written by edgespec {raw.get('edgespec_version')} "
-          f"on {raw.get('created')}, device profile {manifest.profile}")
-    for role, entry in (("target", manifest.target), ("draft", manifest.draft)):
-        if entry is None:
-            continue
-        f = entry.facts
-        print(f"  {role}: {entry.source}")
-        print(f"    {f.architecture}, {f.num_layers} layers, hidden {f.hidden_size}, heads {f.num_heads}/"
-              f"{f.num_kv_heads} kv, head dim {f.head_dim}, vocab {f.vocab_size}, context {f.max_context}")
-        q = entry.graph.quantization
-        detail = "" if "block_size" not in q else \
-            f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']})"
-        kept = sorted({s for s in q.get("tensors", {}).values()} - {q.get("scheme")})
-        print(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, quantization {q.get('scheme')}{detail}"
-              + (f", some tensors {'/'.join(kept)} by policy" if kept else ""))
-        for name, spec in entry.graph.inputs.items():
-            if not name.startswith("past_"):
-                print(f"      in  {name:16s} {spec['dtype']:8s} {spec['shape']}")
-        layers = sum(1 for n in entry.graph.inputs if n.startswith("past_key_"))
-        print(f"      in  past_key/value_0..{layers - 1} (token-major KV cache, valid rows only)")
-        for name, spec in entry.graph.outputs.items():
-            print(f"      out {name:16s} {spec['dtype']:8s} {spec['shape']}")
-    if manifest.draft is None:
-        print(f"  drafter: {manifest.drafter} (training-free)")
-    quality = raw.get("quality")
-    if quality:
-        ppl, agree = quality["perplexity"], quality["greedy_agreement"]
-        print(f"  quality vs the fp32 export ({quality['heldout_tokens']} held-out tokens, {agree['tokens']} greedy tokens):")
-        print(f"    perplexity {ppl['fp32']:.3f} -> {ppl['quantized']:.3f} ({ppl['increase_percent']:+.1f}%), "
-              f"greedy top-1 agreement {agree['top1_agreement']:.1%}")
-        if "draft_agreement" in quality:
-            d = quality["draft_agreement"]
-            print(f"    draft agrees with the target: {d['fp32']:.1%} in fp32, {d['quantized']:.1%} quantized")
-    tree = manifest.tree
-    print(f"  tree: {tree.size} nodes, depth {tree.max_depth}, parents {list(tree.parents)}")
-    print(f"  prefill chunk: {manifest.prefill_chunk} tokens")
-    tok = manifest.tokenizer
-    print(f"  tokenizer: {tok.file}, chat template: {tok.chat_template or 'none'}, eos ids {list(tok.eos_token_ids)}, "
-          f"add BOS: {tok.add_bos_token}")
-    total = sum((folder / name).stat().st_size for name in manifest.files)
-    print(f"  files ({total / 1e6:.1f} MB), sha256 verified:")
-    for name, digest in manifest.files.items():
-        print(f"    {name:24s} {(folder / name).stat().st_size / 1e6:10.2f} MB  {digest[:16]}")
+    print_bundle(folder)
+    if args.check_exact:
+        check_exact(folder)
 
 
 def cmd_distill(args) -> None:
@@ -366,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print a bundle's manifest and verify its checksums")
     p.add_argument("bundle", help="bundle folder, or 'default'")
+    p.add_argument("--check-exact", action="store_true",
+                   help="also check, on this device, that the target gives every token plain decoding's bits in "
+                        "any pass (what makes speculation lossless)")
     p.set_defaults(run=cmd_inspect)
 
     p = sub.add_parser("distill", help="train a draft model aligned to a target, on this machine's CPU")

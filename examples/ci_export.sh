@@ -10,6 +10,8 @@ mkdir -p "$out"
 for profile in cpu; do
   bundle="$out/bundle-$profile"
   edgespec export "$model" --draft "$draft" --out "$bundle" --profile "$profile" --tree chain:6 --context "$context" --force
-  edgespec inspect "$bundle"                       # verifies every checksum; fails the job if one is off
+  # verifies every checksum, and that this machine gives every token plain decoding's bits in any pass
+  # (what makes speculation lossless); fails the job if not. Run it on the device too: kernels differ by CPU.
+  edgespec inspect "$bundle" --check-exact
   edgespec generate "$bundle" --prompt "Hello" --max-new-tokens 8 --json > "$bundle.smoke.json"
 done

@@ -23,3 +23,7 @@ class ContextOverflowError(EdgespecError):
 
 class BudgetError(EdgespecError):
     """The memory budget cannot be read, or is too small for the bundle."""
+
+
+class InexactRowsError(EdgespecError):
+    """This device's kernels give a token other bits in another pass shape: speculation would not be exact."""

@@ -35,6 +35,23 @@ def test_inspect_prints_manifest_and_verifies(bundle_factory, capsys):
     assert "schema version 2" in out and "sha256 verified" in out and "draft:" in out
 
 
+def test_inspect_checks_on_this_device_that_rows_keep_their_bits(bundle_factory, monkeypatch, capsys):
+    bundle = str(bundle_factory(draft="draft"))
+    assert main(["inspect", bundle, "--check-exact"]) == 0
+    assert "exact rows: 62 of 62 tokens have plain decoding's bits" in capsys.readouterr().out
+    assert "exact rows" not in (main(["inspect", bundle]), capsys.readouterr().out)[1]
+
+    import edgespec.inspection
+    from edgespec.runtime.exactness import RowMismatch
+
+    monkeypatch.setattr(edgespec.inspection, "check_exact_rows",
+                        lambda runner: (62, [RowMismatch("tree", 3, 2e-6), RowMismatch("chunk", 31, 1e-6)]))
+    assert main(["inspect", bundle, "--check-exact"]) == 2
+    err = capsys.readouterr().err
+    assert "2 of 62 rows differ from plain decoding's bits (chunk, tree; largest difference 2e-06)" in err
+    assert "--no-speculate" in err
+
+
 def test_bench_json_keys(bundle_factory, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def add"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.exactness import check_exact_rows
 from edgespec.runtime.pipeline import Pipeline
 from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
 
@@ -203,3 +204,27 @@ def test_dynamic_tree_skips_only_expansions_that_cannot_reach_the_budget(budget,
     assert chosen == expected
     expanded = sum(fed[1:])  # the first call catches up on the prompt
     assert expanded < unpruned_rows if budget <= 6 else expanded <= unpruned_rows
+
+
+class ShapeDependentRunner:
+    """A target whose passes of several tokens round a little differently from one-token steps: what a
+    kernel with a separate multi-row path would do."""
+
+    def __init__(self, inner):
+        self.inner, self.facts = inner, inner.facts
+
+    def forward(self, cache, tokens, *args, **kwargs):
+        out = self.inner.forward(cache, tokens, *args, **kwargs)
+        if len(tokens) > 1:
+            out.logits = out.logits + np.float32(1e-6)
+        return out
+
+
+def test_the_exactness_check_passes_here_and_catches_a_shape_dependent_kernel(bundle_factory):
+    target = Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target
+    compared, differ = check_exact_rows(target)
+    assert compared == 30 + 10 + 2 * 11 and differ == []
+    compared, differ = check_exact_rows(ShapeDependentRunner(target))
+    assert {m.check for m in differ} == {"chunk", "tree"}
+    assert all(m.max_abs_diff > 0 for m in differ)
+    assert len([m for m in differ if m.check == "chunk"]) == 10  # every token of the multi-token pass

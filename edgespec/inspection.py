@@ -1,0 +1,75 @@
+"""`edgespec inspect`: a bundle's manifest in readable form, and whether this device keeps speculation exact."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime
+
+from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.errors import InexactRowsError
+from edgespec.runtime.exactness import check_exact_rows
+from edgespec.runtime.pipeline import Pipeline
+
+
+def print_bundle(folder: Path) -> None:
+    """The manifest in readable form; opening the bundle verifies every checksum."""
+    manifest = open_bundle(folder)
+    raw = manifest.raw
+    print(f"bundle {folder}")
+    print(f"  schema version {raw['schema_version']}, written by edgespec {raw.get('edgespec_version')} "
+          f"on {raw.get('created')}, device profile {manifest.profile}")
+    for role, entry in (("target", manifest.target), ("draft", manifest.draft)):
+        if entry is None:
+            continue
+        f = entry.facts
+        print(f"  {role}: {entry.source}")
+        print(f"    {f.architecture}, {f.num_layers} layers, hidden {f.hidden_size}, heads {f.num_heads}/"
+              f"{f.num_kv_heads} kv, head dim {f.head_dim}, vocab {f.vocab_size}, context {f.max_context}")
+        q = entry.graph.quantization
+        detail = "" if "block_size" not in q else \
+            f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']})"
+        kept = sorted({s for s in q.get("tensors", {}).values()} - {q.get("scheme")})
+        print(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, quantization {q.get('scheme')}{detail}"
+              + (f", some tensors {'/'.join(kept)} by policy" if kept else ""))
+        for name, spec in entry.graph.inputs.items():
+            if not name.startswith("past_"):
+                print(f"      in  {name:16s} {spec['dtype']:8s} {spec['shape']}")
+        layers = sum(1 for n in entry.graph.inputs if n.startswith("past_key_"))
+        print(f"      in  past_key/value_0..{layers - 1} (token-major KV cache, valid rows only)")
+        for name, spec in entry.graph.outputs.items():
+            print(f"      out {name:16s} {spec['dtype']:8s} {spec['shape']}")
+    if manifest.draft is None:
+        print(f"  drafter: {manifest.drafter} (training-free)")
+    quality = raw.get("quality")
+    if quality:
+        ppl, agree = quality["perplexity"], quality["greedy_agreement"]
+        print(f"  quality vs the fp32 export ({quality['heldout_tokens']} held-out tokens, {agree['tokens']} greedy tokens):")
+        print(f"    perplexity {ppl['fp32']:.3f} -> {ppl['quantized']:.3f} ({ppl['increase_percent']:+.1f}%), "
+              f"greedy top-1 agreement {agree['top1_agreement']:.1%}")
+        if "draft_agreement" in quality:
+            d = quality["draft_agreement"]
+            print(f"    draft agrees with the target: {d['fp32']:.1%} in fp32, {d['quantized']:.1%} quantized")
+    tree = manifest.tree
+    print(f"  tree: {tree.size} nodes, depth {tree.max_depth}, parents {list(tree.parents)}")
+    print(f"  prefill chunk: {manifest.prefill_chunk} tokens")
+    tok = manifest.tokenizer
+    print(f"  tokenizer: {tok.file}, chat template: {tok.chat_template or 'none'}, eos ids {list(tok.eos_token_ids)}, "
+          f"add BOS: {tok.add_bos_token}")
+    total = sum((folder / name).stat().st_size for name in manifest.files)
+    print(f"  files ({total / 1e6:.1f} MB), sha256 verified:")
+    for name, digest in manifest.files.items():
+        print(f"    {name:24s} {(folder / name).stat().st_size / 1e6:10.2f} MB  {digest[:16]}")
+
+
+def check_exact(folder: Path) -> None:
+    """Runs runtime/exactness.py's checks on the bundle's target here; raises InexactRowsError if a row differs."""
+    compared, differ = check_exact_rows(Pipeline(folder).target)
+    where = f"onnxruntime {onnxruntime.__version__} on this CPU"
+    if differ:
+        worst = max(m.max_abs_diff for m in differ)
+        kinds = ", ".join(sorted({m.check for m in differ}))
+        raise InexactRowsError(f"{len(differ)} of {compared} rows differ from plain decoding's bits ({kinds}; largest "
+                               f"difference {worst:.3g}) with {where}: greedy speculative output may differ from "
+                               "plain decoding here; decode with --no-speculate, and report it with your CPU model")
+    print(f"  exact rows: {compared} of {compared} tokens have plain decoding's bits in prefill chunks, one-token "
+          f"steps and a verified tree, with {where}")

@@ -1,0 +1,104 @@
+"""Whether this device keeps a token's bits whatever pass computes it: the check behind "lossless".
+
+Greedy speculative output is plain decoding's output only if a token's logits and keys/values are the
+same bits in a one-token step (padded to MIN_ROWS rows), in a prefill chunk, and as a node of a verified
+tree (runtime/model.py says how the graph arranges that). What it rests on is how onnxruntime's CPU
+kernels round, and those differ by instruction set (AVX2, AVX-512, NEON, SME) and by release. The tests
+prove it where they run; `check_exact_rows` proves it for one bundle's target on the device at hand
+(`edgespec inspect BUNDLE --check-exact`), and returns every row that differs rather than stopping at one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kvcache import KVCache
+from .model import ModelRunner, prefill
+from .tree import Topology
+
+# Siblings sit between a node and its ancestors in a tree pass: node 5's path 0-2-5 has nodes 1, 3 and 4
+# in between. The tree is wider than MLAS's 6-row blocks and deep enough to cross lane boundaries.
+TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 2, 3, 5, 5, 8)
+
+
+@dataclass(frozen=True)
+class RowMismatch:
+    # "prefill": a token's cached keys/values from prefill chunks against one-token steps; "chunk": a
+    # token in a pass of several against a one-token step; "tree": a tree's node against plain decoding
+    check: str
+    row: int  # the token's position in the context, or the tree node
+    max_abs_diff: float  # over its logits (where compared) and its keys/values
+
+
+def _mismatch(check: str, row: int, pairs) -> RowMismatch | None:
+    if all(np.array_equal(a, b) for a, b in pairs):
+        return None
+    return RowMismatch(check, row, float(max(np.max(np.abs(a - b)) for a, b in pairs)))
+
+
+def _random_tokens(runner: ModelRunner, rng: np.random.Generator, count: int) -> list[int]:
+    return [int(t) for t in rng.integers(3, runner.facts.vocab_size, count)]
+
+
+def _step(runner: ModelRunner, cache: KVCache, token: int):
+    """Plain decoding's one-token pass; appends the token to the cache."""
+    out = runner.forward(cache, [token], [cache.length], np.ones((1, 1), bool), [0])
+    cache.append(out.new_kv, [0], out.features)
+    return out
+
+
+def chunk_mismatches(runner: ModelRunner, seed: int, prefix: int, chunk: int, tail: int = 10) -> list[RowMismatch]:
+    """The last `tail` of prefix + tail random tokens, decoded one at a time, against the same tokens in one
+    pass after a prefill in chunks of `chunk`: logits and keys/values of every token."""
+    ids = _random_tokens(runner, np.random.default_rng(seed), prefix + tail)
+    capacity = prefix + tail
+    alone = KVCache(runner.facts, capacity)
+    singles = [_step(runner, alone, token) for token in ids]
+    together = KVCache(runner.facts, capacity)
+    prefill(runner, together, ids[:prefix], chunk)
+    out = runner.forward(together, ids[prefix:], range(prefix, prefix + tail), np.tril(np.ones((tail, tail), bool)),
+                         range(tail))
+    found = [_mismatch("prefill", i, [(together.data[:, :, i], alone.data[:, :, i])]) for i in range(prefix)]
+    found += [_mismatch("chunk", prefix + i, [(out.logits[i], singles[prefix + i].logits[0]),
+                                             (out.new_kv[:, :, i], singles[prefix + i].new_kv[:, :, 0])])
+              for i in range(tail)]
+    return [m for m in found if m is not None]
+
+
+def tree_mismatches(runner: ModelRunner, seed: int, prefix: int,
+                    parents: tuple[int, ...] = TREE_PARENTS) -> list[RowMismatch]:
+    """Every node of a tree of random tokens verified in one pass, against plain decoding of its path (one
+    token at a time after the same context): logits and keys/values."""
+    rng = np.random.default_rng(seed)
+    context = _random_tokens(runner, rng, prefix)
+    tokens = _random_tokens(runner, rng, len(parents))
+    topology = Topology(tuple(parents))
+    capacity = prefix + topology.size
+    cache = KVCache(runner.facts, capacity)
+    prefill(runner, cache, context, 8)
+    tree = runner.forward(cache, tokens, cache.length + topology.depths, topology.ancestor_mask, range(topology.size))
+    found = []
+    for node in range(topology.size):
+        plain = KVCache(runner.facts, capacity)
+        prefill(runner, plain, context, 8)
+        for step in topology.path_to(node):
+            alone = _step(runner, plain, tokens[step])
+        found.append(_mismatch("tree", node, [(tree.logits[node], alone.logits[0]),
+                                              (tree.new_kv[:, :, node], alone.new_kv[:, :, 0])]))
+    return [m for m in found if m is not None]
+
+
+# (seed, prefix) of each check: contexts that end at different offsets within MLAS's blocks
+CHUNK_CHECK = (5, 30)
+TREE_CHECKS = ((6, 29), (7, 13))
+CHUNK, TAIL = 16, 10
+
+
+def check_exact_rows(runner: ModelRunner) -> tuple[int, list[RowMismatch]]:
+    """Both checks on a verifying target, with fixed seeds: (rows compared, the rows that differ)."""
+    seed, prefix = CHUNK_CHECK
+    found = chunk_mismatches(runner, seed, prefix, CHUNK, TAIL)
+    for seed, tree_prefix in TREE_CHECKS:
+        found += tree_mismatches(runner, seed, tree_prefix)
+    return prefix + TAIL + len(TREE_CHECKS) * len(TREE_PARENTS), found
