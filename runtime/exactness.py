@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kvcache import KVCache
-from .model import ModelRunner, prefill
+from .model import ModelRunner, Pass, prefill
 from .tree import Topology
 
 # Siblings sit between a node and its ancestors in a tree pass: node 5's path 0-2-5 has nodes 1, 3 and 4
@@ -41,7 +41,7 @@ def _random_tokens(runner: ModelRunner, rng: np.random.Generator, count: int) ->
     return [int(t) for t in rng.integers(3, runner.facts.vocab_size, count)]
 
 
-def _step(runner: ModelRunner, cache: KVCache, token: int):
+def _step(runner: ModelRunner, cache: KVCache, token: int) -> Pass:
     """Plain decoding's one-token pass; appends the token to the cache."""
     out = runner.forward(cache, [token], [cache.length], np.ones((1, 1), bool), [0])
     cache.append(out.new_kv, [0], out.features)
