@@ -7,7 +7,6 @@ import onnxruntime
 
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.errors import InexactRowsError
-from edgespec.runtime.exactness import check_exact_rows
 from edgespec.runtime.pipeline import Pipeline
 
 
@@ -63,7 +62,7 @@ def print_bundle(folder: Path) -> None:
 
 def check_exact(folder: Path) -> None:
     """Runs runtime/exactness.py's checks on the bundle's target here; raises InexactRowsError if a row differs."""
-    compared, differ = check_exact_rows(Pipeline(folder).target)
+    compared, differ = Pipeline(folder).check_exact()
     where = f"onnxruntime {onnxruntime.__version__} on this CPU"
     if differ:
         worst = max(m.max_abs_diff for m in differ)

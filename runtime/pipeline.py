@@ -13,6 +13,7 @@ from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingD
 from .lookup import WithLookup
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError
+from .exactness import RowMismatch, check_exact_rows
 from .kvcache import KVCache
 from .model import ModelRunner
 from .sessions import make_session
@@ -142,6 +143,11 @@ class Pipeline:
         else:
             drafter = ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)
         return drafter if self.lookup is None else WithLookup(drafter, self.lookup)
+
+    def check_exact(self) -> tuple[int, list[RowMismatch]]:
+        """Whether this device gives every token of the target plain decoding's bits in any pass, which
+        greedy speculation's exactness rests on: (tokens compared, those that differ). Takes seconds."""
+        return check_exact_rows(self.target)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):

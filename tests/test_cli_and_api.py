@@ -41,11 +41,11 @@ def test_inspect_checks_on_this_device_that_rows_keep_their_bits(bundle_factory,
     assert "exact rows: 62 of 62 tokens have plain decoding's bits" in capsys.readouterr().out
     assert "exact rows" not in (main(["inspect", bundle]), capsys.readouterr().out)[1]
 
-    import edgespec.inspection
     from edgespec.runtime.exactness import RowMismatch
+    from edgespec.runtime.pipeline import Pipeline
 
-    monkeypatch.setattr(edgespec.inspection, "check_exact_rows",
-                        lambda runner: (62, [RowMismatch("tree", 3, 2e-6), RowMismatch("chunk", 31, 1e-6)]))
+    monkeypatch.setattr(Pipeline, "check_exact",
+                        lambda self: (62, [RowMismatch("tree", 3, 2e-6), RowMismatch("chunk", 31, 1e-6)]))
     assert main(["inspect", bundle, "--check-exact"]) == 2
     err = capsys.readouterr().err
     assert "2 of 62 rows differ from plain decoding's bits (chunk, tree; largest difference 2e-06)" in err
