@@ -107,7 +107,7 @@ def pass_seconds(runner: ModelRunner, prefill_chunk: int, sizes, past: int, repe
     logits for every node: a chain of n, or with `star` the root and n - 1 children (n - 1 leaves).
     A draft that reads the target's features gets zeros: a pass costs the same whatever they hold."""
     facts = runner.facts
-    cache = KVCache(facts, max(past + max(sizes) + 1, 8))
+    cache = KVCache(facts, max(past + max(sizes) + 1, 8), lanes=runner.lanes)
     rng = np.random.default_rng(0)
 
     def features(rows: int) -> np.ndarray | None:
@@ -151,10 +151,13 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + most + 1),
                           past, repeats=15)
     # each root-to-leaf path beyond the first attends in a sequence of its own: measured on a star
-    stars = range(3, max_nodes + most + 1)  # a star of 3 or more nodes has 2 or more leaves
+    # a star of 3 or more nodes has 2 or more leaves, and a star of n nodes needs n - 1 lanes in the graph
+    stars = range(3, min(max_nodes + most, pipeline.target.lanes + 1) + 1)
     star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, stars, past, repeats=15,
                         star=True) if len(stars) else {}
     leaf = {n: max(0.0, (star[n] - verify[n]) / (n - 2)) for n in star}
+    for n in range(max(star, default=2) + 1, max_nodes + most + 1):  # more paths than lanes: the tree is cut
+        leaf[n] = leaf.get(n - 1, 0.0)
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
     # 3. for each lookup candidate, choose the tree (a step costs the target pass plus one draft call per
     # level) and 4. measure it end to end, as a fresh pipeline would run it (a recycling table kept from

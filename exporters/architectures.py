@@ -30,10 +30,11 @@ BUILDERS = {
 }
 
 
-def builder_for(model, max_context: int, head_tokens=None, feature_fc=None, features_out: bool = False) -> LlamaBuilder:
+def builder_for(model, max_context: int, head_tokens=None, feature_fc=None, features_out: bool = False,
+                lanes: int = 1) -> LlamaBuilder:
     names = list(getattr(model.config, "architectures", None) or [type(model).__name__])
     for name in names:
         if name in BUILDERS:
-            return BUILDERS[name](model, max_context, head_tokens, feature_fc, features_out)
+            return BUILDERS[name](model, max_context, head_tokens, feature_fc, features_out, lanes)
     raise UnsupportedArchitectureError(
         f"architecture {', '.join(names)} is not supported; edgespec exports {', '.join(sorted(BUILDERS))}")

@@ -17,6 +17,8 @@ from edgespec.runtime.errors import ExportError
 from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile
 
+from edgespec.runtime.budget import MAX_LANES, lanes_for
+
 from .architectures import builder_for
 from .bundle_writer import check_compatible, check_output, write_bundle, write_model, write_tokenizer
 from .quality import write_quality_report
@@ -42,6 +44,7 @@ class ExportConfig:
     stages: int = 0  # > 0: the target also as stages with this many groups of layers (streamed under a budget)
     lookup: int = 0  # > 0: a prompt-lookup chain of up to this many tokens beside the draft model's tree
     lookup_quote: int = 0  # > lookup: the chain may run this long where the context's last 4 tokens occurred before
+    lanes: int | None = None  # root-to-leaf paths the target graph verifies at once; None: the tree's (`graph_lanes`)
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
 
 
@@ -51,6 +54,13 @@ def default_tree(draft: str) -> str:
     occurred before, and 12 nodes is the last count before fp32's pass cost steps up
     (benchmarks/RESULTS.md §25, §33)."""
     return "chain:11" if draft in NGRAM_DRAFTERS else "chain:4"
+
+
+def graph_lanes(topology: Topology, dynamic: DynamicTreeConfig | None, lookup_tokens: int) -> int:
+    """The lanes of the target graph: the tree's root-to-leaf paths with the lookup chain beside them, up to
+    MAX_LANES. Every lane's attention runs on every pass, so a tree of chains gets one."""
+    paths = dynamic.budget - 1 if dynamic is not None else topology.leaves
+    return lanes_for(paths + (1 if lookup_tokens else 0))
 
 
 def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
@@ -118,6 +128,9 @@ def export(config: ExportConfig) -> Path:
     if config.context < topology.size + lookup_tokens + 2:
         raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes"
                           + (f" and {lookup_tokens} lookup tokens" if lookup_tokens else ""))
+    lanes = config.lanes if config.lanes is not None else graph_lanes(topology, dynamic, lookup_tokens)
+    if not 1 <= lanes <= MAX_LANES:
+        raise ExportError(f"--lanes must be between 1 and {MAX_LANES} (got {lanes})")
     if config.prefill_chunk < 2:
         raise ExportError("the prefill chunk must be at least 2 tokens")
     if dynamic is not None and config.draft in TRAINING_FREE:
@@ -148,7 +161,8 @@ def export(config: ExportConfig) -> Path:
         _say(f"loading target: {target_source.description}", started)
         target, tokenizer = target_source.load()
         # a draft that reads the target's features needs a target graph that returns them
-        target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None)
+        target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
+                                     lanes=lanes)
         sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
              f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)

@@ -1,33 +1,43 @@
 """ONNX graphs for Llama-family decoders, built node by node from the checkpoint's weights.
 
-One builder writes every graph of a model: a graph takes N new tokens (N static, or symbolic for
-CPU profiles), their position ids, how they attend (sequences and masks, below) and the past
-keys/values, and returns logits and the keys/values of the N new tokens only. The runtime owns the cache.
+One builder writes every graph of a model (schema 3): a graph takes N new tokens (N static, or
+symbolic for CPU profiles), how they sit in B sequences ("lanes", B fixed at export) of L slots, and
+one KV buffer per layer that onnxruntime's fused GroupQueryAttention reads and writes in place; it
+returns logits.
 
-    inputs:  input_ids [1, N] int64, position_ids [1, N] int64,
-             path_nodes [B, L] int64    (the new tokens attend in B sequences of L slots: which token
-                                         sits in each slot)
+    inputs:  input_ids [1, N] int64
+             path_nodes [B, L] int64    (which new token sits in each slot of each lane)
              node_slots [N] int64       (the slot b * L + k whose attention output each token takes)
-             attention_mask [B, L, P + L] bool (True = may attend; columns: the P past rows, then the
-                                         L slots of the same sequence)
-             past_key_{l}, past_value_{l} [P, kv_heads, head_dim] float32   (token-major)
+             position_ids [1, L] int64  (the rotary position of each slot, the same in every lane)
+             attention_bias [1, 1, L, T] float32 (added to the scores; 0 or -inf; T = past + L)
+             seqlens_k [1] int32, total_sequence_length [] int32   (past + L - 1, past + L)
+             past_key_{l}, past_value_{l} [1, B * kv_heads, capacity, head_dim] float32: the runtime's
+                                         cache buffers, lane-major, bound as these inputs and as the
+                                         present outputs below through IOBinding (nothing is copied;
+                                         the op writes the L new rows of every lane at past..past+L-1)
              logit_rows [R] int64       (which of the N rows need logits: the last for prefill)
-    outputs: logits [1, R, V], new_kv [layers, 2, N, kv_heads, head_dim] float32
+    outputs: logits [1, R, V], present_key_{l}, present_value_{l} (the same buffers)
 
-Why sequences: a token's attention sums over the columns it may see, and onnxruntime's softmax and
-matmul kernels round those sums differently when the same values sit at other columns. In plain
-decoding a token's path lies at columns P, P+1, ...; in a tree pass its siblings would sit in between.
-So the runtime gives each root-to-leaf path of a tree its own sequence, in which every token sees
-exactly the columns plain decoding shows it, and its row has the same bits (runtime/model.py). A chain
-or a prefill chunk is one sequence. The past keys serve all sequences at once; the past values are
-copied into each sequence, since a row's weighted sum is one matmul over [past, its slots].
+Why lanes: a token's attention sums over the columns it may see, and onnxruntime's softmax and
+matmul kernels round those sums differently when the same values sit at other columns (an
+attention_bias that masks a sibling still moves the columns: measured, 6e-8). In plain decoding a
+token's path lies at columns past, past+1, ...; so the runtime gives each root-to-leaf path of a tree a
+lane of its own in which every token sees exactly the columns plain decoding shows it, and its row has
+the same bits (runtime/model.py). The op takes several sequences with a past only as one, so the
+lanes are folded into its heads: lane b's query heads are b * H .. b * H + H - 1 over its kv heads
+b * kvH .., each head computed alone as in plain decoding. Every lane of a cache holds the same
+committed rows; the runtime copies an accepted path's rows from its lane to the others (a few rows,
+never the past). A chain or a prefill chunk is one lane; a graph of B lanes runs B lanes' attention
+on every pass (unused lanes repeat lane 0), so a bundle whose trees are chains is exported with one.
+The matmuls run on the N tokens, not on the lanes' slots: q/k/v are gathered into the lanes after
+their projection and the attention output gathered back by node_slots.
+
+The draft's passes (rows that need not match anything) use one lane and attention_bias for their
+tree masks, with position_ids giving each row its depth.
 
 A feature-reading draft (runtime/features.py) also takes `features` [1, N, H] and mixes them into its
 embeddings through a trained projection; a graph built with `features_out` also returns `features_out`
 [1, N, H], the final-norm hidden state of every row.
-
-Token-major caches make the valid prefix of a preallocated cache a contiguous slice, so the runtime
-hands ORT exactly the P valid rows without copying.
 
 Subclasses override only what differs from Llama (architectures.py).
 """
@@ -40,8 +50,13 @@ import numpy as np
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.facts import ModelFacts
 from edgespec.runtime.features import FEATURES, FEATURES_OUT
+from edgespec.runtime.kvcache import KV_SLACK
 
-from .onnx_builder import BOOL, FLOAT, INT64, GraphBuilder
+from .onnx_builder import FLOAT, INT32, INT64, GraphBuilder
+
+
+# Rows past the context a pass may write (a one-token step's padding row): the rotary tables cover them.
+ROPE_SLACK = KV_SLACK
 
 
 class LlamaBuilder:
@@ -49,11 +64,16 @@ class LlamaBuilder:
     qkv_bias = False
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
-                 feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False):
+                 feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
+                 lanes: int = 1):
         """`model` is a transformers *ForCausalLM in float32. `head_tokens` (a draft's trimmed head):
         the graph's logits cover only these vocabulary ids, in this order. `feature_fc` (a draft that
         reads the target's features): (weight [H, 2H], bias [H]) of the projection of [embedding, feature]
-        to the first layer's input. `features_out`: return the final hidden states too."""
+        to the first layer's input. `features_out`: return the final hidden states too. `lanes`: the
+        root-to-leaf paths a verifying pass can attend in (see the module's docstring)."""
+        if lanes < 1:
+            raise ExportError(f"a graph needs at least one lane (got {lanes})")
+        self.lanes = lanes
         self.model = model
         cfg = model.config
         trained = getattr(cfg, "max_position_embeddings", None)
@@ -61,6 +81,9 @@ class LlamaBuilder:
             raise ExportError(f"--context {max_context} is longer than the {trained} positions this model was "
                               f"trained for; export with --context {trained} or less")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if head_dim % 16:
+            raise ExportError(f"the model's attention heads are {head_dim} wide; onnxruntime's fused attention, "
+                              "which edgespec's graphs run on, takes multiples of 16")
         rope = getattr(cfg, "rope_parameters", None) or {}
         self.facts = ModelFacts(
             architecture=self.architecture,
@@ -102,11 +125,11 @@ class LlamaBuilder:
         return None
 
     def rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin [max_context, head_dim], computed by the model's own rotary module so that every
+        """cos/sin [max_context + ROPE_SLACK, head_dim], computed by the model's own rotary module so that every
         rope variant transformers knows (llama3, yarn, linear, ...) is reproduced exactly."""
         import torch
 
-        positions = torch.arange(self.facts.max_context).unsqueeze(0)
+        positions = torch.arange(self.facts.max_context + ROPE_SLACK).unsqueeze(0)
         probe = torch.zeros(1, 1, self.facts.head_dim)
         with torch.no_grad():
             cos, sin = self.model.model.rotary_emb(probe, positions)
@@ -154,10 +177,7 @@ class LlamaBuilder:
             x = g.input("hidden", FLOAT, [1, nodes, f.hidden_size])
             branch = g.input("branch", FLOAT, [1, nodes, f.hidden_size]) if layers.start > 0 else None
         if len(layers):
-            x, branch, new_kv = self.decoder_layers(g, x, branch, layers, nodes)
-            stacked = g.op("Concat", new_kv, axis=0)  # [layers * 2 * N, kvH, D]
-            stacked = g.op("Reshape", [stacked, g.const([len(layers), 2, -1, f.num_kv_heads, f.head_dim])])
-            g.output(stacked, "new_kv", FLOAT, [len(layers), 2, nodes, f.num_kv_heads, f.head_dim])
+            x, branch = self.decoder_layers(g, x, branch, layers, nodes)
         if head:
             logit_rows = g.input("logit_rows", INT64, ["rows"])
             x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
@@ -173,28 +193,25 @@ class LlamaBuilder:
 
     def decoder_layers(self, g: GraphBuilder, x: str, branch: str | None, layers: range, nodes):
         f = self.facts
-        pos = g.input("position_ids", INT64, [1, nodes])
-        path_nodes = g.input("path_nodes", INT64, ["paths", "slots"])
-        node_slots = g.input("node_slots", INT64, [nodes])
-        mask = g.input("attention_mask", BOOL, ["paths", "slots", "total"])
+        lanes = (g.input("path_nodes", INT64, [self.lanes, "slots"]), g.input("node_slots", INT64, [nodes]))
+        attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]),
+                      bias=g.input("attention_bias", FLOAT, [1, 1, "slots", "total"]),
+                      seqlens=g.input("seqlens_k", INT32, [1]),
+                      total=g.input("total_sequence_length", INT32, []))
         cos_table, sin_table = self.rope_tables()
         half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half
-        rope = (g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half]), pos)
-        keep = g.op("Unsqueeze", [mask, g.const([1, 2])])  # [B, 1, 1, L, P+L]
-        new_kv, past_per_path = [], None
+        attend["cos"], attend["sin"] = g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half])
+        buffer = [1, self.lanes * f.num_kv_heads, "capacity", f.head_dim]
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
-            past = (g.input(f"past_key_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]),
-                    g.input(f"past_value_{l}", FLOAT, ["past", f.num_kv_heads, f.head_dim]))
-            if past_per_path is None:  # [B, P, kvH, D]: every layer's past has the same shape
-                past_per_path = g.op("Concat", [g.op("Shape", [path_nodes], start=0, end=1), g.op("Shape", [past[1]])],
-                                     axis=0)
+            past = (g.input(f"past_key_{l}", FLOAT, buffer), g.input(f"past_value_{l}", FLOAT, buffer))
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
             h, x = self.add_and_norm(g, x, branch, w["input_norm"])
-            attn, k_new, v_new = self.attention(g, h, w, rope, keep, past, (path_nodes, node_slots, past_per_path))
+            attn, present_k, present_v = self.attention(g, h, w, past, lanes, attend)
+            g.output(present_k, f"present_key_{l}", FLOAT, buffer)
+            g.output(present_v, f"present_value_{l}", FLOAT, buffer)
             h, x = self.add_and_norm(g, x, attn, w["post_norm"])
             branch = self.mlp(g, h, w)
-            new_kv += [k_new, v_new]
-        return x, branch, new_kv
+        return x, branch
 
     def add_and_norm(self, g: GraphBuilder, x: str, branch: str | None, weight: str) -> tuple[str, str]:
         """(rms_norm(x + branch), x + branch) in one fused kernel (one node instead of two)."""
@@ -210,48 +227,33 @@ class LlamaBuilder:
         std = g.op("Sqrt", [g.op("Add", [var, g.const(self.facts.rms_norm_eps, np.float32)])])
         return g.op("Mul", [g.op("Div", [x, std]), weight], "norm")
 
-    def rotate(self, g: GraphBuilder, x: str, rope: tuple[str, str, str], heads: int) -> str:
-        """HF's x * cos + rotate_half(x) * sin on [1, N, heads * D], as one fused kernel."""
-        cos, sin, pos = rope
-        return g.op("RotaryEmbedding", [x, pos, cos, sin], "rope", domain="com.microsoft", num_heads=heads)
-
-    def attention(self, g, h, w, rope, keep, past, sequences):
-        """Attention of the N new tokens, each in its slot of one of B sequences (see the module's docstring)."""
-        f = self.facts
+    def attention(self, g, h, w, past, lanes, attend):
+        """Attention of the N new tokens, each in its slot of one of B lanes (see the module's docstring):
+        one fused GroupQueryAttention node over the layer's KV buffer, rotary embedding included."""
+        f, lane_count = self.facts, self.lanes
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
-        group = heads // kv_heads
-        path_nodes, node_slots, past_per_path = sequences
+        path_nodes, node_slots = lanes
         qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
         if "qkv_bias" in w:
             qkv = g.op("Add", [qkv, w["qkv_bias"]], "qkv")
-        q, k, v = g.op("Split", [qkv, g.const([heads * d, kv_heads * d, kv_heads * d])], n_out=3, axis=-1)
-        q = self.rotate(g, q, rope, heads)
-        k_new = g.op("Reshape", [self.rotate(g, k, rope, kv_heads), g.const([-1, kv_heads, d])])  # [N, kvH, D]
-        v_new = g.op("Reshape", [v, g.const([-1, kv_heads, d])])
-
-        # Query heads h = kv * group + j share kv head `kv` (HF's repeat_kv order).
-        q = g.op("Gather", [g.op("Reshape", [q, g.const([-1, kv_heads, group, d])]), path_nodes], axis=0)
-        q = g.op("Transpose", [q], perm=[0, 2, 3, 1, 4])  # [B, kvH, group, L, D]
-        q = g.op("Mul", [q, g.const(d ** -0.5, np.float32)])
-        # Scores are dot products, the same bits in any layout: the past's are computed once for all
-        # sequences (broadcast), the slots' per sequence, and joined.
-        past_keys = g.op("Unsqueeze", [g.op("Transpose", [past[0]], perm=[1, 2, 0]), g.const([0, 2])])  # [1, kvH, 1, D, P]
-        slot_keys = g.op("Transpose", [g.op("Gather", [k_new, path_nodes], axis=0)], perm=[0, 2, 3, 1])  # [B, kvH, D, L]
-        scores = g.op("Concat", [g.op("MatMul", [q, past_keys], "scores"),
-                                 g.op("MatMul", [q, g.op("Unsqueeze", [slot_keys, g.const([2])])], "scores")],
-                      axis=-1)  # [B, kvH, group, L, P+L]
-        scores = g.op("Where", [keep, scores, g.const(-np.inf, np.float32)])
-        probs = g.op("Softmax", [scores], axis=-1)
-        # The weighted sum is one matmul over [past, slots], as in plain decoding: each sequence gets its
-        # own copy of the past values.
-        values = g.op("Concat", [g.op("Expand", [g.op("Unsqueeze", [past[1], g.const([0])]), past_per_path]),
-                                 g.op("Gather", [v_new, path_nodes], axis=0)], axis=1)  # [B, P+L, kvH, D]
-        values = g.op("Unsqueeze", [g.op("Transpose", [values], perm=[0, 2, 1, 3]), g.const([2])])  # [B, kvH, 1, P+L, D]
-        out = g.op("MatMul", [probs, values], "attn")  # [B, kvH, group, L, D]
-        out = g.op("Transpose", [out], perm=[0, 3, 1, 2, 4])  # [B, L, kvH, group, D]
+        width = (heads + 2 * kv_heads) * d
+        packed = g.op("Gather", [g.op("Reshape", [qkv, g.const([-1, width])]), path_nodes], axis=0)  # [B, L, width]
+        if lane_count > 1:  # lanes into heads: [1, L, B * H * D] for q, [1, L, B * kvH * D] for k and v
+            parts = g.op("Split", [packed, g.const([heads * d, kv_heads * d, kv_heads * d])], n_out=3, axis=-1)
+            packed = g.op("Concat", [g.op("Reshape", [g.op("Transpose", [part], perm=[1, 0, 2]), g.const([1, -1, size])])
+                                     for part, size in zip(parts, (lane_count * heads * d, lane_count * kv_heads * d,
+                                                                   lane_count * kv_heads * d))], axis=-1)
+        out, present_k, present_v = g.op(
+            "GroupQueryAttention",
+            [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"], attend["cos"], attend["sin"],
+             attend["pos"], attend["bias"]],
+            "attn", n_out=3, domain="com.microsoft", num_heads=lane_count * heads,
+            kv_num_heads=lane_count * kv_heads, do_rotary=1)  # [1, L, B * H * D]
+        if lane_count > 1:  # back to [B, L, H * D]
+            out = g.op("Transpose", [g.op("Reshape", [out, g.const([-1, lane_count, heads * d])])], perm=[1, 0, 2])
         out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, heads * d])]), node_slots], axis=0)  # [N, H*D]
         out = g.op("Reshape", [out, g.const([1, -1, heads * d])])
-        return g.op("MatMul", [out, w["o"]], "o_proj"), k_new, v_new
+        return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
 
     def mlp(self, g, h, w):
         gate_up = g.op("MatMul", [h, w["gate_up"]], "gate_up")

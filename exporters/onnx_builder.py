@@ -68,4 +68,5 @@ class GraphBuilder:
 
 FLOAT = TensorProto.FLOAT
 INT64 = TensorProto.INT64
+INT32 = TensorProto.INT32
 BOOL = TensorProto.BOOL

@@ -11,19 +11,19 @@ from edgespec.runtime.drafters import NoDrafter
 from edgespec.runtime.engine import Session, speculative_step
 from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import ModelRunner, prefill
+from edgespec.runtime.model import ModelRunner, commit, prefill
 
 
 def _passes(runner: ModelRunner, ids: list[int], chunk: int, features: np.ndarray | None = None):
     """Every position of `ids` teacher-forced, chunk by chunk: yields each chunk's Pass (logits [n, V]).
     `features` [len(ids), H]: the input features of a draft that reads them."""
-    cache = KVCache(runner.facts, len(ids) + 1)
+    cache = KVCache(runner.facts, len(ids) + 1, lanes=runner.lanes)
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         n = len(part)
         out = runner.forward(cache, part, range(start, start + n), np.tril(np.ones((n, n), bool)), range(n),
                              features=None if features is None else features[start : start + n])
-        cache.append(out.new_kv, range(n))
+        commit(cache, out, range(n))
         yield out
 
 
@@ -46,7 +46,7 @@ def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 64) -> float:
 
 
 def greedy_continuation(runner: ModelRunner, prompt: list[int], new_tokens: int, chunk: int = 64) -> list[int]:
-    session = Session(cache=KVCache(runner.facts, len(prompt) + new_tokens + 2))
+    session = Session(cache=KVCache(runner.facts, len(prompt) + new_tokens + 2, lanes=runner.lanes))
     logits = prefill(runner, session.cache, prompt, chunk)
     session.begin(list(prompt) + [int(np.argmax(logits))])
     while len(session.committed) < len(prompt) + new_tokens:

@@ -24,6 +24,10 @@ from .staged import MappedEmbedding
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
 RUNTIME_BASE_BYTES = 90 * 2**20
 MIN_CONTEXT = 128  # tokens: below this a chat turn does not fit
+# Each root-to-leaf path of a verified tree runs in a lane of the target's cache, and each lane holds a
+# copy of the committed rows (runtime/kvcache.py); the graph computes every lane's attention on every
+# pass. A tree with more paths than the graph's lanes is cut (Tree.within_paths).
+MAX_LANES = 4
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -101,17 +105,20 @@ def scratch_bytes(manifest: Manifest) -> int:
     """Activations of the largest pass (a prefill chunk or a tree) kept by onnxruntime's arena, and the
     logits numpy receives: every layer's intermediates may be live at once in the planner's worst case.
 
-    A tree attends in one sequence per root-to-leaf path (runtime/model.py): its scores have a row per
-    slot of every path, and every path holds its own copy of the past values (three, counting the
-    expansion and the transpose around the concatenation)."""
+    A tree attends in one lane per root-to-leaf path (runtime/model.py): the attention's scores have
+    a row per slot of every lane, over the whole context. The keys and values live in the caches."""
     f = manifest.target.facts
     nodes, paths, slots = largest_tree(manifest)
     rows = max(manifest.prefill_chunk, nodes, 2)
-    slot_rows = max(manifest.prefill_chunk, paths * slots, 2)
-    kv_row = f.num_kv_heads * f.head_dim
-    per_layer = (rows * (4 * f.hidden_size + 3 * f.intermediate_size) + f.num_heads * slot_rows * f.max_context
-                 + (3 * max(paths, 1) + 1) * f.max_context * kv_row)
+    slot_rows = max(manifest.prefill_chunk, manifest.target.lanes * slots, 2)
+    per_layer = (rows * (4 * f.hidden_size + 3 * f.intermediate_size)
+                 + slot_rows * (f.num_heads * f.max_context + (f.num_heads + 2 * f.num_kv_heads) * f.head_dim))
     return 4 * (2 * per_layer + rows * f.vocab_size * 2)
+
+
+def lanes_for(paths: int) -> int:
+    """The lanes a target cache keeps for trees of up to `paths` root-to-leaf paths."""
+    return max(1, min(paths, MAX_LANES))
 
 
 def largest_tree(manifest: Manifest) -> tuple[int, int, int]:
@@ -134,7 +141,7 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
     if manifest.draft is not None:
         draft_weights = _files_bytes(folder, [manifest.draft.graph.file, *manifest.draft.graph.weights])
         draft_kv_token = manifest.draft.facts.kv_bytes_per_token() + 4 * manifest.draft.feature_size
-    target_kv_token = target.facts.kv_bytes_per_token() + 4 * target.feature_size
+    target_kv_token = target.facts.kv_bytes_per_token() * target.lanes + 4 * target.feature_size
     per_token = target_kv_token + draft_kv_token
     scratch = scratch_bytes(manifest)
     others = RUNTIME_BASE_BYTES + draft_weights + scratch

@@ -20,7 +20,7 @@ from .features import FEATURES_OUT
 from .tokenizer import TokenizerSpec
 from .tree import Topology
 
-SCHEMA_VERSION = 2  # 2: graphs take path_nodes/node_slots, attention per root-to-leaf path
+SCHEMA_VERSION = 3  # 3: GroupQueryAttention over per-layer KV buffers bound as past and present (lanes)
 MANIFEST = "manifest.json"
 
 
@@ -56,6 +56,15 @@ class ModelEntry:
     stages: tuple[GraphSpec, ...] = ()  # the same model as stages run in order (embedding, layer groups, head)
 
     @property
+    def lanes(self) -> int:
+        """Root-to-leaf paths a pass of this model's graph attends in: its KV buffers hold lanes x kv heads."""
+        graphs = (self.graph, *self.stages)
+        shapes = [spec["shape"] for g in graphs for name, spec in g.inputs.items() if name.startswith("past_key_")]
+        if not shapes or not isinstance(shapes[0][1], int) or shapes[0][1] % self.facts.num_kv_heads:
+            raise BundleError("the manifest's graph has no KV buffers of lanes x kv heads: re-export the bundle")
+        return shapes[0][1] // self.facts.num_kv_heads
+
+    @property
     def feature_size(self) -> int:
         """Width of the feature row the model's cache keeps: its hidden size when its graph returns features."""
         return self.facts.hidden_size if FEATURES_OUT in self.graph.outputs else 0
@@ -85,6 +94,10 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
         version = data.get("schema_version")
+        if isinstance(version, int) and version < SCHEMA_VERSION:
+            raise BundleError(f"this bundle has schema version {version}, written by an older edgespec; this one "
+                              f"reads version {SCHEMA_VERSION} (graphs on onnxruntime's fused attention, with the "
+                              "KV cache bound in place): export it again with `edgespec export`")
         if version != SCHEMA_VERSION:
             raise BundleError(f"unknown bundle schema version {version!r}: this edgespec reads version "
                               f"{SCHEMA_VERSION}; re-export the bundle or upgrade edgespec")

@@ -13,7 +13,7 @@ import numpy as np
 
 from .features import draft_inputs
 from .kvcache import KVCache
-from .model import ModelRunner, prefill
+from .model import ModelRunner, commit, prefill
 from .sampling import Sampler, sample_without_replacement
 from .tree import Topology, Tree
 
@@ -234,7 +234,7 @@ class ModelDrafter:
             out = self.runner.forward(cache, tokens[level], root_position + topo.depths[level],
                                       anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask,
                                       features=features, exact_rows=False)
-            cache.append(out.new_kv, range(len(level)), out.features)
+            commit(cache, out, range(len(level)))
             fed += level
             node_logits.update(zip(level, out.logits))
         cache.trim(committed_len)

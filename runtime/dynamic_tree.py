@@ -23,7 +23,7 @@ import numpy as np
 
 from .kvcache import KVCache
 from .drafters import catch_up, own_features
-from .model import ModelRunner
+from .model import ModelRunner, commit
 from .sampling import Sampler
 from .tree import Tree
 
@@ -86,7 +86,7 @@ class DynamicDrafter:
             out = self.runner.forward(cache, [tokens[n] for n in expand], [committed_len - 1 + depth] * len(expand),
                                       np.eye(len(expand), dtype=bool), range(len(expand)), past_mask=past_mask,
                                       features=features, exact_rows=False)
-            cache.append(out.new_kv, range(len(expand)), out.features)
+            commit(cache, out, range(len(expand)))
             fed += expand
             node_logits.update(zip(expand, out.logits))
             frontier = expand

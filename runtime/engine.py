@@ -20,7 +20,7 @@ from .accept import accept_greedy, accept_sampled
 from .drafters import Drafter
 from .errors import ContextOverflowError
 from .kvcache import KVCache
-from .model import ModelRunner, prefill
+from .model import ModelRunner, commit, prefill
 from .sampling import Sampler, SamplingConfig, sample
 from .tokenizer import TextCodec, TextStream
 
@@ -105,6 +105,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     """One target pass. Returns (new committed tokens, number of accepted draft tokens)."""
     cache = session.cache
     tree = drafter.propose(session.window, cache.room(), sampler, cache.feature_rows())  # 1. draft what fits
+    tree = tree.within_paths(cache.lanes)                                     #    a lane per path
     topo = tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
@@ -113,7 +114,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     else:
         p_target = sampler.rows(out.logits, session.committed, tree)
         path, bonus = accept_sampled(tree.tokens, topo.children, p_target, tree.q_draft, sampler.rng, tree.drawn)
-    cache.append(out.new_kv, path, out.features)                              # 4. compact to the path
+    commit(cache, out, path)                                                  # 4. keep the accepted path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
     session.committed.extend(new_tokens)
     session.window.extend(new_tokens)

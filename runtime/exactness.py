@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kvcache import KVCache
-from .model import ModelRunner, Pass, prefill
-from .tree import Topology
+from .model import ModelRunner, Pass, commit, prefill
+from .tree import Tree
 
 # Siblings sit between a node and its ancestors in a tree pass: node 5's path 0-2-5 has nodes 1, 3 and 4
-# in between. The tree is wider than MLAS's 6-row blocks and deep enough to cross lane boundaries.
+# in between. The tree is wider than MLAS's 6-row blocks; its five paths run in lanes of their own, cut
+# to the graph's lanes as the runtime cuts trees.
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 2, 3, 5, 5, 8)
 
 
@@ -41,11 +42,20 @@ def _random_tokens(runner: ModelRunner, rng: np.random.Generator, count: int) ->
     return [int(t) for t in rng.integers(3, runner.facts.vocab_size, count)]
 
 
-def _step(runner: ModelRunner, cache: KVCache, token: int) -> Pass:
-    """Plain decoding's one-token pass; appends the token to the cache."""
+def _step(runner: ModelRunner, cache: KVCache, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """Plain decoding's one-token pass; appends the token to the cache. Returns its logits [V] and its
+    keys/values [layers, 2, kv_heads, head_dim]."""
     out = runner.forward(cache, [token], [cache.length], np.ones((1, 1), bool), [0])
-    cache.append(out.new_kv, [0], out.features)
-    return out
+    kv = new_rows(cache, out, [0])[:, :, :, 0]
+    commit(cache, out, [0])
+    return out.logits[0], kv
+
+
+def new_rows(cache: KVCache, out: Pass, nodes) -> np.ndarray:
+    """The keys/values pass `out` wrote for tree rows `nodes` [layers, 2, kv_heads, len(nodes), head_dim],
+    read where it wrote them (before a commit moves the cache on)."""
+    where = [np.argwhere(out.path_nodes == node)[0] for node in nodes]
+    return np.stack([cache.data[:, :, lane, :, cache.length + slot] for lane, slot in where], axis=3)
 
 
 def chunk_mismatches(runner: ModelRunner, seed: int, prefix: int, chunk: int, tail: int = 10) -> list[RowMismatch]:
@@ -53,15 +63,16 @@ def chunk_mismatches(runner: ModelRunner, seed: int, prefix: int, chunk: int, ta
     pass after a prefill in chunks of `chunk`: logits and keys/values of every token."""
     ids = _random_tokens(runner, np.random.default_rng(seed), prefix + tail)
     capacity = prefix + tail
-    alone = KVCache(runner.facts, capacity)
+    alone = KVCache(runner.facts, capacity, lanes=runner.lanes)
     singles = [_step(runner, alone, token) for token in ids]
-    together = KVCache(runner.facts, capacity)
+    together = KVCache(runner.facts, capacity, lanes=runner.lanes)
     prefill(runner, together, ids[:prefix], chunk)
     out = runner.forward(together, ids[prefix:], range(prefix, prefix + tail), np.tril(np.ones((tail, tail), bool)),
                          range(tail))
-    found = [_mismatch("prefill", i, [(together.data[:, :, i], alone.data[:, :, i])]) for i in range(prefix)]
-    found += [_mismatch("chunk", prefix + i, [(out.logits[i], singles[prefix + i].logits[0]),
-                                             (out.new_kv[:, :, i], singles[prefix + i].new_kv[:, :, 0])])
+    kv = new_rows(together, out, range(tail))
+    found = [_mismatch("prefill", i, [(together.rows(i, i + 1), alone.rows(i, i + 1))]) for i in range(prefix)]
+    found += [_mismatch("chunk", prefix + i, [(out.logits[i], singles[prefix + i][0]),
+                                             (kv[:, :, :, i], singles[prefix + i][1])])
               for i in range(tail)]
     return [m for m in found if m is not None]
 
@@ -72,20 +83,21 @@ def tree_mismatches(runner: ModelRunner, seed: int, prefix: int,
     token at a time after the same context): logits and keys/values."""
     rng = np.random.default_rng(seed)
     context = _random_tokens(runner, rng, prefix)
-    tokens = _random_tokens(runner, rng, len(parents))
-    topology = Topology(tuple(parents))
+    # a graph attends in a fixed number of lanes; the runtime cuts trees with more paths, and so does this
+    tree = Tree.from_parents(tuple(parents), _random_tokens(runner, rng, len(parents))).within_paths(runner.lanes)
+    topology, tokens = tree.topology, [int(t) for t in tree.tokens]
     capacity = prefix + topology.size
-    cache = KVCache(runner.facts, capacity)
+    cache = KVCache(runner.facts, capacity, lanes=runner.lanes)
     prefill(runner, cache, context, 8)
     tree = runner.forward(cache, tokens, cache.length + topology.depths, topology.ancestor_mask, range(topology.size))
+    kv = new_rows(cache, tree, range(topology.size))
     found = []
     for node in range(topology.size):
-        plain = KVCache(runner.facts, capacity)
+        plain = KVCache(runner.facts, capacity, lanes=runner.lanes)
         prefill(runner, plain, context, 8)
         for step in topology.path_to(node):
             alone = _step(runner, plain, tokens[step])
-        found.append(_mismatch("tree", node, [(tree.logits[node], alone.logits[0]),
-                                              (tree.new_kv[:, :, node], alone.new_kv[:, :, 0])]))
+        found.append(_mismatch("tree", node, [(tree.logits[node], alone[0]), (kv[:, :, :, node], alone[1])]))
     return [m for m in found if m is not None]
 
 
@@ -101,4 +113,6 @@ def check_exact_rows(runner: ModelRunner) -> tuple[int, list[RowMismatch]]:
     found = chunk_mismatches(runner, seed, prefix, CHUNK, TAIL)
     for seed, tree_prefix in TREE_CHECKS:
         found += tree_mismatches(runner, seed, tree_prefix)
-    return prefix + TAIL + len(TREE_CHECKS) * len(TREE_PARENTS), found
+    compared = sum(Tree.from_parents(TREE_PARENTS, [0] * len(TREE_PARENTS))
+                   .within_paths(runner.lanes).size for _ in TREE_CHECKS)
+    return prefix + TAIL + compared, found

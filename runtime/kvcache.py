@@ -1,62 +1,102 @@
-"""A caller-owned KV cache: one preallocated array per model, rollback is a pointer move.
+"""A caller-owned KV cache: one preallocated buffer per model that the graph writes in place.
 
-Layout [layers, 2 (key/value), capacity, kv_heads, head_dim], token-major inside each layer, so the
-valid prefix `data[l, 0, :length]` is one contiguous block that onnxruntime reads without a copy.
-The cache owns exactly one number, `length`: how many rows (tokens) are valid.
+Layout [layers, 2 (key/value), lanes, kv_heads, capacity + KV_SLACK, head_dim]: `data[l, 0]` is the
+contiguous buffer, viewed as [1, lanes * kv_heads, rows, head_dim], that onnxruntime's
+GroupQueryAttention takes as both past and present key of layer l (exporters/llama.py). It reads the
+valid prefix only and writes a pass's new rows after it, so nothing is copied per step. Rollback is a
+pointer move.
+
+Lanes: a tree pass gives each root-to-leaf path a lane of its own (exact rows, runtime/model.py); a
+cache has as many lanes as the graph it serves was exported with.
+Between passes every lane holds the same committed rows; `commit` copies the accepted path's rows
+from the lane that computed them to the others. The cache owns exactly one number, `length`: how many
+rows (tokens) are valid in every lane. Rows past it hold whatever the last pass wrote there.
 
 A cache may also keep one feature row per token ([capacity, feature_size]): the model's final hidden
 state there, which a draft that reads the target's features (EAGLE-style) consumes. Features follow
-their token through append, trim and evict, so they always describe the cached rows.
+their token through commit, trim and evict, so they always describe the cached rows.
+
+The cache also memoizes, per onnxruntime session and lane count, an IOBinding with its buffers bound
+(`binding`): binding sixty buffers costs more than some passes' arithmetic.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
+import onnxruntime as ort
 
 from .errors import ContextOverflowError
 from .facts import ModelFacts
 
+# Rows a pass may write past `capacity`: a one-token step's padding row (runtime/model.py, MIN_ROWS).
+KV_SLACK = 2
+
+
+def kv_input_layers(names) -> list[int]:
+    """The layers whose KV buffers a graph with these input names reads."""
+    return sorted(int(name[len("past_key_"):]) for name in names if name.startswith("past_key_"))
+
 
 class KVCache:
-    def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0):
+    def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0, lanes: int = 1):
+        if lanes < 1:
+            raise ValueError(f"a KV cache needs at least one lane (got {lanes})")
         self.capacity = capacity
+        self.lanes = lanes
         # np.zeros maps untouched pages lazily: only rows that are written become resident.
-        self.data = np.zeros((facts.num_layers, 2, capacity, facts.num_kv_heads, facts.head_dim), np.float32)
+        self.data = np.zeros((facts.num_layers, 2, lanes, facts.num_kv_heads, capacity + KV_SLACK, facts.head_dim),
+                             np.float32)
         self.features = np.zeros((capacity, feature_size), np.float32) if feature_size else None
         self.length = 0
+        self._bindings: dict[int, tuple[weakref.ref, ort.IOBinding, tuple[str, ...]]] = {}
 
     def feature_rows(self) -> np.ndarray | None:
         """The features of the valid rows [length, feature_size], or None for a cache without them."""
         return None if self.features is None else self.features[: self.length]
 
-    def past(self) -> dict[str, np.ndarray]:
-        """The graph inputs for the valid prefix."""
-        feed = {}
-        for layer in range(self.data.shape[0]):
-            feed[f"past_key_{layer}"] = self.data[layer, 0, : self.length]
-            feed[f"past_value_{layer}"] = self.data[layer, 1, : self.length]
-        return feed
-
     def room(self) -> int:
         return self.capacity - self.length
 
-    def append(self, new_kv: np.ndarray, rows, features: np.ndarray | None = None) -> None:
-        """Keeps rows `rows` (indices into new_kv's token axis) of a pass's new keys/values, in order,
-        and of its `features` [n, feature_size] when the cache keeps features.
+    def binding(self, session: ort.InferenceSession) -> tuple[ort.IOBinding, tuple[str, ...]]:
+        """An IOBinding of `session` with the buffers of every layer it reads bound as its past and
+        present keys/values, and the names of its other inputs, which the caller binds per pass."""
+        key = id(session)
+        known = self._bindings.get(key)
+        if known is not None and known[0]() is session:
+            return known[1:]
+        binding = session.io_binding()
+        names = [i.name for i in session.get_inputs()]
+        layers = kv_input_layers(names)
+        others = tuple(name for name in names if not name.startswith(("past_key_", "past_value_")))
+        shape = self.data.shape
+        for layer in layers:
+            for kind, name in ((0, "key"), (1, "value")):
+                buffer = self.data[layer, kind].reshape(1, shape[2] * shape[3], shape[4], shape[5])
+                value = ort.OrtValue.ortvalue_from_numpy(buffer)
+                binding.bind_ortvalue_input(f"past_{name}_{layer}", value)
+                binding.bind_ortvalue_output(f"present_{name}_{layer}", value)
+        # a streamed stage makes a new session per fetch: forget bindings of sessions that are gone
+        self._bindings = {k: v for k, v in self._bindings.items() if v[0]() is not None}
+        self._bindings[key] = (weakref.ref(session), binding, others)
+        return binding, others
 
-        After a tree pass, `rows` is the accepted path: the cache is compacted to it.
-        """
-        rows = np.asarray(rows, dtype=np.int64)
-        end = self.length + len(rows)
+    def commit(self, lane: int, count: int, features: np.ndarray | None = None) -> None:
+        """Keeps the first `count` rows a pass wrote into `lane` after the valid ones, in every lane, with
+        their `features` [count, feature_size] when the cache keeps features.
+
+        After a tree pass, the rows are the accepted path, which sits at the start of its lane."""
+        end = self.length + count
         if end > self.capacity:
             raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {end} were needed")
         if self.features is not None:
             if features is None:
                 raise ValueError("this cache keeps features, but the pass returned none")
-            self.features[self.length : end] = features[rows]
-        if len(rows) and rows[0] == 0 and np.all(np.diff(rows) == 1):
-            self.data[:, :, self.length : end] = new_kv[:, :, : len(rows)]  # a chain prefix: one slice copy
-        else:
-            self.data[:, :, self.length : end] = new_kv[:, :, rows]
+            self.features[self.length : end] = features
+        if self.lanes > 1 and count:
+            written = self.data[:, :, lane : lane + 1, :, self.length : end]
+            others = [b for b in range(self.lanes) if b != lane]
+            self.data[:, :, others, :, self.length : end] = written
         self.length = end
 
     def evict(self, start: int, count: int, rope_frequencies) -> None:
@@ -70,15 +110,19 @@ class KVCache:
         freqs = np.asarray(rope_frequencies, dtype=np.float64)
         cos = np.cos(-count * freqs).astype(np.float32)
         sin = np.sin(-count * freqs).astype(np.float32)
-        keys = self.data[:, 0, moved].copy()  # [layers, m, kv_heads, head_dim]
+        keys = self.data[:, 0, :, :, moved].copy()  # [layers, lanes, kv_heads, m, head_dim]
         half = len(freqs)
         first, second = keys[..., :half], keys[..., half:]
-        self.data[:, 0, kept, :, :half] = first * cos - second * sin
-        self.data[:, 0, kept, :, half:] = second * cos + first * sin
-        self.data[:, 1, kept] = self.data[:, 1, moved].copy()
+        self.data[:, 0, :, :, kept, :half] = first * cos - second * sin
+        self.data[:, 0, :, :, kept, half:] = second * cos + first * sin
+        self.data[:, 1, :, :, kept] = self.data[:, 1, :, :, moved].copy()
         if self.features is not None:
             self.features[kept] = self.features[moved].copy()
         self.length -= count
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Keys and values of rows start..stop-1 (lane 0) [layers, 2, kv_heads, rows, head_dim]: for checks."""
+        return self.data[:, :, 0, :, start:stop]
 
     def trim(self, length: int) -> None:
         """Forgets every row from `length` on."""

@@ -21,8 +21,36 @@ MIN_ROWS = 2
 @dataclass
 class Pass:
     logits: np.ndarray  # [R, V] for the requested rows
-    new_kv: np.ndarray  # [layers, 2, n, kv_heads, head_dim] for the n real rows
+    path_nodes: np.ndarray  # [B, L]: which new token each slot of each lane holds (its keys/values are there)
     features: np.ndarray | None = None  # [n, hidden] final hidden states, from a graph that returns them
+
+    def lane_of(self, rows: list[int]) -> int:
+        """The lane whose first slots hold tree rows `rows` (a root-first path, or a chunk's rows in order)."""
+        count = len(rows)
+        for lane, nodes in enumerate(self.path_nodes):
+            if count <= len(nodes) and np.array_equal(nodes[:count], rows):
+                return lane
+        raise ValueError(f"rows {list(rows)} are no lane's first slots: keep a root-first path of the tree")
+
+
+def commit(cache: KVCache, out: Pass, rows) -> None:
+    """Keeps tree rows `rows` of pass `out` in the cache: the accepted path after a tree pass (root
+    first), or range(n) after a chunk."""
+    rows = [int(r) for r in rows]
+    cache.commit(out.lane_of(rows), len(rows), None if out.features is None else out.features[rows])
+
+
+@dataclass(frozen=True)
+class PassLayout:
+    """How one pass's rows are fed: the graph inputs besides the KV buffers, and what to read back."""
+    feed: dict
+    rows: int  # real rows n
+    wanted: np.ndarray  # the logit rows the caller asked for
+    path_nodes: np.ndarray  # [B, L]
+
+    @property
+    def lanes(self) -> int:
+        return len(self.path_nodes)
 
 
 class ModelRunner:
@@ -34,30 +62,60 @@ class ModelRunner:
         self.head_tokens = head_tokens
         self.reads_features = FEATURES in {i.name for i in session.get_inputs()}
         self.gives_features = FEATURES_OUT in {o.name for o in session.get_outputs()}
-        self.outputs = ["logits", "new_kv"] + [FEATURES_OUT] * self.gives_features
+        self.head_size = facts.vocab_size if head_tokens is None else len(head_tokens)
+        self.lanes = graph_lanes(session, facts)
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
                 exact_rows: bool = True) -> Pass:
-        """Runs n new tokens after the cache's valid rows (which it does not modify).
+        """Runs n new tokens after the cache's valid rows. The pass writes their keys/values into the
+        cache's lanes after the valid rows; `commit` keeps the ones the caller wants.
 
         tree_mask [n, n]: which new tokens each new token may see (itself included);
         past_mask [n, cache.length]: which cached rows it may see (default: all);
         features [n, hidden]: for a graph that reads them, the features that go with each new token;
         exact_rows: see pass_feed.
         """
-        feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows)
+        layout = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows)
+        feed = layout.feed
+        rows = feed["input_ids"].shape[1]
         if self.reads_features:
-            feed[FEATURES] = padded_features(features, feed["input_ids"].shape[1], self.facts.hidden_size)
-        values = self.session.run(self.outputs, feed)
-        logits, new_kv = values[0], values[1]
-        logits = logits[0, : len(wanted)]
+            feed[FEATURES] = padded_features(features, rows, self.facts.hidden_size)
+        outputs = {"logits": (len(feed["logit_rows"]), self.head_size)}
+        if self.gives_features:
+            outputs[FEATURES_OUT] = (rows, self.facts.hidden_size)
+        values = run_bound(self.session, cache, feed, outputs)
+        logits = values["logits"][: len(layout.wanted)]
         if self.head_tokens is not None:
-            full = np.full((len(wanted), self.facts.vocab_size), -np.inf, dtype=logits.dtype)
+            full = np.full((len(layout.wanted), self.facts.vocab_size), -np.inf, dtype=logits.dtype)
             full[:, self.head_tokens] = logits
             logits = full
-        return Pass(logits=logits, new_kv=new_kv[:, :, :n],
-                    features=values[2][0, :n] if self.gives_features else None)
+        return Pass(logits=logits, path_nodes=layout.path_nodes,
+                    features=values[FEATURES_OUT][: layout.rows] if self.gives_features else None)
+
+
+def run_bound(session: ort.InferenceSession, cache: KVCache, feed: dict,
+              outputs: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
+    """Runs `session` with the cache's buffers bound (cache.binding) and the inputs in `feed` that it
+    takes; returns the named outputs, each [rows, width] as given, written by onnxruntime straight into
+    arrays allocated here."""
+    binding, inputs = cache.binding(session)
+    for name in inputs:
+        binding.bind_cpu_input(name, feed[name])
+    arrays = {}
+    for name, (rows, width) in outputs.items():
+        arrays[name] = np.empty((rows, width), np.float32)
+        binding.bind_output(name, "cpu", 0, np.float32, [1, rows, width], arrays[name].ctypes.data)
+    session.run_with_iobinding(binding)
+    return arrays
+
+
+def graph_lanes(session: ort.InferenceSession, facts: ModelFacts) -> int:
+    """The lanes a graph attends in: its KV buffers are [1, lanes * kv_heads, capacity, head_dim]."""
+    for i in session.get_inputs():
+        if i.name.startswith("past_key_"):
+            return i.shape[1] // facts.num_kv_heads
+    return 1
 
 
 def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.ndarray:
@@ -70,47 +128,61 @@ def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.n
 
 
 def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows, past_mask=None,
-              exact_rows: bool = True):
-    """The graph inputs of one pass, padded to MIN_ROWS rows; returns (feed, n real rows, wanted logit rows).
+              exact_rows: bool = True) -> PassLayout:
+    """The graph inputs of one pass, padded to MIN_ROWS rows.
 
-    exact_rows: each root-to-leaf path of `tree_mask` attends in its own sequence, so every row has the
-    bits plain decoding gives it (exporters/llama.py says why); `tree_mask` must then be an ancestor
-    mask. False puts all rows in one sequence that `tree_mask` masks as it likes (a draft's passes,
-    whose rows need not match anything).
+    exact_rows: each root-to-leaf path of `tree_mask` attends in a lane of its own, at the columns
+    plain decoding gives it, so every row has plain decoding's bits (exporters/llama.py says why);
+    `tree_mask` must then be an ancestor mask, and each row's position is the cache length plus its
+    depth. False puts all rows in one lane, at `positions`, masked by `tree_mask` and `past_mask`
+    through the attention bias (a draft's passes, whose rows need not match anything).
     """
     n = len(tokens)
     past_len = cache.length
     rows = max(n, MIN_ROWS)
     ids = np.zeros((1, rows), dtype=np.int64)
     ids[0, :n] = tokens
-    pos = np.zeros((1, rows), dtype=np.int64)
-    pos[0, :n] = positions
-    pos[0, n:] = positions[-1]
     tree_mask = np.asarray(tree_mask, dtype=bool)
-    paths = root_to_leaf_paths(tree_mask) if exact_rows else [list(range(n))]
-    paths[0] = paths[0] + list(range(n, rows))  # padding rows go last in the first sequence: no real row sees them
+    paths = root_to_leaf_paths(tree_mask) if exact_rows and not _is_chain(tree_mask) else [list(range(n))]
+    if len(paths) > cache.lanes:
+        raise ValueError(f"the tree has {len(paths)} root-to-leaf paths but the graph attends in {cache.lanes} "
+                         "lanes: cut it with Tree.within_paths")
+    paths[0] = paths[0] + list(range(n, rows))  # padding rows go last in the first lane: no real row sees them
     slots = max(len(path) for path in paths)
-    path_nodes = np.zeros((len(paths), slots), dtype=np.int64)
+    path_nodes = np.empty((cache.lanes, slots), dtype=np.int64)
     node_slots = np.zeros(rows, dtype=np.int64)
-    mask = np.zeros((len(paths), slots, past_len + slots), dtype=bool)
     for b, path in enumerate(paths):
         path_nodes[b, : len(path)] = path
         path_nodes[b, len(path):] = path[-1]  # unused slots repeat the last token (their rows are never read)
-        node_slots[path] = b * slots + np.arange(len(path))  # a node on several paths has the same bits on each
-        mask[b, :, past_len:] = np.tril(np.ones((slots, slots), dtype=bool))
-        mask[b, :, :past_len] = True
+        node_slots[path] = b * slots + np.arange(len(path))  # a node on several lanes has the same bits on each
+    path_nodes[len(paths):] = path_nodes[0]  # unused lanes repeat the first (the graph computes every lane)
+    bias = np.zeros((1, 1, slots, past_len + slots), np.float32)
+    if exact_rows:
+        position_ids = (past_len + np.arange(slots, dtype=np.int64))[None]
         if past_mask is not None:
-            real = [k for k, node in enumerate(path) if node < n]
-            mask[b, real, :past_len] = np.asarray(past_mask, dtype=bool)[[path[k] for k in real]]
-    if not exact_rows:
-        mask[0, :n, past_len : past_len + n] = tree_mask
+            if len(paths) > 1:
+                raise ValueError("a mask over the past applies to one lane: give exact rows a chain")
+            bias[0, 0, :n, :past_len] = np.where(np.asarray(past_mask, dtype=bool), 0, -np.inf)
+    else:
+        position_ids = np.empty((1, rows), dtype=np.int64)
+        position_ids[0, :n] = positions
+        position_ids[0, n:] = position_ids[0, n - 1]
+        bias[0, 0, :n, past_len : past_len + n] = np.where(tree_mask, 0, -np.inf)
+        if past_mask is not None:
+            bias[0, 0, :n, :past_len] = np.where(np.asarray(past_mask, dtype=bool), 0, -np.inf)
     wanted = np.asarray(logit_rows, dtype=np.int64)
     head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], MIN_ROWS - len(wanted))]) if len(wanted) < MIN_ROWS \
         else wanted
-    feed = cache.past()
-    feed.update(input_ids=ids, position_ids=pos, attention_mask=mask, logit_rows=head_rows,
-                path_nodes=path_nodes, node_slots=node_slots)
-    return feed, n, wanted
+    total = past_len + slots
+    feed = dict(input_ids=ids, position_ids=position_ids, attention_bias=bias, logit_rows=head_rows,
+                path_nodes=path_nodes, node_slots=node_slots, seqlens_k=np.array([total - 1], np.int32),
+                total_sequence_length=np.array(total, np.int32))
+    return PassLayout(feed=feed, rows=n, wanted=wanted, path_nodes=path_nodes)
+
+
+def _is_chain(mask: np.ndarray) -> bool:
+    """Whether every row sees itself and all earlier rows (one path: no need to look for others)."""
+    return bool(np.tril(mask).all()) and not np.triu(mask, 1).any()
 
 
 def root_to_leaf_paths(ancestors: np.ndarray) -> list[list[int]]:
@@ -141,6 +213,6 @@ def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int, features: n
         out = runner.forward(cache, part, range(cache.length, cache.length + n),
                              np.tril(np.ones((n, n), dtype=bool)), [n - 1],
                              features=None if features is None else features[start : start + n])
-        cache.append(out.new_kv, range(n), out.features)
+        commit(cache, out, range(n))
         logits = out.logits[0]
     return logits

@@ -77,7 +77,7 @@ class Pipeline:
             packed = self._packed_stages(loaded)
             window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned, packed.get(i))
                                   for i, spec in enumerate(loaded)], pinned)
-            self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, embedding)
+            self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, m.target.lanes, embedding)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
                                                    self.threads), m.target.facts)
@@ -118,8 +118,9 @@ class Pipeline:
         return self.memory.context
 
     def new_session(self) -> Session:
+        """A conversation's state: its target cache has a lane per root-to-leaf path the graph verifies."""
         target = self.manifest.target
-        return Session(cache=KVCache(target.facts, self.context, target.feature_size))
+        return Session(cache=KVCache(target.facts, self.context, target.feature_size, lanes=target.lanes))
 
     def new_draft_cache(self) -> KVCache:
         """A cache for the draft model: its own KV rows, and its output features when it reads the target's."""

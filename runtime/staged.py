@@ -35,7 +35,7 @@ from .bundle import GraphSpec
 from .facts import ModelFacts
 from .features import FEATURES_OUT
 from .kvcache import KVCache
-from .model import Pass, pass_feed
+from .model import Pass, pass_feed, run_bound
 from .sessions import make_session
 
 
@@ -148,29 +148,33 @@ class MappedEmbedding:
 
 
 class StagedRunner:
-    def __init__(self, window: StageWindow, stage_inputs: list[list[str]], facts: ModelFacts,
+    def __init__(self, window: StageWindow, stage_inputs: list[list[str]], facts: ModelFacts, lanes: int,
                  embedding: MappedEmbedding | None = None):
-        """With `embedding`, stage 0 is never loaded: the window serves stages 1.. (its index + 1)."""
+        """With `embedding`, stage 0 is never loaded: the window serves stages 1.. (its index + 1).
+        `lanes`: the root-to-leaf paths the stages' graphs attend in (the manifest's)."""
         self.window, self.stage_inputs, self.facts, self.embedding = window, stage_inputs, facts, embedding
+        self.lanes = lanes
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
                 exact_rows: bool = True) -> Pass:
         if features is not None:
             raise ValueError("a staged target reads no features; only a draft does")
-        feed, n, wanted = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows)
-        new_kv, logits, features = [], None, None
+        layout = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows)
+        feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]
+        widths = {"hidden_out": self.facts.hidden_size, "branch_out": self.facts.hidden_size,
+                  FEATURES_OUT: self.facts.hidden_size, "logits": self.facts.vocab_size}
+        logits, features = None, None
         first = 0
         if self.embedding is not None:
             feed["hidden"], first = self.embedding.lookup(feed["input_ids"]), 1
-        for i, names in enumerate(self.stage_inputs[first:], start=first):
+        for i in range(first, len(self.stage_inputs)):
             session = self.window.get(i - first)
-            outputs = [o.name for o in session.get_outputs()]
-            values = dict(zip(outputs, session.run(outputs, {name: feed[name] for name in names})))
-            feed.update({k: values[f"{k}_out"] for k in ("hidden", "branch") if f"{k}_out" in values})
-            if "new_kv" in values:
-                new_kv.append(values["new_kv"])
+            outputs = {o.name: (len(feed["logit_rows"]) if o.name == "logits" else rows, widths[o.name])
+                       for o in session.get_outputs() if not o.name.startswith("present_")}
+            values = run_bound(session, cache, feed, outputs)
+            feed.update({k: values[f"{k}_out"][None] for k in ("hidden", "branch") if f"{k}_out" in values})
             logits = values.get("logits", logits)
             features = values.get(FEATURES_OUT, features)
-        return Pass(logits=logits[0, : len(wanted)], new_kv=np.concatenate(new_kv, axis=0)[:, :, :n],
-                    features=None if features is None else features[0, :n])
+        return Pass(logits=logits[: len(layout.wanted)], path_nodes=layout.path_nodes,
+                    features=None if features is None else features[: layout.rows])

@@ -126,6 +126,27 @@ class Tree:
         """path(node) for every node."""
         return [self.path(node) for node in range(self.size)]
 
+    def within_paths(self, count: int) -> "Tree":
+        """The nodes on the first `count` root-to-leaf paths in depth-first order, most likely sibling
+        first: every node keeps a prefix of its children, so sampled siblings stay a prefix of their draws
+        and acceptance stays exact. A verifying pass runs a lane per path (runtime/model.py)."""
+        topo = self.topology
+        if topo.leaves <= count:
+            return self
+        keep, leaves, stack = [], 0, [0]
+        while stack and leaves < count:
+            node = stack.pop()
+            keep.append(node)
+            kids = topo.children[node]
+            leaves += not kids
+            stack.extend(reversed(kids))
+        keep.sort()
+        index = {node: i for i, node in enumerate(keep)}
+        parents = tuple(-1 if node == 0 else index[topo.parents[node]] for node in keep)
+        return Tree(Topology(parents), self.tokens[keep],
+                    None if self.q_draft is None else self.q_draft[keep],
+                    None if self.drawn is None else self.drawn[keep])
+
     @property
     def parents(self) -> tuple[int, ...]:
         return self.topology.parents

@@ -37,14 +37,14 @@ def test_prefill_logits_match_torch(arch, models, bundle_factory):
 
 @pytest.mark.parametrize("arch", ["target", "untied", "qwen2", "mistral"])
 def test_branching_tree_logits_match_torch_on_every_path(arch, models, bundle_factory):
-    runner, manifest = runner_for(bundle_factory(target=arch))
+    runner, manifest = runner_for(bundle_factory(target=arch, tree="topk:2x2"))  # a lane per path: 4
     model = AutoModelForCausalLM.from_pretrained(models[arch]).eval()
     rng = np.random.default_rng(1)
     vocab = manifest.target.facts.vocab_size
     past = list(rng.integers(3, vocab, 9))
     topo = parse_tree_spec("topk:2x2")
     tokens = rng.integers(3, vocab, topo.size)
-    cache = KVCache(manifest.target.facts, 64)
+    cache = KVCache(manifest.target.facts, 64, lanes=runner.lanes)
     prefill(runner, cache, past, chunk=4)  # several chunks, so chunked prefill is covered too
     out = runner.forward(cache, tokens, len(past) + topo.depths, topo.ancestor_mask, range(topo.size))
     for node in range(topo.size):

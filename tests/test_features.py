@@ -58,7 +58,7 @@ def test_target_features_are_the_torch_models_final_hidden_states(feature_bundle
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1)
     ids = pipeline.encode("The quick brown fox jumps")
     session = pipeline.new_session()
-    from edgespec.runtime.model import prefill
+    from edgespec.runtime.model import commit, prefill
 
     prefill(pipeline.target, session.cache, ids, chunk=4)
     model = AutoModelForCausalLM.from_pretrained(models["target"]).float().eval()
@@ -85,6 +85,7 @@ def test_the_draft_pairs_each_token_with_the_targets_previous_feature(feature_bu
     """Recomputes a chain proposal by hand: the draft's row i reads the target's feature at i - 1, and a
     drafted token reads the draft's own output feature at its parent."""
     from edgespec.runtime.kvcache import KVCache
+    from edgespec.runtime.model import commit
     from edgespec.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1)
@@ -100,11 +101,11 @@ def test_the_draft_pairs_each_token_with_the_targets_previous_feature(feature_bu
     n = len(committed)
     shifted = np.concatenate([np.zeros((1, facts.hidden_size), np.float32), target_features])
     out = runner.forward(cache, committed, range(n), np.tril(np.ones((n, n), bool)), [n - 1], features=shifted)
-    cache.append(out.new_kv, range(n), out.features)
+    commit(cache, out, range(n))
     expected, feature = [int(out.logits[0].argmax())], out.features[-1:]
     for depth in range(1, 3):
         out = runner.forward(cache, expected[-1:], [n - 1 + depth], np.ones((1, 1), bool), [0], features=feature)
-        cache.append(out.new_kv, [0], out.features)
+        commit(cache, out, [0])
         expected.append(int(out.logits[0].argmax()))
         feature = out.features
     assert [int(t) for t in tree.tokens[1:]] == expected

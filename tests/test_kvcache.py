@@ -8,26 +8,40 @@ from edgespec.runtime.kvcache import KVCache
 FACTS = ModelFacts("llama", 2, 8, 2, 1, 4, 16, 10, 16, 1e-5, 1e4, True)
 
 
-def kv(n, base):
-    return np.arange(2 * 2 * n * 1 * 4, dtype=np.float32).reshape(2, 2, n, 1, 4) + base
+def write(cache: KVCache, lane: int, rows: int, base: float) -> np.ndarray:
+    """What a pass does: writes `rows` new rows into `lane` after the valid ones; returns them
+    [layers, 2, kv_heads, rows, head_dim]."""
+    new = np.arange(2 * 2 * 1 * rows * 4, dtype=np.float32).reshape(2, 2, 1, rows, 4) + base  # one kv head
+    cache.data[:, :, lane, :, cache.length : cache.length + rows] = new
+    return new
 
 
-def test_append_compacts_to_the_path():
-    cache = KVCache(FACTS, capacity=8)
-    cache.append(kv(3, 0), [0, 1, 2])
-    new = kv(4, 1000)
-    cache.append(new, [0, 2, 3])
+def test_commit_keeps_the_accepted_lanes_rows_in_every_lane():
+    cache = KVCache(FACTS, capacity=8, lanes=3)
+    for lane in range(3):
+        first = write(cache, lane, 3, 0)
+    cache.commit(0, 3)
+    write(cache, 0, 2, 500)
+    accepted = write(cache, 2, 3, 1000)
+    cache.commit(2, 3)
     assert cache.length == 6
-    assert np.array_equal(cache.data[:, :, 3:6], new[:, :, [0, 2, 3]])
-    assert cache.past()["past_key_1"].shape == (6, 1, 4)
-    assert cache.past()["past_key_1"].flags["C_CONTIGUOUS"]
+    for lane in range(3):
+        assert np.array_equal(cache.data[:, :, lane, :, :3], first)
+        assert np.array_equal(cache.data[:, :, lane, :, 3:6], accepted)
+    assert np.array_equal(cache.rows(3, 6), accepted)
+
+
+def test_buffers_are_bound_lane_major_with_room_for_a_padding_row():
+    cache = KVCache(FACTS, capacity=8, lanes=3)
+    buffer = cache.data[1, 0].reshape(1, 3 * FACTS.num_kv_heads, -1, FACTS.head_dim)
+    assert buffer.shape[2] > cache.capacity and np.shares_memory(buffer, cache.data)
 
 
 def test_trim_is_a_pointer_move_and_overflow_is_refused():
     cache = KVCache(FACTS, capacity=4)
-    cache.append(kv(4, 0), range(4))
+    cache.commit(0, 4)
     with pytest.raises(ContextOverflowError):
-        cache.append(kv(1, 0), [0])
+        cache.commit(0, 1)
     cache.trim(2)
     assert cache.length == 2 and cache.room() == 2
     with pytest.raises(ValueError):

@@ -12,8 +12,8 @@ FACTS = ModelFacts(architecture="llama", num_layers=1, hidden_size=8, num_heads=
                    tie_word_embeddings=True, sliding_window=None)
 
 
-def cache_with(length: int) -> KVCache:
-    cache = KVCache(FACTS, 64)
+def cache_with(length: int, lanes: int = 1) -> KVCache:
+    cache = KVCache(FACTS, 64, lanes=lanes)
     cache.length = length
     return cache
 
@@ -34,33 +34,41 @@ def test_a_mask_that_is_not_an_ancestor_mask_is_refused(mask):
         root_to_leaf_paths(mask)
 
 
-def test_every_node_sees_the_past_and_its_path_at_the_columns_plain_decoding_gives_it():
+def test_every_path_gets_a_lane_whose_slots_sit_at_the_columns_plain_decoding_gives_them():
     tree = Topology((-1, 0, 0, 1, 1, 2))
     past = 5
-    feed, n, _ = pass_feed(cache_with(past), list(range(6)), past + tree.depths, tree.ancestor_mask, range(6))
-    paths, slots, mask = feed["path_nodes"], feed["node_slots"], feed["attention_mask"]
-    assert n == 6 and paths.shape == (3, 3) and mask.shape == (3, 3, past + 3)
+    layout = pass_feed(cache_with(past, lanes=4), list(range(6)), past + tree.depths, tree.ancestor_mask, range(6))
+    feed, paths, slots = layout.feed, layout.path_nodes, layout.feed["node_slots"]
+    assert layout.rows == 6 and paths.shape == (4, 3) and layout.lanes == 4
     for node in range(6):
         b, k = divmod(int(slots[node]), paths.shape[1])
         assert paths[b, k] == node and k == tree.depths[node]
         assert list(paths[b, : k + 1]) == tree.path_to(node)  # root first, then ancestors, then the node
-        assert mask[b, k, :past].all() and list(mask[b, k, past:]) == [True] * (k + 1) + [False] * (2 - k)
+    assert list(paths[3]) == list(paths[0])  # the unused lane repeats the first
+    assert list(feed["position_ids"][0]) == [past, past + 1, past + 2]  # a slot's position is its column
+    assert not feed["attention_bias"].any()  # the op's causal mask is the whole mask
+    assert list(feed["seqlens_k"]) == [past + 2] and int(feed["total_sequence_length"]) == past + 3
 
 
-def test_a_single_token_is_one_sequence_with_its_padding_row_after_it():
-    feed, n, wanted = pass_feed(cache_with(3), [7], [3], np.ones((1, 1), bool), [0])
-    assert n == 1 and list(feed["path_nodes"][0]) == [0, 1] and list(feed["node_slots"]) == [0, 1]
-    assert list(feed["attention_mask"][0, 0]) == [True] * 3 + [True, False]  # never the padding row
+def test_a_tree_with_more_paths_than_lanes_is_refused():
+    tree = Topology((-1, 0, 0))
+    with pytest.raises(ValueError, match="within_paths"):
+        pass_feed(cache_with(2), [1, 2, 3], 2 + tree.depths, tree.ancestor_mask, range(3))
+
+
+def test_a_single_token_is_one_lane_with_its_padding_row_after_it():
+    layout = pass_feed(cache_with(3), [7], [3], np.ones((1, 1), bool), [0])
+    feed = layout.feed
+    assert layout.rows == 1 and list(feed["path_nodes"][0]) == [0, 1] and list(feed["node_slots"]) == [0, 1]
+    assert list(feed["input_ids"][0]) == [7, 0] and list(feed["position_ids"][0]) == [3, 4]
     assert list(feed["logit_rows"]) == [0, 0]
 
 
-def test_a_past_mask_is_applied_per_node_and_a_draft_pass_keeps_one_sequence():
+def test_a_draft_pass_keeps_one_lane_and_masks_through_the_bias():
     past_mask = np.array([[True, False, True], [False, True, True]])
-    feed, _, _ = pass_feed(cache_with(3), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask,
-                           exact_rows=False)
-    assert feed["path_nodes"].shape == (1, 2)
-    assert (feed["attention_mask"][0, :, :3] == past_mask).all()
-    assert (feed["attention_mask"][0, :, 3:] == np.eye(2, dtype=bool)).all()
-    exact, _, _ = pass_feed(cache_with(3), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask)
-    assert exact["path_nodes"].shape == (2, 1)  # two roots: a sequence each
-    assert (exact["attention_mask"][:, 0, :3] == past_mask).all()
+    layout = pass_feed(cache_with(3), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask,
+                       exact_rows=False)
+    feed = layout.feed
+    assert feed["path_nodes"].shape == (1, 2) and list(feed["position_ids"][0]) == [3, 3]
+    assert ((feed["attention_bias"][0, 0, :, :3] == 0) == past_mask).all()
+    assert ((feed["attention_bias"][0, 0, :, 3:] == 0) == np.eye(2, dtype=bool)).all()

@@ -24,13 +24,13 @@ def test_evicted_cache_holds_keys_as_if_computed_at_their_new_positions():
     cache = KVCache(facts, 16)
     raw = np.random.default_rng(0).normal(size=(10, dim)).astype(np.float32)
     for p in range(10):
-        cache.data[0, 0, p, 0], cache.data[0, 1, p, 0] = _rope(raw[p], p, freqs), raw[p]
+        cache.data[0, 0, 0, 0, p], cache.data[0, 1, 0, 0, p] = _rope(raw[p], p, freqs), raw[p]
     cache.length = 10
     cache.evict(2, 3, freqs)
     kept = [0, 1, 5, 6, 7, 8, 9]
     expected = [_rope(raw[p], row, freqs) for row, p in enumerate(kept)]
-    np.testing.assert_allclose(cache.data[0, 0, :7, 0], expected, atol=1e-6)
-    np.testing.assert_array_equal(cache.data[0, 1, :7, 0], raw[kept])
+    np.testing.assert_allclose(cache.data[0, 0, 0, 0, :7], expected, atol=1e-6)
+    np.testing.assert_array_equal(cache.data[0, 1, 0, 0, :7], raw[kept])
     assert cache.length == 7
     with pytest.raises(ValueError):
         cache.evict(5, 3, freqs)
