@@ -46,7 +46,7 @@ def cmd_export(args) -> None:
                         symmetric=not args.asymmetric, accuracy_level=args.accuracy_level,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
                         force=args.force, stages=args.stages, lookup=args.lookup, lookup_quote=args.lookup_quote,
-                        cache_dir=cache_dir()))
+                        lanes=args.lanes, cache_dir=cache_dir()))
 
 
 def _sampling_config(args):
@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup", type=int, default=0,
                    help="with a draft model: also draft up to this many tokens by prompt lookup (continuing the "
                         "context where its suffix occurred before), grafted onto the model's tree (0: off)")
+    p.add_argument("--lanes", type=int, default=None,
+                   help="root-to-leaf paths the target graph verifies in one pass (default: the tree's paths, with "
+                        "the lookup chain's; every lane's attention runs on every pass, trees with more are cut)")
     p.add_argument("--lookup-quote", type=int, default=0,
                    help="with a draft model: draft up to this many lookup tokens (more than --lookup, which may be 0) "
                         "where the context's last 4 tokens occurred before, as when the answer quotes its input "

@@ -15,6 +15,7 @@ from .kvcache import KVCache
 # SmolLM2's fp32 logits, more in int4). Every matmul therefore sees at least two rows — a one-token
 # step gets one masked padding row, a one-row logits request a duplicate row for the head — so a
 # token's logits are the same bits alone, in a prefill chunk or inside a verified tree.
+# A draft's passes need no such care: their rows need not match anything, and one row is the fastest.
 MIN_ROWS = 2
 
 
@@ -139,7 +140,8 @@ def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_ro
     """
     n = len(tokens)
     past_len = cache.length
-    rows = max(n, MIN_ROWS)
+    min_rows = MIN_ROWS if exact_rows else 1
+    rows = max(n, min_rows)
     ids = np.zeros((1, rows), dtype=np.int64)
     ids[0, :n] = tokens
     tree_mask = np.asarray(tree_mask, dtype=bool)
@@ -164,14 +166,15 @@ def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_ro
                 raise ValueError("a mask over the past applies to one lane: give exact rows a chain")
             bias[0, 0, :n, :past_len] = np.where(np.asarray(past_mask, dtype=bool), 0, -np.inf)
     else:
-        position_ids = np.empty((1, rows), dtype=np.int64)
-        position_ids[0, :n] = positions
-        position_ids[0, n:] = position_ids[0, n - 1]
+        node_positions = np.empty(rows, dtype=np.int64)
+        node_positions[:n] = positions
+        node_positions[n:] = node_positions[n - 1]
+        position_ids = node_positions[path_nodes[:1]]
         bias[0, 0, :n, past_len : past_len + n] = np.where(tree_mask, 0, -np.inf)
         if past_mask is not None:
             bias[0, 0, :n, :past_len] = np.where(np.asarray(past_mask, dtype=bool), 0, -np.inf)
     wanted = np.asarray(logit_rows, dtype=np.int64)
-    head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], MIN_ROWS - len(wanted))]) if len(wanted) < MIN_ROWS \
+    head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], min_rows - len(wanted))]) if len(wanted) < min_rows \
         else wanted
     total = past_len + slots
     feed = dict(input_ids=ids, position_ids=position_ids, attention_bias=bias, logit_rows=head_rows,
