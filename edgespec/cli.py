@@ -43,7 +43,8 @@ def cmd_export(args) -> None:
     export(ExportConfig(model=args.model, draft=args.draft, out=Path(args.out), tree=args.tree,
                         context=args.context, profile=args.profile, prefill_chunk=args.prefill_chunk,
                         quant=args.quant, draft_quant=args.draft_quant, block=args.block,
-                        symmetric=not args.asymmetric, accuracy_level=args.accuracy_level,
+                        symmetric=not (args.asymmetric or args.integer_zero_points),
+                        integer_zero_points=args.integer_zero_points, accuracy_level=args.accuracy_level,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
                         force=args.force, stages=args.stages, lookup=args.lookup, lookup_quote=args.lookup_quote,
                         lanes=args.lanes, cache_dir=cache_dir()))
@@ -268,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="fp32", help="weights: fp32, fp16, int8 or int4 (block-wise)")
     p.add_argument("--draft-quant", default=None, help="the draft's scheme (default: as --quant)")
     p.add_argument("--block", type=int, default=32, help="int4/int8 block size: 16, 32, 64, 128 or 256")
-    p.add_argument("--asymmetric", action="store_true", help="int4/int8 with zero points (NPUs need symmetric)")
+    p.add_argument("--asymmetric", action="store_true",
+                   help="int4/int8 with an exact float offset per block (reproduces a Q4_1 GGUF; NPUs need symmetric)")
+    p.add_argument("--integer-zero-points", action="store_true",
+                   help="int4/int8 asymmetric with MatMulNBits' own integer zero points (its fast kernels)")
     p.add_argument("--accuracy-level", type=int, default=4,
                    help="MatMulNBits activations: 4 = int8 (fast), 1 = fp32")
     p.add_argument("--quant-policy", default=None,

@@ -11,11 +11,12 @@ from pathlib import Path
 
 # The draft ships packed (trained tensors only, float16) and is rebuilt against the target on first use.
 SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
-# the tree `edgespec tune` chose for this draft on the reference machine (benchmarks/RESULTS.md §13),
-# and prompt lookup beside it: 1.30x against 1.22x on chat, 1.94x against 1.19x on edits, one run (§26);
-# while the answer quotes its context the lookup chain runs to 10 tokens: 6% faster on edits (§32)
-DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 4,
-                  "lookup_quote": 10}
+# int4 weights, the one int4 scheme within +2% perplexity of fp32 here: exact per-block float offsets
+# (the reference GGUF's Q4_1 grid, reproduced) with the head in int8, +0.07% (RESULTS.md §40); the
+# tree `edgespec tune` chose for this draft (§13), with prompt lookup while the answer quotes its context
+# only: on int4 every node costs a row of compute, and shorter matches do not pay for theirs (§32)
+DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 0,
+                  "lookup_quote": 10, "quant": "int4", "symmetric": False}
 
 
 def cache_dir() -> Path:
@@ -66,7 +67,11 @@ def ensure_default_bundle() -> Path:
     print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct and its distilled draft) into "
           f"{path}; this takes about a minute and is reused afterwards.", file=sys.stderr)
     started = time.perf_counter()
-    export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, out=path, cache_dir=cache_dir()))
+    from importlib import resources
+
+    with resources.as_file(resources.files("edgespec.quant") / "policies" / "head-int8.json") as policy:
+        export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, quant_policy=policy, out=path,
+                            cache_dir=cache_dir()))
     print(f"edgespec: default bundle ready in {time.perf_counter() - started:.0f}s", file=sys.stderr)
     return path
 

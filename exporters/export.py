@@ -38,6 +38,7 @@ class ExportConfig:
     draft_quant: str | None = None  # None: the same as the target's
     block: int = 32
     symmetric: bool = True
+    integer_zero_points: bool = False  # asymmetric: MatMulNBits' own integer zero points, not exact float offsets
     accuracy_level: int = 4
     quant_policy: Path | None = None  # applies to the target
     force: bool = False
@@ -148,7 +149,8 @@ def export(config: ExportConfig) -> Path:
     profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:
-        target_scheme = QuantScheme(config.quant, config.block, config.symmetric, config.accuracy_level)
+        target_scheme = QuantScheme(config.quant, config.block, config.symmetric, config.accuracy_level,
+                                    config.integer_zero_points)
         draft_scheme = replace(target_scheme, name=config.draft_quant or config.quant)
         target_policy = QuantPolicy.load(config.quant_policy, target_scheme)
     except ValueError as err:

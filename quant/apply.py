@@ -84,7 +84,7 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
             applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
     _store_half(model, [n for n, s in applied.items() if s == "fp16"])
-    if not policy.default.symmetric:
+    if not policy.default.symmetric and not policy.default.integer_zero_points:
         _apply_offsets(model, users, applied, policy)
     _apply_nbits(model, applied, policy)
     if "lm_head" not in applied and "embed_tokens" in applied:  # a tied head reads the embedding table as stored

@@ -24,6 +24,9 @@ class QuantScheme:
     # MatMulNBits accuracy level: 4 = int8 activations (fast on AVX2/AVX512-VNNI/NEON dot), 1 = fp32
     # activations. Either keeps per-row results independent of the pass's shape (tested).
     accuracy_level: int = 4
+    # asymmetric only: each block's zero point as MatMulNBits stores it (an integer: its fast kernels),
+    # instead of an exact float offset beside it (offsets.py: reproduces a Q4_1 GGUF, costs a float matmul)
+    integer_zero_points: bool = False
 
     def __post_init__(self):
         if self.name not in SCHEMES:
@@ -42,7 +45,8 @@ class QuantScheme:
         if self.bits is None and not block_settings:
             return {"scheme": self.name}
         return {"scheme": self.name, "block_size": self.block_size, "symmetric": self.symmetric,
-                "accuracy_level": self.accuracy_level}
+                "accuracy_level": self.accuracy_level,
+                **({"zero_points": "integer" if self.integer_zero_points else "float"} if not self.symmetric else {})}
 
 
 @dataclass(frozen=True)
