@@ -6,6 +6,11 @@ GroupQueryAttention takes as both past and present key of layer l (exporters/lla
 valid prefix only and writes a pass's new rows after it, so nothing is copied per step. Rollback is a
 pointer move.
 
+The buffer grows with the conversation, doubling up to `capacity` (`reserve`, which the pass layout
+calls): onnxruntime's attention writes the whole buffer on a pass with no past (measured: a 2048-token
+cache became resident on the first prefill), so a cache allocated whole would cost its full size at
+once. Growing copies the valid rows, a few times per conversation, and rebinds.
+
 Lanes: a tree pass gives each root-to-leaf path a lane of its own (exact rows, runtime/model.py); a
 cache has as many lanes as the graph it serves was exported with.
 Between passes every lane holds the same committed rows; `commit` copies the accepted path's rows
@@ -31,6 +36,7 @@ from .facts import ModelFacts
 
 # Rows a pass may write past `capacity`: a one-token step's padding row (runtime/model.py, MIN_ROWS).
 KV_SLACK = 2
+INITIAL_ROWS = 256  # rows first allocated; `reserve` doubles them as the conversation grows
 
 
 def kv_input_layers(names) -> list[int]:
@@ -39,14 +45,14 @@ def kv_input_layers(names) -> list[int]:
 
 
 class KVCache:
-    def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0, lanes: int = 1):
+    def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0, lanes: int = 1,
+                 initial_rows: int = INITIAL_ROWS):
         if lanes < 1:
             raise ValueError(f"a KV cache needs at least one lane (got {lanes})")
         self.capacity = capacity
         self.lanes = lanes
-        # np.zeros maps untouched pages lazily: only rows that are written become resident.
-        self.data = np.zeros((facts.num_layers, 2, lanes, facts.num_kv_heads, capacity + KV_SLACK, facts.head_dim),
-                             np.float32)
+        self.data = np.zeros((facts.num_layers, 2, lanes, facts.num_kv_heads, min(capacity, initial_rows) + KV_SLACK,
+                              facts.head_dim), np.float32)
         self.features = np.zeros((capacity, feature_size), np.float32) if feature_size else None
         self.length = 0
         self._bindings: dict[int, tuple[weakref.ref, ort.IOBinding, tuple[str, ...]]] = {}
@@ -58,6 +64,19 @@ class KVCache:
     def room(self) -> int:
         return self.capacity - self.length
 
+    def reserve(self, rows: int) -> None:
+        """Makes the buffer hold `rows` rows (a pass writes up to KV_SLACK past the capacity): doubles it,
+        keeping the valid rows of every lane, and forgets the bindings of the old one."""
+        held = self.data.shape[4] - KV_SLACK
+        if rows <= held:
+            return
+        if rows > self.capacity + KV_SLACK:
+            raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {rows} were needed")
+        shape = list(self.data.shape)
+        shape[4] = min(self.capacity, max(rows, 2 * held)) + KV_SLACK
+        grown = np.zeros(shape, np.float32)
+        grown[:, :, :, :, : self.length] = self.data[:, :, :, :, : self.length]
+        self.data, self._bindings = grown, {}
     def binding(self, session: ort.InferenceSession) -> tuple[ort.IOBinding, tuple[str, ...]]:
         """An IOBinding of `session` with the buffers of every layer it reads bound as its past and
         present keys/values, and the names of its other inputs, which the caller binds per pass."""

@@ -158,6 +158,7 @@ def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_ro
         path_nodes[b, len(path):] = path[-1]  # unused slots repeat the last token (their rows are never read)
         node_slots[path] = b * slots + np.arange(len(path))  # a node on several lanes has the same bits on each
     path_nodes[len(paths):] = path_nodes[0]  # unused lanes repeat the first (the graph computes every lane)
+    cache.reserve(past_len + slots)
     bias = np.zeros((1, 1, slots, past_len + slots), np.float32)
     if exact_rows:
         position_ids = (past_len + np.arange(slots, dtype=np.int64))[None]

@@ -3,7 +3,7 @@ import pytest
 
 from edgespec.runtime.errors import ContextOverflowError
 from edgespec.runtime.facts import ModelFacts
-from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.kvcache import KV_SLACK, KVCache
 
 FACTS = ModelFacts("llama", 2, 8, 2, 1, 4, 16, 10, 16, 1e-5, 1e4, True)
 
@@ -35,6 +35,23 @@ def test_buffers_are_bound_lane_major_with_room_for_a_padding_row():
     cache = KVCache(FACTS, capacity=8, lanes=3)
     buffer = cache.data[1, 0].reshape(1, 3 * FACTS.num_kv_heads, -1, FACTS.head_dim)
     assert buffer.shape[2] > cache.capacity and np.shares_memory(buffer, cache.data)
+
+
+def test_the_buffer_grows_by_doubling_keeping_every_lanes_rows_up_to_the_capacity():
+    cache = KVCache(FACTS, capacity=12, lanes=2, initial_rows=2)
+    assert cache.data.shape[4] == 2 + KV_SLACK
+    kept = write(cache, 1, 2, 0)
+    cache.commit(1, 2)
+    cache.reserve(3)
+    assert cache.data.shape[4] == 4 + KV_SLACK
+    for lane in range(2):
+        assert np.array_equal(cache.data[:, :, lane, :, :2], kept)
+    cache.reserve(9)
+    assert cache.data.shape[4] == 9 + KV_SLACK
+    cache.reserve(12 + KV_SLACK)  # a pass at a full cache writes its padding row past the capacity
+    assert cache.data.shape[4] == 12 + KV_SLACK
+    with pytest.raises(ContextOverflowError):
+        cache.reserve(13 + KV_SLACK)
 
 
 def test_trim_is_a_pointer_move_and_overflow_is_refused():

@@ -120,6 +120,19 @@ def test_chat_prompts_and_multi_turn_session(bundle_factory):
     assert second.token_ids == fresh.token_ids
 
 
+def test_caches_that_grow_while_speculating_give_plain_decodings_output(bundle_factory):
+    """A cache whose buffer starts at 4 rows grows (and is bound anew) several times in one generation."""
+    from edgespec.runtime.engine import Session
+    from edgespec.runtime.kvcache import KVCache
+
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
+    target = pipeline.manifest.target
+    small = Session(cache=KVCache(target.facts, pipeline.context, lanes=target.lanes, initial_rows=4))
+    grown = pipeline.generate("the quick brown fox", config=CONFIG, session=small)
+    assert small.cache.data.shape[4] > 4 + 2  # it grew
+    assert grown.token_ids == pipeline.generate("the quick brown fox", config=CONFIG, speculate=False).token_ids
+
+
 def test_a_token_computed_alone_or_inside_a_tree_has_the_same_bits(bundle_factory):
     """The reason greedy equality holds: per-row results do not depend on the pass's shape
     (see MIN_ROWS in runtime/model.py)."""
