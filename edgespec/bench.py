@@ -65,6 +65,8 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
     pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8))  # warm-up: first-run allocations
     runs = {"plain": [], "speculative": []}
+    engine_s = {mode: 0.0 for mode in runs}  # inside onnxruntime, target and draft
+    runners = [r for r in (pipeline.target, pipeline.draft) if r is not None]
     by_round = []
     identical = True
     for _ in range(rounds):
@@ -73,7 +75,9 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
             ask = prompt_kwargs(item)
             outputs = {}
             for mode in runs:  # alternate per prompt so machine noise falls on both modes alike
+                before = sum(r.run_seconds for r in runners)
                 result = pipeline.generate(**ask, config=config, speculate=(mode == "speculative"))
+                engine_s[mode] += sum(r.run_seconds for r in runners) - before
                 this_round[mode].append(result.stats)
                 outputs[mode] = result.token_ids
             identical &= outputs["plain"] == outputs["speculative"]
@@ -81,6 +85,9 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
             runs[mode] += stats
         by_round.append(_speedup(*(_summary(this_round[mode]) for mode in runs)))
     report = {mode: _summary(stats) for mode, stats in runs.items()}
+    for mode, stats in runs.items():  # what a generation spends outside onnxruntime: Python, numpy, tokenizer
+        total = sum(s.prefill_s + s.decode_s for s in stats)
+        report[mode]["python_share"] = round(max(0.0, 1 - engine_s[mode] / total), 4) if total else 0.0
     report.update(
         speedup=_speedup(report["plain"], report["speculative"]),
         rounds=rounds, speedup_by_round=by_round,
@@ -111,9 +118,11 @@ def print_report(report: dict, out=None) -> None:
              else "")
           + (f" ({report['lookup_quote']} when quoting)" if report.get("lookup_quote") else "")
           + (_ngram_text(report["ngram"]) if report.get("ngram") else ""), file=out)
-    print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms", file=out)
+    print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms   "
+          f"{100 * p['python_share']:.1f}% outside onnxruntime", file=out)
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
-          f"{s['mean_accepted_per_pass']:.2f} tokens per target pass", file=out)
+          f"{100 * s['python_share']:.1f}% outside onnxruntime   {s['mean_accepted_per_pass']:.2f} tokens per target pass",
+          file=out)
     same = "n/a (sampling)" if report["identical_greedy"] is None else report["identical_greedy"]
     spread = f" (rounds: {', '.join(f'{r:.2f}' for r in report['speedup_by_round'])})" if report["rounds"] > 1 else ""
     print(f"speedup {report['speedup']:.2f}x{spread}   identical greedy output: {same}   "

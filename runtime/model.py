@@ -1,6 +1,7 @@
 """One model's graph behind a stateless call: the caller passes tokens, positions, mask and cache."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,7 @@ class ModelRunner:
         self.gives_features = FEATURES_OUT in {o.name for o in session.get_outputs()}
         self.head_size = facts.vocab_size if head_tokens is None else len(head_tokens)
         self.lanes = graph_lanes(session, facts)
+        self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
@@ -85,7 +87,9 @@ class ModelRunner:
         outputs = {"logits": (len(feed["logit_rows"]), self.head_size)}
         if self.gives_features:
             outputs[FEATURES_OUT] = (rows, self.facts.hidden_size)
+        started = time.perf_counter()
         values = run_bound(self.session, cache, feed, outputs)
+        self.run_seconds += time.perf_counter() - started
         logits = values["logits"][: len(layout.wanted)]
         if self.head_tokens is not None:
             full = np.full((len(layout.wanted), self.facts.vocab_size), -np.inf, dtype=logits.dtype)

@@ -24,6 +24,7 @@ the budget's KV caches do not know whether the target streams.
 from __future__ import annotations
 
 import mmap
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Protocol
@@ -154,6 +155,7 @@ class StagedRunner:
         `lanes`: the root-to-leaf paths the stages' graphs attend in (the manifest's)."""
         self.window, self.stage_inputs, self.facts, self.embedding = window, stage_inputs, facts, embedding
         self.lanes = lanes
+        self.run_seconds = 0.0  # time inside onnxruntime (and waiting for stages), all passes so far
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
@@ -168,6 +170,7 @@ class StagedRunner:
         first = 0
         if self.embedding is not None:
             feed["hidden"], first = self.embedding.lookup(feed["input_ids"]), 1
+        started = time.perf_counter()
         for i in range(first, len(self.stage_inputs)):
             session = self.window.get(i - first)
             outputs = {o.name: (len(feed["logit_rows"]) if o.name == "logits" else rows, widths[o.name])
@@ -176,5 +179,6 @@ class StagedRunner:
             feed.update({k: values[f"{k}_out"][None] for k in ("hidden", "branch") if f"{k}_out" in values})
             logits = values.get("logits", logits)
             features = values.get(FEATURES_OUT, features)
+        self.run_seconds += time.perf_counter() - started
         return Pass(logits=logits[: len(layout.wanted)], path_nodes=layout.path_nodes,
                     features=None if features is None else features[: layout.rows])

@@ -60,6 +60,7 @@ def test_bench_json_keys(bundle_factory, tmp_path, capsys):
     assert report["identical_greedy"] is True
     assert {"tokens_per_s", "time_to_first_token_s"} <= set(report["plain"])
     assert {"tokens_per_s", "mean_accepted_per_pass"} <= set(report["speculative"])
+    assert all(0 < report[mode]["python_share"] < 1 for mode in ("plain", "speculative"))
     assert report["speedup"] > 0 and report["peak_rss_mb"] > 0
     assert report["tree"] == "chain:4" and report["ngram"] == {"min_n": 1, "max_n": 4, "partial_match_depth": 5}
     assert main(["bench", str(bundle_factory()), "--prompts", str(prompts), "--max-new-tokens", "8"]) == 0
