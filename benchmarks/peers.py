@@ -2,16 +2,18 @@
 
     pip install -e ".[export,peers]"
     python benchmarks/peers.py BUNDLE [BUNDLE ...] [--prompts FILE.jsonl ...] [--max-new-tokens 128]
-                               [--rounds 2] [--threads 2] [--json OUT.json]
+                               [--rounds 2] [--threads 2] [--json OUT.json] [--perplexity] [--peer-precision int4]
 
-Builds onnxruntime-genai's int4 CPU export of the reference model (SmolLM2-135M-Instruct, the same
-GGUF edgespec's default bundle comes from) with its own model builder, once, into the edgespec cache
+Builds onnxruntime-genai's CPU export of the reference model (SmolLM2-135M-Instruct, from the same
+GGUF edgespec's default bundle comes from; int4 unless `--peer-precision`) with its own model builder, once, into the edgespec cache
 (`EDGESPEC_CACHE/peers/`). Then, for every prompt set, runs in one sitting and alternating round by
 round: onnxruntime-genai greedy, onnxruntime-genai with its n-gram speculation (3-gram, 10 draft
 tokens), and each bundle plain and speculative. Every run is a process of its own, so peak RSS is
 that system's alone. Prints one table per prompt set: decode tokens/s (first token excluded), time
 to first token, peak RSS, tokens per target pass, the ratio to the faster onnxruntime-genai mode, and
 whether each bundle's speculative output is identical to its own plain decoding on every prompt.
+`--perplexity` first prints each system's perplexity on edgespec's held-out text (the text and
+tokenization the bundles' quality.json uses), teacher-forced in one pass: what each int4 costs.
 
 The child processes are this file run with `--child`; nothing else calls it.
 """
@@ -35,9 +37,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EDGESPEC_CACHE", Path.home() / ".cache" / "edgespec"))
 
 
-def build_peer(threads: int) -> Path:
-    """onnxruntime-genai's int4 export of the reference model, built by its model builder (once)."""
-    out = cache_dir() / "peers" / "ortgenai-smollm2-135m-int4"
+def build_peer(threads: int, precision: str = "int4") -> Path:
+    """onnxruntime-genai's export of the reference model at `precision`, built by its model builder (once)."""
+    out = cache_dir() / "peers" / f"ortgenai-smollm2-135m-{precision}"
     if (out / "genai_config.json").is_file():
         return out
     from edgespec.exporters.sources import resolve_source
@@ -53,7 +55,7 @@ def build_peer(threads: int) -> Path:
         tokenizer.save_pretrained(hf)
     partial = out.with_name(out.name + ".partial")
     subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(partial),
-                    "-p", "int4", "-e", "cpu", "-c", str(cache_dir() / "peers" / "builder-cache")], check=True)
+                    "-p", precision, "-e", "cpu", "-c", str(cache_dir() / "peers" / "builder-cache")], check=True)
     config = json.loads((partial / "genai_config.json").read_text())
     session = config["model"]["decoder"].setdefault("session_options", {})
     session["intra_op_num_threads"] = threads
@@ -93,6 +95,41 @@ def run_peer(folder: Path, prompts: list[list[dict]], max_new_tokens: int, ngram
     return results
 
 
+def peer_perplexity(folder: Path, ids: list[int]) -> float:
+    """The peer's graph run directly by onnxruntime over `ids` at once (an empty past)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+    feed = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
+    for value in session.get_inputs():
+        if value.name.startswith("past_key_values"):
+            feed[value.name] = np.zeros((1, value.shape[1], 0, head_size), np.float32)
+    logits = session.run(["logits"], feed)[0][0, :-1].astype(np.float64)
+    logits -= logits.max(axis=-1, keepdims=True)
+    targets = np.asarray(ids[1:])
+    log_probs = logits[np.arange(len(targets)), targets] - np.log(np.exp(logits).sum(axis=-1))
+    return float(np.exp(-log_probs.mean()))
+
+
+def perplexities(peer: Path, bundles: list[Path]) -> None:
+    from importlib import resources
+
+    from edgespec.quant.report import perplexity
+    from edgespec.runtime.pipeline import Pipeline
+
+    text = resources.files("edgespec").joinpath("data/heldout.txt").read_text(encoding="utf-8")
+    for bundle in bundles:
+        pipeline = Pipeline(bundle, threads=2)
+        ids = pipeline.codec.encode(text)[: pipeline.manifest.target.facts.max_context - 1]
+        quality = json.loads((bundle / "quality.json").read_text()) if (bundle / "quality.json").is_file() else {}
+        fp32 = quality.get("perplexity", {}).get("fp32")
+        print(f"{bundle.name:42s} perplexity {perplexity(pipeline.target, ids):.4f}"
+              + (f"   (its fp32 export: {fp32})" if fp32 else ""))
+    print(f"{'onnxruntime-genai ' + peer.name.rsplit('-', 1)[-1]:42s} perplexity {peer_perplexity(peer, ids):.4f}")
+
+
 def run_bundle(folder: Path, prompts: list[list[dict]], max_new_tokens: int, speculate: bool, threads: int) -> list[dict]:
     from edgespec.runtime.engine import GenerationConfig
     from edgespec.runtime.pipeline import Pipeline
@@ -118,7 +155,17 @@ def child(args) -> None:
     else:
         results = run_bundle(Path(args.child_folder), prompts, args.max_new_tokens, args.child == "speculative",
                              args.threads)
-    print(json.dumps({"results": results, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"results": results, "peak_rss_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS since it started. Not getrusage's ru_maxrss: Linux carries that across
+    exec from the parent, so a child would report its parent's peak when that was higher."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def measure(kind: str, folder: Path, prompts: Path, args) -> dict:
@@ -150,6 +197,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--peer-precision", default="int4", choices=("int4", "int8", "fp32"),
+                        help="onnxruntime-genai's export to compare against (its builder's -p)")
+    parser.add_argument("--perplexity", action="store_true", help="first print each system's held-out perplexity")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-folder", help=argparse.SUPPRESS)
     parser.add_argument("--child-prompts", help=argparse.SUPPRESS)
@@ -158,8 +208,11 @@ def main() -> None:
         return child(args)
     if not args.bundles:
         parser.error("give at least one bundle")
-    peer = build_peer(args.threads)
-    systems = [("onnxruntime-genai int4", "peer", peer), ("onnxruntime-genai n-gram 3/10", "peer-ngram", peer)]
+    peer = build_peer(args.threads, args.peer_precision)
+    if args.perplexity:
+        perplexities(peer, args.bundles)
+    systems = [(f"onnxruntime-genai {args.peer_precision}", "peer", peer),
+               (f"onnxruntime-genai {args.peer_precision} n-gram 3/10", "peer-ngram", peer)]
     for bundle in args.bundles:
         systems += [(f"{bundle.name} plain", "plain", bundle), (f"{bundle.name} speculative", "speculative", bundle)]
     report = {}

@@ -6,8 +6,11 @@ one KV buffer per layer that onnxruntime's fused GroupQueryAttention reads and w
 returns logits.
 
     inputs:  input_ids [1, N] int64
-             path_nodes [B, L] int64    (which new token sits in each slot of each lane)
-             node_slots [N] int64       (the slot b * L + k whose attention output each token takes)
+             qkv_rows [L, B * (H + 2 kvH)] int64 (for each slot, which row of the N tokens' q/k/v heads,
+                                         viewed as [N * (H + 2 kvH), head_dim], fills each head of each
+                                         lane, in the op's packed order: all lanes' q, then k, then v)
+             out_rows [N, H] int64      (which row of the op's output [L * B * H, head_dim] is each of a
+                                         token's heads: its slot in the first lane that holds it)
              position_ids [1, L] int64  (the rotary position of each slot, the same in every lane)
              attention_bias [1, 1, L, T] float32 (added to the scores; 0 or -inf; T = past + L)
              seqlens_k [1] int32, total_sequence_length [] int32   (past + L - 1, past + L)
@@ -30,7 +33,7 @@ committed rows; the runtime copies an accepted path's rows from its lane to the 
 never the past). A chain or a prefill chunk is one lane; a graph of B lanes runs B lanes' attention
 on every pass (unused lanes repeat lane 0), so a bundle whose trees are chains is exported with one.
 The matmuls run on the N tokens, not on the lanes' slots: q/k/v are gathered into the lanes after
-their projection and the attention output gathered back by node_slots.
+their projection (one Gather of head rows) and the attention output gathered back (another).
 
 The draft's passes (rows that need not match anything) use one lane and attention_bias for their
 tree masks, with position_ids giving each row its depth.
@@ -193,7 +196,8 @@ class LlamaBuilder:
 
     def decoder_layers(self, g: GraphBuilder, x: str, branch: str | None, layers: range, nodes):
         f = self.facts
-        lanes = (g.input("path_nodes", INT64, [self.lanes, "slots"]), g.input("node_slots", INT64, [nodes]))
+        units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
+        lanes = (g.input("qkv_rows", INT64, ["slots", units]), g.input("out_rows", INT64, [nodes, f.num_heads]))
         attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]),
                       bias=g.input("attention_bias", FLOAT, [1, 1, "slots", "total"]),
                       seqlens=g.input("seqlens_k", INT32, [1]),
@@ -232,26 +236,22 @@ class LlamaBuilder:
         one fused GroupQueryAttention node over the layer's KV buffer, rotary embedding included."""
         f, lane_count = self.facts, self.lanes
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
-        path_nodes, node_slots = lanes
+        qkv_rows, out_rows = lanes
         qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
         if "qkv_bias" in w:
             qkv = g.op("Add", [qkv, w["qkv_bias"]], "qkv")
-        width = (heads + 2 * kv_heads) * d
-        packed = g.op("Gather", [g.op("Reshape", [qkv, g.const([-1, width])]), path_nodes], axis=0)  # [B, L, width]
-        if lane_count > 1:  # lanes into heads: [1, L, B * H * D] for q, [1, L, B * kvH * D] for k and v
-            parts = g.op("Split", [packed, g.const([heads * d, kv_heads * d, kv_heads * d])], n_out=3, axis=-1)
-            packed = g.op("Concat", [g.op("Reshape", [g.op("Transpose", [part], perm=[1, 0, 2]), g.const([1, -1, size])])
-                                     for part, size in zip(parts, (lane_count * heads * d, lane_count * kv_heads * d,
-                                                                   lane_count * kv_heads * d))], axis=-1)
+        # one Gather lays the heads out as the op takes them: lanes folded into heads, q, k, v packed
+        heads_of_tokens = g.op("Reshape", [qkv, g.const([-1, d])])  # [N * (H + 2 kvH), D]
+        units = lane_count * (heads + 2 * kv_heads)
+        packed = g.op("Reshape", [g.op("Gather", [heads_of_tokens, qkv_rows], axis=0),
+                                  g.const([1, -1, units * d])])  # [L, units, D] -> [1, L, units * D]
         out, present_k, present_v = g.op(
             "GroupQueryAttention",
             [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"], attend["cos"], attend["sin"],
              attend["pos"], attend["bias"]],
             "attn", n_out=3, domain="com.microsoft", num_heads=lane_count * heads,
             kv_num_heads=lane_count * kv_heads, do_rotary=1)  # [1, L, B * H * D]
-        if lane_count > 1:  # back to [B, L, H * D]
-            out = g.op("Transpose", [g.op("Reshape", [out, g.const([-1, lane_count, heads * d])])], perm=[1, 0, 2])
-        out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, heads * d])]), node_slots], axis=0)  # [N, H*D]
+        out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, d])]), out_rows], axis=0)  # [N, H, D]
         out = g.op("Reshape", [out, g.const([1, -1, heads * d])])
         return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
 

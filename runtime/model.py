@@ -79,7 +79,8 @@ class ModelRunner:
         features [n, hidden]: for a graph that reads them, the features that go with each new token;
         exact_rows: see pass_feed.
         """
-        layout = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows)
+        layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
+                           logit_rows, past_mask, exact_rows)
         feed = layout.feed
         rows = feed["input_ids"].shape[1]
         if self.reads_features:
@@ -132,9 +133,9 @@ def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.n
     return out
 
 
-def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows, past_mask=None,
-              exact_rows: bool = True) -> PassLayout:
-    """The graph inputs of one pass, padded to MIN_ROWS rows.
+def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_mask: np.ndarray, logit_rows,
+              past_mask=None, exact_rows: bool = True) -> PassLayout:
+    """The graph inputs of one pass, padded to MIN_ROWS rows; `heads`: the model's (query, kv) heads.
 
     exact_rows: each root-to-leaf path of `tree_mask` attends in a lane of its own, at the columns
     plain decoding gives it, so every row has plain decoding's bits (exporters/llama.py says why);
@@ -182,10 +183,28 @@ def pass_feed(cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_ro
     head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], min_rows - len(wanted))]) if len(wanted) < min_rows \
         else wanted
     total = past_len + slots
+    qkv_rows, out_rows = head_rows_of(path_nodes, node_slots, heads)
     feed = dict(input_ids=ids, position_ids=position_ids, attention_bias=bias, logit_rows=head_rows,
-                path_nodes=path_nodes, node_slots=node_slots, seqlens_k=np.array([total - 1], np.int32),
+                qkv_rows=qkv_rows, out_rows=out_rows, seqlens_k=np.array([total - 1], np.int32),
                 total_sequence_length=np.array(total, np.int32))
     return PassLayout(feed=feed, rows=n, wanted=wanted, path_nodes=path_nodes)
+
+
+def head_rows_of(path_nodes: np.ndarray, node_slots: np.ndarray, heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The graph's head gathers for lanes `path_nodes` [B, L] (exporters/llama.py): qkv_rows [L, B * (H + 2 kvH)]
+    picks each lane's q, k and v heads of the token in each slot, in the op's packed order (every lane's
+    q heads, then k, then v); out_rows [N, H] picks each token's output heads from its slot b * L + k."""
+    q_heads, kv_heads = heads
+    width = q_heads + 2 * kv_heads
+    lanes, slots = path_nodes.shape
+    base = path_nodes.T[:, :, None] * width  # [L, B, 1]: the token's first head row
+    q = base + np.arange(q_heads)
+    k = base + q_heads + np.arange(kv_heads)
+    v = base + q_heads + kv_heads + np.arange(kv_heads)
+    qkv_rows = np.concatenate([part.reshape(slots, -1) for part in (q, k, v)], axis=1)
+    lane, slot = np.divmod(node_slots, slots)
+    out_rows = ((slot * lanes + lane) * q_heads)[:, None] + np.arange(q_heads)
+    return qkv_rows, out_rows
 
 
 def _is_chain(mask: np.ndarray) -> bool:

@@ -162,7 +162,8 @@ class StagedRunner:
                 exact_rows: bool = True) -> Pass:
         if features is not None:
             raise ValueError("a staged target reads no features; only a draft does")
-        layout = pass_feed(cache, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows)
+        layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
+                           logit_rows, past_mask, exact_rows)
         feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]
         widths = {"hidden_out": self.facts.hidden_size, "branch_out": self.facts.hidden_size,
                   FEATURES_OUT: self.facts.hidden_size, "logits": self.facts.vocab_size}

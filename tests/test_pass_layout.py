@@ -12,6 +12,9 @@ FACTS = ModelFacts(architecture="llama", num_layers=1, hidden_size=8, num_heads=
                    tie_word_embeddings=True, sliding_window=None)
 
 
+HEADS = (FACTS.num_heads, FACTS.num_kv_heads)
+
+
 def cache_with(length: int, lanes: int = 1) -> KVCache:
     cache = KVCache(FACTS, 64, lanes=lanes)
     cache.length = length
@@ -37,11 +40,12 @@ def test_a_mask_that_is_not_an_ancestor_mask_is_refused(mask):
 def test_every_path_gets_a_lane_whose_slots_sit_at_the_columns_plain_decoding_gives_them():
     tree = Topology((-1, 0, 0, 1, 1, 2))
     past = 5
-    layout = pass_feed(cache_with(past, lanes=4), list(range(6)), past + tree.depths, tree.ancestor_mask, range(6))
-    feed, paths, slots = layout.feed, layout.path_nodes, layout.feed["node_slots"]
+    layout = pass_feed(cache_with(past, lanes=4), HEADS, list(range(6)), past + tree.depths, tree.ancestor_mask, range(6))
+    feed, paths = layout.feed, layout.path_nodes
+    slots = [int(feed["out_rows"][node, 0]) // FACTS.num_heads for node in range(6)]  # s * lanes + b
     assert layout.rows == 6 and paths.shape == (4, 3) and layout.lanes == 4
     for node in range(6):
-        b, k = divmod(int(slots[node]), paths.shape[1])
+        k, b = divmod(slots[node], layout.lanes)
         assert paths[b, k] == node and k == tree.depths[node]
         assert list(paths[b, : k + 1]) == tree.path_to(node)  # root first, then ancestors, then the node
     assert list(paths[3]) == list(paths[0])  # the unused lane repeats the first
@@ -53,22 +57,36 @@ def test_every_path_gets_a_lane_whose_slots_sit_at_the_columns_plain_decoding_gi
 def test_a_tree_with_more_paths_than_lanes_is_refused():
     tree = Topology((-1, 0, 0))
     with pytest.raises(ValueError, match="within_paths"):
-        pass_feed(cache_with(2), [1, 2, 3], 2 + tree.depths, tree.ancestor_mask, range(3))
+        pass_feed(cache_with(2), HEADS, [1, 2, 3], 2 + tree.depths, tree.ancestor_mask, range(3))
 
 
 def test_a_single_token_is_one_lane_with_its_padding_row_after_it():
-    layout = pass_feed(cache_with(3), [7], [3], np.ones((1, 1), bool), [0])
+    layout = pass_feed(cache_with(3), HEADS, [7], [3], np.ones((1, 1), bool), [0])
     feed = layout.feed
-    assert layout.rows == 1 and list(feed["path_nodes"][0]) == [0, 1] and list(feed["node_slots"]) == [0, 1]
+    assert layout.rows == 1 and list(layout.path_nodes[0]) == [0, 1]
+    assert list(feed["out_rows"][:, 0]) == [0, 2]  # each token's first head is its slot's: 2 heads per slot
     assert list(feed["input_ids"][0]) == [7, 0] and list(feed["position_ids"][0]) == [3, 4]
     assert list(feed["logit_rows"]) == [0, 0]
 
 
+def test_head_rows_fold_lanes_into_the_ops_packed_heads():
+    from edgespec.runtime.model import head_rows_of
+
+    path_nodes = np.array([[0, 1, 3], [0, 2, 2]])  # lane 1's last slot repeats its leaf
+    node_slots = np.array([0, 1, 4, 2])  # node 2 sits in lane 1, slot 1 (1 * 3 + 1)
+    qkv_rows, out_rows = head_rows_of(path_nodes, node_slots, (2, 1))  # 2 query heads, 1 kv head: 4 rows a token
+    assert qkv_rows.shape == (3, 2 * 4)
+    # slot 1: lane 0 holds node 1, lane 1 node 2; q heads of both lanes, then k of both, then v of both
+    assert list(qkv_rows[1]) == [4, 5, 8, 9, 6, 10, 7, 11]
+    assert list(out_rows[2]) == [(1 * 2 + 1) * 2, (1 * 2 + 1) * 2 + 1]  # slot 1, lane 1, its 2 heads
+    assert list(out_rows[3]) == [(2 * 2 + 0) * 2, (2 * 2 + 0) * 2 + 1]
+
+
 def test_a_draft_pass_keeps_one_lane_and_masks_through_the_bias():
     past_mask = np.array([[True, False, True], [False, True, True]])
-    layout = pass_feed(cache_with(3), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask,
+    layout = pass_feed(cache_with(3), HEADS, [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask,
                        exact_rows=False)
     feed = layout.feed
-    assert feed["path_nodes"].shape == (1, 2) and list(feed["position_ids"][0]) == [3, 3]
+    assert layout.path_nodes.shape == (1, 2) and list(feed["position_ids"][0]) == [3, 3]
     assert ((feed["attention_bias"][0, 0, :, :3] == 0) == past_mask).all()
     assert ((feed["attention_bias"][0, 0, :, 3:] == 0) == np.eye(2, dtype=bool)).all()
