@@ -70,6 +70,12 @@ def test_manifest_records_every_graphs_scheme_and_quality(quantized):
     assert set(quality["draft_agreement"]) == {"fp32", "quantized"}
 
 
+def test_quantized_ngram_bundles_draft_one_token_unless_quoting(quantized, bundle_factory):
+    """A quantized row costs a row of int8 compute: one n-gram token takes the padding row's place for free."""
+    for bundle, cut in ((quantized("int4", draft="ngram", tree="chain:6"), 1), (bundle_factory(draft="ngram"), 5)):
+        assert json.loads((bundle / "manifest.json").read_text())["tree"]["ngram"]["partial_match_depth"] == cut
+
+
 def test_int4_is_smaller_than_int8_smaller_than_fp32(quantized, bundle_factory):
     sizes = {q: (quantized(q, draft="ngram") / "target.weights").stat().st_size for q in ("int4", "int8", "fp16")}
     fp32 = (bundle_factory() / "target.weights").stat().st_size
