@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -29,12 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from edgespec.runtime.paths import cache_dir
+
 PEER_NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}  # the mode the fast-engine issue compared against
 HERE = Path(__file__).resolve().parent
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGESPEC_CACHE", Path.home() / ".cache" / "edgespec"))
 
 
 def build_peer(threads: int, precision: str = "int4") -> Path:
@@ -100,17 +97,15 @@ def peer_perplexity(folder: Path, ids: list[int]) -> float:
     import numpy as np
     import onnxruntime as ort
 
+    from edgespec.quant.report import perplexity_of
+
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
     feed = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
     for value in session.get_inputs():
         if value.name.startswith("past_key_values"):
             feed[value.name] = np.zeros((1, value.shape[1], 0, head_size), np.float32)
-    logits = session.run(["logits"], feed)[0][0, :-1].astype(np.float64)
-    logits -= logits.max(axis=-1, keepdims=True)
-    targets = np.asarray(ids[1:])
-    log_probs = logits[np.arange(len(targets)), targets] - np.log(np.exp(logits).sum(axis=-1))
-    return float(np.exp(-log_probs.mean()))
+    return perplexity_of(session.run(["logits"], feed)[0][0], ids)
 
 
 def perplexities(peer: Path, bundles: list[Path]) -> None:

@@ -37,7 +37,7 @@ def _stream(pipeline, config, speculate, **ask):
 
 
 def cmd_export(args) -> None:
-    from edgespec.defaults import cache_dir
+    from edgespec.runtime.paths import cache_dir
     from edgespec.exporters.export import ExportConfig, export
 
     export(ExportConfig(model=args.model, draft=args.draft, out=Path(args.out), tree=args.tree,
@@ -161,7 +161,7 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_distill(args) -> None:
-    from edgespec.defaults import cache_dir
+    from edgespec.runtime.paths import cache_dir
     from edgespec.distill.run import DistillConfig, distill
     from edgespec.distill.train import TrainConfig
 

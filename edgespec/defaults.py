@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
+
+from edgespec.runtime.paths import cache_dir
 
 # The draft ships packed (trained tensors only, float16) and is rebuilt against the target on first use.
 SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
@@ -17,10 +18,6 @@ SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instru
 # only: on int4 every node costs a row of compute, and shorter matches do not pay for theirs (§32)
 DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 0,
                   "lookup_quote": 10, "quant": "int4", "symmetric": False}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGESPEC_CACHE", Path.home() / ".cache" / "edgespec"))
 
 
 def _shipped_draft_digest() -> str:

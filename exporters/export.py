@@ -14,10 +14,9 @@ from edgespec.runtime.drafters import NGRAM_DRAFTERS, TRAINING_FREE, NgramConfig
 from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
+from edgespec.runtime.budget import MAX_LANES, lanes_for
 from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile
-
-from edgespec.runtime.budget import MAX_LANES, lanes_for
 
 from .architectures import builder_for
 from .bundle_writer import check_compatible, check_output, write_bundle, write_model, write_tokenizer

@@ -38,7 +38,12 @@ def draft_input_features(target: ModelRunner, ids: list[int], chunk: int = 64) -
 
 
 def perplexity(runner: ModelRunner, ids: list[int], chunk: int = 64) -> float:
-    logits = _row_logits(runner, ids, chunk)[:-1].astype(np.float64)
+    return perplexity_of(_row_logits(runner, ids, chunk), ids)
+
+
+def perplexity_of(logits: np.ndarray, ids: list[int]) -> float:
+    """The perplexity of `ids` under `logits` [len(ids), V], row i predicting token i + 1."""
+    logits = logits[:-1].astype(np.float64)
     targets = np.asarray(ids[1:])
     logits -= logits.max(axis=-1, keepdims=True)
     log_probs = logits[np.arange(len(targets)), targets] - np.log(np.exp(logits).sum(axis=-1))

@@ -108,7 +108,7 @@ def scratch_bytes(manifest: Manifest) -> int:
     A tree attends in one lane per root-to-leaf path (runtime/model.py): the attention's scores have
     a row per slot of every lane, over the whole context. The keys and values live in the caches."""
     f = manifest.target.facts
-    nodes, paths, slots = largest_tree(manifest)
+    nodes, _, slots = largest_tree(manifest)
     rows = max(manifest.prefill_chunk, nodes, 2)
     slot_rows = max(manifest.prefill_chunk, manifest.target.lanes * slots, 2)
     per_layer = (rows * (4 * f.hidden_size + 3 * f.intermediate_size)

@@ -1,6 +1,6 @@
 """A caller-owned KV cache: one preallocated buffer per model that the graph writes in place.
 
-Layout [layers, 2 (key/value), lanes, kv_heads, capacity + KV_SLACK, head_dim]: `data[l, 0]` is the
+Layout [layers, 2 (key/value), lanes, kv_heads, rows + KV_SLACK, head_dim]: `data[l, 0]` is the
 contiguous buffer, viewed as [1, lanes * kv_heads, rows, head_dim], that onnxruntime's
 GroupQueryAttention takes as both past and present key of layer l (exporters/llama.py). It reads the
 valid prefix only and writes a pass's new rows after it, so nothing is copied per step. Rollback is a
@@ -21,8 +21,8 @@ A cache may also keep one feature row per token ([capacity, feature_size]): the 
 state there, which a draft that reads the target's features (EAGLE-style) consumes. Features follow
 their token through commit, trim and evict, so they always describe the cached rows.
 
-The cache also memoizes, per onnxruntime session and lane count, an IOBinding with its buffers bound
-(`binding`): binding sixty buffers costs more than some passes' arithmetic.
+The cache also memoizes, per onnxruntime session, an IOBinding with its buffers bound (`binding`):
+binding sixty buffers costs more than some passes' arithmetic. Growing the buffer forgets them.
 """
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ class KVCache:
         grown = np.zeros(shape, np.float32)
         grown[:, :, :, :, : self.length] = self.data[:, :, :, :, : self.length]
         self.data, self._bindings = grown, {}
+
     def binding(self, session: ort.InferenceSession) -> tuple[ort.IOBinding, tuple[str, ...]]:
         """An IOBinding of `session` with the buffers of every layer it reads bound as its past and
         present keys/values, and the names of its other inputs, which the caller binds per pass."""

@@ -16,6 +16,7 @@ from .errors import BundleError
 from .exactness import RowMismatch, check_exact_rows
 from .kvcache import KVCache
 from .model import ModelRunner
+from .paths import cache_dir
 from .sessions import make_session
 from . import prepacked
 from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
@@ -23,8 +24,6 @@ from .tokenizer import TextCodec
 
 
 def default_prepared_dir() -> Path:
-    from edgespec.defaults import cache_dir
-
     return cache_dir() / "prepacked"
 
 
@@ -77,7 +76,7 @@ class Pipeline:
             packed = self._packed_stages(loaded)
             window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned, packed.get(i))
                                   for i, spec in enumerate(loaded)], pinned)
-            self.target = StagedRunner(window, [list(s.inputs) for s in stages], m.target.facts, m.target.lanes, embedding)
+            self.target = StagedRunner(window, m.target.facts, m.target.lanes, embedding)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
                                                    self.threads), m.target.facts)

@@ -149,11 +149,10 @@ class MappedEmbedding:
 
 
 class StagedRunner:
-    def __init__(self, window: StageWindow, stage_inputs: list[list[str]], facts: ModelFacts, lanes: int,
-                 embedding: MappedEmbedding | None = None):
+    def __init__(self, window: StageWindow, facts: ModelFacts, lanes: int, embedding: MappedEmbedding | None = None):
         """With `embedding`, stage 0 is never loaded: the window serves stages 1.. (its index + 1).
         `lanes`: the root-to-leaf paths the stages' graphs attend in (the manifest's)."""
-        self.window, self.stage_inputs, self.facts, self.embedding = window, stage_inputs, facts, embedding
+        self.window, self.facts, self.embedding = window, facts, embedding
         self.lanes = lanes
         self.run_seconds = 0.0  # time inside onnxruntime (and waiting for stages), all passes so far
 
@@ -168,12 +167,11 @@ class StagedRunner:
         widths = {"hidden_out": self.facts.hidden_size, "branch_out": self.facts.hidden_size,
                   FEATURES_OUT: self.facts.hidden_size, "logits": self.facts.vocab_size}
         logits, features = None, None
-        first = 0
         if self.embedding is not None:
-            feed["hidden"], first = self.embedding.lookup(feed["input_ids"]), 1
+            feed["hidden"] = self.embedding.lookup(feed["input_ids"])
         started = time.perf_counter()
-        for i in range(first, len(self.stage_inputs)):
-            session = self.window.get(i - first)
+        for i in range(self.window.count):
+            session = self.window.get(i)
             outputs = {o.name: (len(feed["logit_rows"]) if o.name == "logits" else rows, widths[o.name])
                        for o in session.get_outputs() if not o.name.startswith("present_")}
             values = run_bound(session, cache, feed, outputs)

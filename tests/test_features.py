@@ -58,7 +58,7 @@ def test_target_features_are_the_torch_models_final_hidden_states(feature_bundle
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1)
     ids = pipeline.encode("The quick brown fox jumps")
     session = pipeline.new_session()
-    from edgespec.runtime.model import commit, prefill
+    from edgespec.runtime.model import prefill
 
     prefill(pipeline.target, session.cache, ids, chunk=4)
     model = AutoModelForCausalLM.from_pretrained(models["target"]).float().eval()

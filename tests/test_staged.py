@@ -144,7 +144,7 @@ def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
     stages = manifest.target.stages
     window = StageWindow([LoadedStage(lambda s=s: make_session(staged_bundle / s.file, ("CPUExecutionProvider",), 1))
                           for s in stages], pinned=range(len(stages)))
-    staged = StagedRunner(window, [list(s.inputs) for s in stages], manifest.target.facts, manifest.target.lanes)
+    staged = StagedRunner(window, manifest.target.facts, manifest.target.lanes)
     _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=True)), _first_pass(staged))
     window.close()
 
