@@ -45,6 +45,7 @@ def cmd_export(args) -> None:
                         quant=args.quant, draft_quant=args.draft_quant, block=args.block,
                         symmetric=not (args.asymmetric or args.integer_zero_points),
                         integer_zero_points=args.integer_zero_points, accuracy_level=args.accuracy_level,
+                        integer_matmul=args.integer_matmul,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
                         force=args.force, stages=args.stages, lookup=args.lookup, lookup_quote=args.lookup_quote,
                         lanes=args.lanes, cache_dir=cache_dir()))
@@ -273,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int4/int8 with an exact float offset per block (reproduces a Q4_1 GGUF; NPUs need symmetric)")
     p.add_argument("--integer-zero-points", action="store_true",
                    help="int4/int8 asymmetric with MatMulNBits' own integer zero points (its fast kernels)")
+    p.add_argument("--integer-matmul", action="store_true",
+                   help="int8 computed in integers row by row (MatMulInteger): a one-token step needs no padding row")
     p.add_argument("--accuracy-level", type=int, default=4,
                    help="MatMulNBits activations: 4 = int8 (fast), 1 = fp32")
     p.add_argument("--quant-policy", default=None,

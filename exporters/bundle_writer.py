@@ -14,6 +14,8 @@ from edgespec import __version__
 from edgespec.runtime.bundle import MANIFEST, SCHEMA_VERSION, sha256_file
 from edgespec.runtime.errors import ExportError
 from edgespec.quant.apply import quantize_model
+from edgespec.quant.calibrate import Calibration, activation_maxima
+from edgespec.runtime.model import EXACT_ROWS_KEY, MIN_ROWS
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.tree import Topology
 from edgespec.targets.profiles import DeviceProfile
@@ -23,18 +25,19 @@ from .weights import external_table, external_tensors, externalize
 
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
-                stages: int = 0) -> dict:
+                stages: int = 0, calibration: Calibration | None = None) -> dict:
     """Writes `role`.onnx and `role`.weights, quantized by `policy`, and with `stages` > 0 the same model
     again as stages (embedding, `stages` groups of layers, head) that a runtime short of memory loads
-    one after another; returns the manifest entry."""
-    model, applied = save_graph(folder, role, builder, policy)
+    one after another; returns the manifest entry. `calibration`: `calibrate`'s, for integer matmuls."""
+    maxima = calibration.maxima if calibration is not None else None
+    model, applied = save_graph(folder, role, builder, policy, maxima=maxima)
     entry = {"facts": builder.facts.to_dict(), "source": source, "graph": _graph_entry(role, model, applied, policy)}
     if stages:
         entry["stages"] = []
         for i, (layers, embed, head) in enumerate(stage_plan(builder.facts.num_layers, stages)):
             name = f"{role}.stage{i}"
             stage, stage_applied = save_graph(folder, name, builder, policy,
-                                              dict(layers=layers, embed=embed, head=head), strict=False)
+                                              dict(layers=layers, embed=embed, head=head), strict=False, maxima=maxima)
             entry["stages"].append({**_graph_entry(name, stage, stage_applied, policy),
                                     "layers": [layers.start, layers.stop]})
             if (tensors := external_tensors(stage)) is not None:
@@ -65,13 +68,31 @@ def _graph_entry(name: str, model: onnx.ModelProto, applied: dict, policy: Quant
     }
 
 
+# operators whose one-row kernel rounds unlike their multi-row one (runtime/model.py, MIN_ROWS)
+ROW_DEPENDENT_OPS = ("MatMul", "Gemm", "MatMulNBits")
+
+
+def mark_exact_rows(model: onnx.ModelProto) -> None:
+    """Records in the graph the fewest rows at which its every row has the bits it has in any larger
+    pass: 1 when all its matmuls accumulate in integers (quant/integer.py), else MIN_ROWS."""
+    fewest = 1 if not any(node.op_type in ROW_DEPENDENT_OPS for node in model.graph.node) else MIN_ROWS
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, EXACT_ROWS_KEY: str(fewest)})
+
+
+def calibrate(builder: LlamaBuilder, ids: list[int], features=None) -> Calibration:
+    """Runs the fp32 model over `ids` for the activation ranges integer matmuls smooth (quant/calibrate.py);
+    `features`: a feature-reading draft's inputs (the target's calibration features, shifted)."""
+    return activation_maxima(builder.build("edgespec_calibration").to_model(), builder.facts, ids, features)
+
+
 def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPolicy, parts: dict | None = None,
-               strict: bool = True):
+               strict: bool = True, maxima: dict | None = None):
     """Builds (all of the model, or `parts` of it), quantizes and saves `name`.onnx with its weights in
     `name`.weights. `strict`: a policy pattern that matches no weight here is an error."""
     model = builder.build(f"edgespec_{name.replace('.', '_')}", **(parts or {})).to_model()
     try:
-        applied = quantize_model(model, policy, strict)
+        applied = quantize_model(model, policy, strict, maxima)
+        mark_exact_rows(model)
     except ValueError as err:
         raise ExportError(str(err)) from err
     externalize(model, folder / f"{name}.weights")

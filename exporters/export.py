@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.quant.calibrate import calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
+from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.drafters import NGRAM_DRAFTERS, TRAINING_FREE, NgramConfig
 from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
@@ -19,7 +21,7 @@ from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile
 
 from .architectures import builder_for
-from .bundle_writer import check_compatible, check_output, write_bundle, write_model, write_tokenizer
+from .bundle_writer import calibrate, check_compatible, check_output, write_bundle, write_model, write_tokenizer
 from .quality import write_quality_report
 from .sources import resolve_source
 
@@ -39,6 +41,7 @@ class ExportConfig:
     symmetric: bool = True
     integer_zero_points: bool = False  # asymmetric: MatMulNBits' own integer zero points, not exact float offsets
     accuracy_level: int = 4
+    integer_matmul: bool = False  # int8: MatMulInteger over per-row activations (quant/integer.py), no padding row
     quant_policy: Path | None = None  # applies to the target
     force: bool = False
     stages: int = 0  # > 0: the target also as stages with this many groups of layers (streamed under a budget)
@@ -148,11 +151,14 @@ def export(config: ExportConfig) -> Path:
         # which takes the padding row's place in the pass for free (RESULTS.md §40: 1.30x against 0.91x)
         quantized = config.quant in ("int4", "int8")
         tree_extra["ngram"] = NgramConfig(partial_match_depth=1 if quantized else 5).to_dict()
+    if config.integer_matmul and (config.quant != "int8" or not config.symmetric):
+        raise ExportError("--integer-matmul is a scheme of --quant int8 (symmetric activations, a zero point per "
+                          "weight channel): drop --asymmetric/--integer-zero-points, or use MatMulNBits' int4/int8")
     profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     try:
         target_scheme = QuantScheme(config.quant, config.block, config.symmetric, config.accuracy_level,
-                                    config.integer_zero_points)
+                                    config.integer_zero_points, config.integer_matmul)
         draft_scheme = replace(target_scheme, name=config.draft_quant or config.quant)
         target_policy = QuantPolicy.load(config.quant_policy, target_scheme)
     except ValueError as err:
@@ -170,8 +176,13 @@ def export(config: ExportConfig) -> Path:
         sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
              f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)
+        calibration_ids, target_calibration = None, None
+        if target_scheme.integer_matmul:
+            _say("calibrating integer matmuls (activation ranges over quant/data/calibration.txt)", started)
+            calibration_ids = tokenizer(calibration_text())["input_ids"]
+            target_calibration = calibrate(target_builder, calibration_ids)
         sections["target"] = write_model(folder, "target", target_builder, target_source.description, target_policy,
-                                         stages=config.stages)
+                                         stages=config.stages, calibration=target_calibration)
         draft_builder = None
         if draft_source is None:
             sections["draft"] = {"kind": config.draft}
@@ -190,8 +201,14 @@ def export(config: ExportConfig) -> Path:
                 raise ExportError(f"the draft's vocabulary ({draft_builder.facts.vocab_size}) differs from the "
                                   f"target's ({target_builder.facts.vocab_size})")
             _say(f"writing draft graph ({draft_scheme.name})", started)
+            draft_calibration = None
+            if draft_scheme.integer_matmul and draft_scheme.name == "int8":
+                features = None
+                if draft_builder.feature_fc is not None:
+                    features = draft_inputs(target_calibration.features, 0, len(target_calibration.features))
+                draft_calibration = calibrate(draft_builder, calibration_ids, features)
             sections["draft"] = {"kind": "model", **write_model(folder, "draft", draft_builder, draft_source.description,
-                                                                QuantPolicy(draft_scheme))}
+                                                                QuantPolicy(draft_scheme), calibration=draft_calibration)}
             if head_tokens is not None:
                 (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in head_tokens]))
                 sections["draft"]["head_tokens"] = DRAFT_HEAD_FILE

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from . import integer
 from .offsets import replace_matmul
 from .schemes import QuantPolicy
 
@@ -65,10 +66,13 @@ def _store_half(model: onnx.ModelProto, names: list[str]) -> None:
                                                     to=onnx.TensorProto.FLOAT))
 
 
-def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = True) -> dict[str, str]:
+def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = True,
+                   activation_maxima: dict[str, np.ndarray] | None = None) -> dict[str, str]:
     """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight.
     `strict`: a policy pattern that names no weight of this graph is an error (a stage holds only
-    some of the model's weights, so its patterns are checked on the whole model instead)."""
+    some of the model's weights, so its patterns are checked on the whole model instead).
+    `activation_maxima`: calibrate.py's, for integer matmuls (measured on the whole model: a stage
+    cannot measure its own)."""
     head, embedding = policy.scheme_for("lm_head"), policy.scheme_for("embed_tokens")
     if head.bits or head.name != embedding.name:  # MatMulNBits needs a MatMul; a tied head needs its own copy
         untie_head(model)
@@ -84,12 +88,25 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
             applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
     _store_half(model, [n for n, s in applied.items() if s == "fp16"])
+    if policy.default.integer_matmul:
+        _apply_integer(model, users, applied, activation_maxima or {})
     if not policy.default.symmetric and not policy.default.integer_zero_points:
         _apply_offsets(model, users, applied, policy)
     _apply_nbits(model, applied, policy)
     if "lm_head" not in applied and "embed_tokens" in applied:  # a tied head reads the embedding table as stored
         applied["lm_head"] = applied["embed_tokens"]
     return applied
+
+
+def _apply_integer(model: onnx.ModelProto, users, applied: dict[str, str], maxima: dict[str, np.ndarray]) -> None:
+    """int8 matmul weights become MatMulInteger over per-row int8 activations (integer.py)."""
+    inits = _initializers(model)
+    for name, nodes in users.items():
+        if applied[name] == "int8" and nodes[0].op_type == "MatMul":
+            weight = numpy_helper.to_array(inits[name])
+            for node in nodes:
+                integer.replace_matmul(model, node, weight, maxima.get(name))
+            model.graph.initializer.remove(inits[name])
 
 
 def _apply_offsets(model: onnx.ModelProto, users, applied: dict[str, str], policy: QuantPolicy) -> None:

@@ -27,6 +27,9 @@ class QuantScheme:
     # asymmetric only: each block's zero point as MatMulNBits stores it (an integer: its fast kernels),
     # instead of an exact float offset beside it (offsets.py: reproduces a Q4_1 GGUF, costs a float matmul)
     integer_zero_points: bool = False
+    # int8 only: MatMulInteger over activations quantized per row (integer.py), which gives every row the
+    # same bits at any row count, so a one-token step needs no padding row
+    integer_matmul: bool = False
 
     def __post_init__(self):
         if self.name not in SCHEMES:
@@ -46,7 +49,8 @@ class QuantScheme:
             return {"scheme": self.name}
         return {"scheme": self.name, "block_size": self.block_size, "symmetric": self.symmetric,
                 "accuracy_level": self.accuracy_level,
-                **({"zero_points": "integer" if self.integer_zero_points else "float"} if not self.symmetric else {})}
+                **({"zero_points": "integer" if self.integer_zero_points else "float"} if not self.symmetric else {}),
+                **({"kernel": "integer"} if self.integer_matmul else {})}
 
 
 @dataclass(frozen=True)

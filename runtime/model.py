@@ -17,7 +17,11 @@ from .kvcache import KVCache
 # step gets one masked padding row, a one-row logits request a duplicate row for the head — so a
 # token's logits are the same bits alone, in a prefill chunk or inside a verified tree.
 # A draft's passes need no such care: their rows need not match anything, and one row is the fastest.
+# A graph whose matmuls all accumulate in integers (quant/integer.py) has the same bits at one row; the
+# exporter records that in the graph's metadata under EXACT_ROWS_KEY. (Its attention still takes two
+# slots: pass_feed.)
 MIN_ROWS = 2
+EXACT_ROWS_KEY = "edgespec.exact_min_rows"
 
 
 @dataclass
@@ -66,6 +70,7 @@ class ModelRunner:
         self.gives_features = FEATURES_OUT in {o.name for o in session.get_outputs()}
         self.head_size = facts.vocab_size if head_tokens is None else len(head_tokens)
         self.lanes = graph_lanes(session, facts)
+        self.min_rows = exact_min_rows(session)
         self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
@@ -80,7 +85,7 @@ class ModelRunner:
         exact_rows: see pass_feed.
         """
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
-                           logit_rows, past_mask, exact_rows)
+                           logit_rows, past_mask, exact_rows, self.min_rows)
         feed = layout.feed
         rows = feed["input_ids"].shape[1]
         if self.reads_features:
@@ -116,6 +121,14 @@ def run_bound(session: ort.InferenceSession, cache: KVCache, feed: dict,
     return arrays
 
 
+def exact_min_rows(session: ort.InferenceSession) -> int:
+    """The fewest rows an exact pass of this graph needs (MIN_ROWS unless the graph says fewer)."""
+    value = session.get_modelmeta().custom_metadata_map.get(EXACT_ROWS_KEY, str(MIN_ROWS))
+    if value not in ("1", "2"):
+        raise ValueError(f"the graph's {EXACT_ROWS_KEY} is {value!r}: re-export the bundle")
+    return int(value)
+
+
 def graph_lanes(session: ort.InferenceSession, facts: ModelFacts) -> int:
     """The lanes a graph attends in: its KV buffers are [1, lanes * kv_heads, capacity, head_dim]."""
     for i in session.get_inputs():
@@ -134,8 +147,9 @@ def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.n
 
 
 def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_mask: np.ndarray, logit_rows,
-              past_mask=None, exact_rows: bool = True) -> PassLayout:
-    """The graph inputs of one pass, padded to MIN_ROWS rows; `heads`: the model's (query, kv) heads.
+              past_mask=None, exact_rows: bool = True, exact_min_rows: int = MIN_ROWS) -> PassLayout:
+    """The graph inputs of one pass, padded to `exact_min_rows` rows if exact (the graph's
+    `exact_min_rows`); `heads`: the model's (query, kv) heads.
 
     exact_rows: each root-to-leaf path of `tree_mask` attends in a lane of its own, at the columns
     plain decoding gives it, so every row has plain decoding's bits (exporters/llama.py says why);
@@ -145,7 +159,7 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     """
     n = len(tokens)
     past_len = cache.length
-    min_rows = MIN_ROWS if exact_rows else 1
+    min_rows = exact_min_rows if exact_rows else 1
     rows = max(n, min_rows)
     ids = np.zeros((1, rows), dtype=np.int64)
     ids[0, :n] = tokens
@@ -155,7 +169,9 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
         raise ValueError(f"the tree has {len(paths)} root-to-leaf paths but the graph attends in {cache.lanes} "
                          "lanes: cut it with Tree.within_paths")
     paths[0] = paths[0] + list(range(n, rows))  # padding rows go last in the first lane: no real row sees them
-    slots = max(len(path) for path in paths)
+    # the attention op's one-query path rounds unlike its multi-query one (5e-7, RESULTS.md §41): an exact
+    # pass gives it two slots even when its matmuls run one row (the second repeats the first)
+    slots = max(max(len(path) for path in paths), 2 if exact_rows else 1)
     path_nodes = np.empty((cache.lanes, slots), dtype=np.int64)
     node_slots = np.zeros(rows, dtype=np.int64)
     for b, path in enumerate(paths):

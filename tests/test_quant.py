@@ -33,12 +33,14 @@ def quantized(models, tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("quant,accuracy_level,symmetric", [("int4", 4, True), ("int4", 1, True), ("int8", 4, True),
-                                                            ("fp16", 4, True), ("int4", 4, False), ("int8", 1, False)])
-def test_speculation_is_exact_on_quantized_bundles(quant, accuracy_level, symmetric, quantized):
+@pytest.mark.parametrize("quant,accuracy_level,symmetric,integer", [
+    ("int4", 4, True, False), ("int4", 1, True, False), ("int8", 4, True, False), ("fp16", 4, True, False),
+    ("int4", 4, False, False), ("int8", 1, False, False), ("int8", 4, True, True)])
+def test_speculation_is_exact_on_quantized_bundles(quant, accuracy_level, symmetric, integer, quantized):
     for draft, tree in [("target", "chain:4"), ("draft", "topk:2x2"), ("ngram", "chain:6")]:
         pipeline = Pipeline(quantized(quant, draft=draft, tree=tree, accuracy_level=accuracy_level,
-                                      symmetric=symmetric))
+                                      symmetric=symmetric, integer_matmul=integer))
+        assert pipeline.target.min_rows == (1 if integer else 2)
         for prompt in PROMPTS:
             plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
             spec = pipeline.generate(prompt, config=CONFIG, speculate=True)
@@ -54,6 +56,21 @@ def test_int4_rows_do_not_depend_on_the_pass_shape(accuracy_level, symmetric, qu
     pipeline = Pipeline(quantized("int4", draft="ngram", accuracy_level=accuracy_level, symmetric=symmetric))
     assert_rows_shape_invariant(pipeline.target, seed=3, prefix=20, chunk=7)
     assert_tree_rows_match_plain_decoding(pipeline.target, seed=4, prefix=21)
+
+
+def test_integer_int8_rows_are_exact_from_one_row(quantized):
+    """Integer matmuls need no padding row: one-token steps run one row and keep the bits of chunks and trees."""
+    pipeline = Pipeline(quantized("int8", draft="ngram", integer_matmul=True))
+    assert pipeline.target.min_rows == 1
+    assert_rows_shape_invariant(pipeline.target, seed=5, prefix=20, chunk=7)
+    assert_tree_rows_match_plain_decoding(pipeline.target, seed=6, prefix=21)
+    assert pipeline.check_exact()[1] == []
+
+
+def test_integer_int8_is_its_own_quantization_kind(quantized):
+    manifest = json.loads((quantized("int8", draft="draft", integer_matmul=True) / "manifest.json").read_text())
+    assert manifest["target"]["graph"]["quantization"]["kernel"] == "integer"
+    assert manifest["draft"]["graph"]["quantization"]["kernel"] == "integer"
 
 
 def test_manifest_records_every_graphs_scheme_and_quality(quantized):
@@ -110,7 +127,10 @@ def test_bad_policy_files(content, message, models, tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [(["--quant", "int3"], "unknown quantization"),
-                                           (["--quant", "int4", "--block", "48"], "block size 48")])
+                                           (["--quant", "int4", "--block", "48"], "block size 48"),
+                                           (["--quant", "int4", "--integer-matmul"], "--integer-matmul is a scheme"),
+                                           (["--quant", "int8", "--asymmetric", "--integer-matmul"],
+                                            "--integer-matmul is a scheme")])
 def test_bad_quant_flags(flags, message, models, tmp_path, capsys):
     assert main(["export", str(models["target"]), "--draft", "ngram", "--out", str(tmp_path / "b"), *flags]) == 2
     assert message in capsys.readouterr().err
