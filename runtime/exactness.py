@@ -1,7 +1,7 @@
 """Whether this device keeps a token's bits whatever pass computes it: the check behind "lossless".
 
 Greedy speculative output is plain decoding's output only if a token's logits and keys/values are the
-same bits in a one-token step (padded to MIN_ROWS rows), in a prefill chunk, and as a node of a verified
+same bits in a one-token step (padded to the graph's exact_min_rows), in a prefill chunk, and as a node of a verified
 tree (runtime/model.py says how the graph arranges that). What it rests on is how onnxruntime's CPU
 kernels round, and those differ by instruction set (AVX2, AVX-512, NEON, SME) and by release. The tests
 prove it where they run; `check_exact_rows` proves it for one bundle's target on the device at hand
