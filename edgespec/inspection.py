@@ -5,7 +5,7 @@ from pathlib import Path
 
 import onnxruntime
 
-from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.bundle import SCHEMA_VERSION, open_bundle
 from edgespec.runtime.errors import InexactRowsError
 from edgespec.runtime.pipeline import Pipeline
 
@@ -13,10 +13,9 @@ from edgespec.runtime.pipeline import Pipeline
 def print_bundle(folder: Path) -> None:
     """The manifest in readable form; opening the bundle verifies every checksum."""
     manifest = open_bundle(folder)
-    raw = manifest.raw
     print(f"bundle {folder}")
-    print(f"  schema version {raw['schema_version']}, written by edgespec {raw.get('edgespec_version')} "
-          f"on {raw.get('created')}, device profile {manifest.profile}")
+    print(f"  schema version {SCHEMA_VERSION}, written by edgespec {manifest.edgespec_version} "
+          f"on {manifest.created}, device profile {manifest.profile.name}")
     for role, entry in (("target", manifest.target), ("draft", manifest.draft)):
         if entry is None:
             continue
@@ -39,7 +38,7 @@ def print_bundle(folder: Path) -> None:
             print(f"      out {name:16s} {spec['dtype']:8s} {spec['shape']}")
     if manifest.draft is None:
         print(f"  drafter: {manifest.drafter} (training-free)")
-    quality = raw.get("quality")
+    quality = manifest.quality
     if quality:
         ppl, agree = quality["perplexity"], quality["greedy_agreement"]
         print(f"  quality vs the fp32 export ({quality['heldout_tokens']} held-out tokens, {agree['tokens']} greedy tokens):")

@@ -17,7 +17,6 @@ on top.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.bench import load_prompts, prompt_kwargs, run_bench
-from edgespec.runtime.bundle import MANIFEST
+from edgespec.runtime.bundle import read_manifest, write_manifest
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.lookup import LookupConfig
@@ -227,15 +226,10 @@ def lookup_label(lookup: LookupConfig | None) -> str:
 def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None | str = "keep") -> None:
     """Rewrites the manifest's tree (graphs take any node count on dynamic profiles), atomically, and its
     prompt lookup: a config, None for none, "keep" to leave it as it is."""
-    path = Path(folder) / MANIFEST
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest["profile"].get("static_shapes"):
+    manifest = read_manifest(folder)
+    if manifest.profile.static_shapes:
         raise ValueError("this bundle's profile has static shapes: its tree is fixed at export")
-    manifest["tree"] = {**manifest["tree"], **topology.to_dict()}  # keeps the dynamic settings
-    if lookup is None:
-        manifest["tree"].pop("lookup", None)
-    elif lookup != "keep":
-        manifest["tree"]["lookup"] = lookup.to_dict()
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    partial.replace(path)
+    manifest = replace(manifest, tree=topology)  # keeps the dynamic settings
+    if lookup != "keep":
+        manifest = replace(manifest, lookup=lookup)
+    write_manifest(folder, manifest)

@@ -2,16 +2,20 @@
 moved into place only when complete, so a failed export leaves nothing half-written."""
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
 
 from edgespec import __version__
-from edgespec.runtime.bundle import MANIFEST, SCHEMA_VERSION, sha256_file
+from edgespec.runtime.bundle import MANIFEST, GraphSpec, Manifest, ModelEntry, sha256_file, write_manifest
+from edgespec.runtime.drafters import NgramConfig
+from edgespec.runtime.dynamic_tree import DynamicTreeConfig
+from edgespec.runtime.lookup import LookupConfig
+from edgespec.runtime.tokenizer import TokenizerSpec
 from edgespec.runtime.errors import ExportError
 from edgespec.quant.apply import quantize_model
 from edgespec.quant.calibrate import Calibration, activation_maxima
@@ -25,27 +29,25 @@ from .weights import external_table, external_tensors, externalize
 
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
-                stages: int = 0, calibration: Calibration | None = None) -> dict:
+                stages: int = 0, calibration: Calibration | None = None) -> ModelEntry:
     """Writes `role`.onnx and `role`.weights, quantized by `policy`, and with `stages` > 0 the same model
     again as stages (embedding, `stages` groups of layers, head) that a runtime short of memory loads
     one after another; returns the manifest entry. `calibration`: `calibrate`'s, for integer matmuls."""
     maxima = calibration.maxima if calibration is not None else None
     model, applied = save_graph(folder, role, builder, policy, maxima=maxima)
-    entry = {"facts": builder.facts.to_dict(), "source": source, "graph": _graph_entry(role, model, applied, policy)}
-    if stages:
-        entry["stages"] = []
-        for i, (layers, embed, head) in enumerate(stage_plan(builder.facts.num_layers, stages)):
-            name = f"{role}.stage{i}"
-            stage, stage_applied = save_graph(folder, name, builder, policy,
-                                              dict(layers=layers, embed=embed, head=head), strict=False, maxima=maxima)
-            entry["stages"].append({**_graph_entry(name, stage, stage_applied, policy),
-                                    "layers": [layers.start, layers.stop]})
-            if (tensors := external_tensors(stage)) is not None:
-                entry["stages"][-1]["tensors"] = tensors  # a float stage: the runtime maps its weights
-            if embed and (table := external_table(stage, "embed_tokens")) is not None:
-                # a float table the runtime can map and index itself: only the rows it reads become resident
-                entry["stages"][-1]["embedding_table"] = table
-    return entry
+    stage_specs = []
+    for i, (layers, embed, head) in enumerate(stage_plan(builder.facts.num_layers, stages) if stages else ()):
+        name = f"{role}.stage{i}"
+        stage, stage_applied = save_graph(folder, name, builder, policy,
+                                          dict(layers=layers, embed=embed, head=head), strict=False, maxima=maxima)
+        stage_specs.append(replace(
+            _graph_spec(name, stage, stage_applied, policy), layers=(layers.start, layers.stop),
+            # a float stage: the runtime maps its weights; a float table it can index itself, so only the
+            # rows it reads become resident
+            tensors=external_tensors(stage),
+            embedding_table=external_table(stage, "embed_tokens") if embed else None))
+    return ModelEntry(facts=builder.facts, graph=_graph_spec(role, model, applied, policy), source=source,
+                      stages=tuple(stage_specs))
 
 
 def stage_plan(num_layers: int, groups: int) -> list[tuple[range, bool, bool]]:
@@ -57,15 +59,15 @@ def stage_plan(num_layers: int, groups: int) -> list[tuple[range, bool, bool]]:
             + [(range(num_layers, num_layers), False, True)])
 
 
-def _graph_entry(name: str, model: onnx.ModelProto, applied: dict, policy: QuantPolicy) -> dict:
-    return {
-        "file": f"{name}.onnx",
-        "weights": [f"{name}.weights"],
-        "inputs": {i.name: _shape(i) for i in model.graph.input},
-        "outputs": {o.name: _shape(o) for o in model.graph.output},
-        "quantization": {**policy.default.to_dict(any(s in ("int4", "int8") for s in applied.values())),
-                         "tensors": applied},
-    }
+def _graph_spec(name: str, model: onnx.ModelProto, applied: dict, policy: QuantPolicy) -> GraphSpec:
+    return GraphSpec(
+        file=f"{name}.onnx",
+        weights=(f"{name}.weights",),
+        inputs={i.name: _shape(i) for i in model.graph.input},
+        outputs={o.name: _shape(o) for o in model.graph.output},
+        quantization={**policy.default.to_dict(any(s in ("int4", "int8") for s in applied.values())),
+                      "tensors": applied},
+    )
 
 
 # operators whose one-row kernel rounds unlike their multi-row one (runtime/model.py, MIN_ROWS)
@@ -106,7 +108,7 @@ def _shape(value: onnx.ValueInfoProto) -> dict:
     return {"dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name, "shape": dims}
 
 
-def write_tokenizer(folder: Path, tokenizer, model) -> dict:
+def write_tokenizer(folder: Path, tokenizer, model) -> TokenizerSpec:
     tokenizer.backend_tokenizer.save(str(folder / "tokenizer.json"))
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one serves chat
@@ -123,8 +125,9 @@ def write_tokenizer(folder: Path, tokenizer, model) -> dict:
     probe_full = tokenizer("a").input_ids
     add_bos = bool(tokenizer.bos_token_id is not None and probe_full[:1] == [tokenizer.bos_token_id]
                    and probe_plain[:1] != [tokenizer.bos_token_id])
-    return {"file": "tokenizer.json", "chat_template": "chat_template.jinja" if template else None,
-            "bos_token": tokenizer.bos_token, "eos_token_ids": sorted(int(e) for e in eos), "add_bos_token": add_bos}
+    return TokenizerSpec(file="tokenizer.json", chat_template="chat_template.jinja" if template else None,
+                         bos_token=tokenizer.bos_token, eos_token_ids=tuple(sorted(int(e) for e in eos)),
+                         add_bos_token=add_bos)
 
 
 def check_compatible(target_tok, draft_tok) -> None:
@@ -132,28 +135,46 @@ def check_compatible(target_tok, draft_tok) -> None:
         raise ExportError("the draft's tokenizer differs from the target's: a draft must share the target's vocabulary")
 
 
-def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Topology, prefill_chunk: int,
-                 finish=None, tree_extra: dict | None = None) -> Path:
-    """`fill(tmp_folder)` writes graphs and tokenizer into a temporary folder and returns the manifest's
-    model sections; this function adds the manifest and checksums, lets `finish(tmp_folder)` work on
+@dataclass(frozen=True)
+class BundleContents:
+    """What `write_bundle`'s `fill` wrote: the manifest's sections that describe files."""
+
+    tokenizer: TokenizerSpec
+    target: ModelEntry
+    drafter: str  # "model", or a training-free drafter
+    draft: ModelEntry | None = None
+    quality: dict | None = None
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """The manifest's tree: its topology and the drafters' settings."""
+
+    topology: Topology
+    dynamic: DynamicTreeConfig | None = None
+    lookup: LookupConfig | None = None
+    ngram: NgramConfig | None = None
+
+
+def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: TreeSettings, prefill_chunk: int,
+                 finish=None) -> Path:
+    """`fill(tmp_folder)` writes graphs and tokenizer into a temporary folder and returns their
+    BundleContents; this function adds the manifest and checksums, lets `finish(tmp_folder)` work on
     the complete bundle (tuning its tree), and moves the folder into place."""
     out = Path(out)
     check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        sections = fill(tmp)
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            "edgespec_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "profile": profile.to_dict(),
-            "tree": {**tree.to_dict(), **(tree_extra or {})},
-            "steps": {"prefill_chunk": prefill_chunk},
-            **sections,
-        }
-        manifest["files"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        contents = fill(tmp)
+        manifest = Manifest(
+            target=contents.target, draft=contents.draft, drafter=contents.drafter, tree=tree.topology,
+            dynamic=tree.dynamic, lookup=tree.lookup, ngram=tree.ngram, prefill_chunk=prefill_chunk,
+            tokenizer=contents.tokenizer, profile=profile,
+            files={p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
+            edgespec_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            quality=contents.quality)
+        write_manifest(tmp, manifest)
         if finish is not None:
             finish(tmp)
         check_output(out, force)  # again: the export took a while

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.quant.calibrate import calibration_text
+from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.drafters import NGRAM_DRAFTERS, TRAINING_FREE, NgramConfig
@@ -21,7 +21,8 @@ from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile
 
 from .architectures import builder_for
-from .bundle_writer import calibrate, check_compatible, check_output, write_bundle, write_model, write_tokenizer
+from .bundle_writer import (BundleContents, TreeSettings, calibrate, check_compatible, check_output, write_bundle,
+                            write_model, write_tokenizer)
 from .quality import write_quality_report
 from .sources import resolve_source
 
@@ -141,16 +142,13 @@ def export(config: ExportConfig) -> Path:
     if lookup_tokens and config.draft in TRAINING_FREE:
         raise ExportError(f"--lookup adds prompt lookup to a draft model; the {config.draft!r} drafter has none "
                           "(use --draft ngram or ngram+recycling for prompt lookup alone)")
-    tree_extra = {}
-    if dynamic is not None:
-        tree_extra["dynamic"] = dynamic.to_dict()
-    if lookup_tokens:
-        tree_extra["lookup"] = LookupConfig(tokens=config.lookup, quote_tokens=config.lookup_quote).to_dict()
+    ngram = None
     if config.draft in NGRAM_DRAFTERS:
         # quantized weights make every verified row cost (int8 compute): without a full match, one token,
         # which takes the padding row's place in the pass for free (RESULTS.md §40: 1.30x against 0.91x)
-        quantized = config.quant in ("int4", "int8")
-        tree_extra["ngram"] = NgramConfig(partial_match_depth=1 if quantized else 5).to_dict()
+        ngram = NgramConfig(partial_match_depth=1 if config.quant in ("int4", "int8") else 5)
+    tree = TreeSettings(topology, dynamic, ngram=ngram,
+                        lookup=LookupConfig(tokens=config.lookup, quote_tokens=config.lookup_quote) if lookup_tokens else None)
     if config.integer_matmul and (config.quant != "int8" or not config.symmetric):
         raise ExportError("--integer-matmul is a scheme of --quant int8 (symmetric activations, a zero point per "
                           "weight channel): drop --asymmetric/--integer-zero-points, or use MatMulNBits' int4/int8")
@@ -167,57 +165,40 @@ def export(config: ExportConfig) -> Path:
     draft_source = None if config.draft in TRAINING_FREE else resolve_source(config.draft, config.cache_dir)
     draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
 
-    def fill(folder: Path) -> dict:
+    def fill(folder: Path) -> BundleContents:
         _say(f"loading target: {target_source.description}", started)
         target, tokenizer = target_source.load()
         # a draft that reads the target's features needs a target graph that returns them
         target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
                                      lanes=lanes)
-        sections = {"tokenizer": write_tokenizer(folder, tokenizer, target)}
+        tokenizer_spec = write_tokenizer(folder, tokenizer, target)
         _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
              f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)
-        calibration_ids, target_calibration = None, None
+        calibration = None
         if target_scheme.integer_matmul:
             _say("calibrating integer matmuls (activation ranges over quant/data/calibration.txt)", started)
-            calibration_ids = tokenizer(calibration_text())["input_ids"]
-            target_calibration = calibrate(target_builder, calibration_ids)
-        sections["target"] = write_model(folder, "target", target_builder, target_source.description, target_policy,
-                                         stages=config.stages, calibration=target_calibration)
-        draft_builder = None
-        if draft_source is None:
-            sections["draft"] = {"kind": config.draft}
-        else:
+            calibration = calibrate(target_builder, tokenizer(calibration_text())["input_ids"])
+        target_entry = write_model(folder, "target", target_builder, target_source.description, target_policy,
+                                   stages=config.stages, calibration=calibration)
+        draft_entry, draft_builder = None, None
+        if draft_source is not None:
             _say(f"loading draft: {draft_source.description}", started)
-            draft, draft_tokenizer = draft_source.load()
-            check_compatible(tokenizer, draft_tokenizer)
-            head_tokens = draft_info.head_tokens
-            draft_builder = builder_for(draft, config.context, head_tokens, draft_info.feature_fc,
-                                        features_out=draft_info.feature_fc is not None)
-            if draft_info.feature_fc is not None and draft_builder.facts.hidden_size != target_builder.facts.hidden_size:
-                raise ExportError(f"the draft reads the target's features but its hidden size "
-                                  f"({draft_builder.facts.hidden_size}) differs from the target's "
-                                  f"({target_builder.facts.hidden_size}): it was trained for another target")
-            if draft_builder.facts.vocab_size != target_builder.facts.vocab_size:
-                raise ExportError(f"the draft's vocabulary ({draft_builder.facts.vocab_size}) differs from the "
-                                  f"target's ({target_builder.facts.vocab_size})")
+            draft_builder = _draft_builder(draft_source, draft_info, tokenizer, target_builder, config.context)
             _say(f"writing draft graph ({draft_scheme.name})", started)
-            draft_calibration = None
-            if draft_scheme.integer_matmul and draft_scheme.name == "int8":
-                features = None
-                if draft_builder.feature_fc is not None:
-                    features = draft_inputs(target_calibration.features, 0, len(target_calibration.features))
-                draft_calibration = calibrate(draft_builder, calibration_ids, features)
-            sections["draft"] = {"kind": "model", **write_model(folder, "draft", draft_builder, draft_source.description,
-                                                                QuantPolicy(draft_scheme), calibration=draft_calibration)}
-            if head_tokens is not None:
-                (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in head_tokens]))
-                sections["draft"]["head_tokens"] = DRAFT_HEAD_FILE
+            draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
+                                      QuantPolicy(draft_scheme),
+                                      calibration=_draft_calibration(draft_builder, calibration) if draft_scheme.bits else None)
+            if draft_info.head_tokens is not None:
+                (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_info.head_tokens]))
+                draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
+        quality = None
         if target_policy.quantizes() or (draft_builder is not None and draft_scheme.name != "fp32"):
             _say("measuring quality against the fp32 export (perplexity, greedy agreement)", started)
-            report = write_quality_report(folder, sections["tokenizer"], target_builder, draft_builder)
-            sections["quality"] = {"file": "quality.json", **report}
+            quality = {"file": "quality.json",
+                       **write_quality_report(folder, tokenizer_spec, target_builder, draft_builder)}
         _say("writing manifest and checksums", started)
-        return sections
+        return BundleContents(tokenizer_spec, target_entry, "model" if draft_entry else config.draft, draft_entry,
+                              quality)
 
     def tune_tree(folder: Path) -> None:
         from edgespec.tune import tune
@@ -227,8 +208,33 @@ def export(config: ExportConfig) -> Path:
         _say(f"tree: parents {result['tree']['parents']}, predicted {result['predicted_tokens_per_s']} tokens/s, "
              f"measured {result['measured_tokens_per_s']}", started)
 
-    out = write_bundle(config.out, config.force, fill, profile, topology, config.prefill_chunk,
-                       finish=tune_tree if tree_spec == "auto" else None,
-                       tree_extra=tree_extra)
+    out = write_bundle(config.out, config.force, fill, profile, tree, config.prefill_chunk,
+                       finish=tune_tree if tree_spec == "auto" else None)
     _say(f"bundle written to {out}", started)
     return out
+
+
+def _draft_builder(source, info: DraftInfo, tokenizer, target_builder, context: int):
+    """The draft model's graph builder, checked against the target it will draft for."""
+    draft, draft_tokenizer = source.load()
+    check_compatible(tokenizer, draft_tokenizer)
+    builder = builder_for(draft, context, info.head_tokens, info.feature_fc, features_out=info.feature_fc is not None)
+    if info.feature_fc is not None and builder.facts.hidden_size != target_builder.facts.hidden_size:
+        raise ExportError(f"the draft reads the target's features but its hidden size "
+                          f"({builder.facts.hidden_size}) differs from the target's "
+                          f"({target_builder.facts.hidden_size}): it was trained for another target")
+    if builder.facts.vocab_size != target_builder.facts.vocab_size:
+        raise ExportError(f"the draft's vocabulary ({builder.facts.vocab_size}) differs from the "
+                          f"target's ({target_builder.facts.vocab_size})")
+    return builder
+
+
+def _draft_calibration(draft_builder, target_calibration: Calibration | None) -> Calibration | None:
+    """The draft's activation ranges over the target's calibration tokens (with the target's features
+    for a draft that reads them); None when the target was not calibrated (no integer matmuls)."""
+    if target_calibration is None:
+        return None
+    features = None
+    if draft_builder.feature_fc is not None:
+        features = draft_inputs(target_calibration.features, 0, len(target_calibration.features))
+    return calibrate(draft_builder, list(target_calibration.ids), features)

@@ -26,9 +26,9 @@ def _runner(folder: Path, role: str, builder: LlamaBuilder) -> ModelRunner:
     return ModelRunner(session, builder.facts, builder.head_tokens)
 
 
-def write_quality_report(bundle: Path, tokenizer: dict, target: LlamaBuilder, draft: LlamaBuilder | None) -> dict:
+def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: LlamaBuilder, draft: LlamaBuilder | None) -> dict:
     """Writes quality.json into the bundle (being written) and returns it."""
-    codec = TextCodec(bundle, TokenizerSpec.from_dict(tokenizer))
+    codec = TextCodec(bundle, tokenizer)
     data = resources.files("edgespec").joinpath("data")
     heldout = codec.encode(data.joinpath("heldout.txt").read_text(encoding="utf-8"))[: target.facts.max_context - 1]
     prompts = [json.loads(line)["messages"] for line in data.joinpath("prompts.jsonl").read_text().splitlines()[:PROMPTS]]

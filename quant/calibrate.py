@@ -30,6 +30,7 @@ def calibration_text() -> str:
 
 @dataclass(frozen=True)
 class Calibration:
+    ids: tuple[int, ...]  # the tokens it ran over
     maxima: dict[str, np.ndarray]  # weight name -> max |input| per input channel [K]
     features: np.ndarray | None  # [n, hidden]: the graph's output features, for a draft that reads them
 
@@ -74,4 +75,4 @@ def activation_maxima(model: onnx.ModelProto, facts: ModelFacts, ids: list[int],
         for node in model.graph.node:  # every weight that reads this activation shares its maxima
             if node.op_type == "MatMul" and node.input[0] == name and node.input[1] in weights:
                 maxima[node.input[1]] = value
-    return Calibration(maxima, values[FEATURES_OUT][:n] if FEATURES_OUT in values else None)
+    return Calibration(tuple(ids), maxima, values[FEATURES_OUT][:n] if FEATURES_OUT in values else None)

@@ -1,6 +1,7 @@
-"""Loading a bundle: the manifest is the only description of the graphs the runtime trusts.
-
-Every file's sha256 is checked before a byte of it is used; an unknown schema version is refused.
+"""The bundle's manifest, one typed contract: the exporter builds a `Manifest` and writes its `to_dict`,
+`tune` replaces its tree and writes it again, the runtime reads it with `from_dict`. It is the only
+description of the graphs the runtime trusts: every file's sha256 is checked before a byte of it is
+used; an unknown schema version is refused.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .facts import ModelFacts
 from .features import FEATURES_OUT
 from .tokenizer import TokenizerSpec
 from .tree import Topology
+from edgespec.targets.profiles import DeviceProfile
 
 SCHEMA_VERSION = 3  # 3: GroupQueryAttention over per-layer KV buffers bound as past and present (lanes)
 MANIFEST = "manifest.json"
@@ -36,13 +38,22 @@ class GraphSpec:
     # every weight of a float32 graph in its one weights file: ({name, offset, shape, dtype}, ...), so a
     # runtime can map the file and hand the session the weights in place
     tensors: tuple[dict, ...] | None = None
+    layers: tuple[int, int] | None = None  # a stage's layers [start, stop)
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphSpec":
         return cls(file=data["file"], weights=tuple(data.get("weights", ())), inputs=data["inputs"],
                    outputs=data["outputs"], quantization=data.get("quantization", {"scheme": "fp32"}),
                    embedding_table=data.get("embedding_table"),
-                   tensors=tuple(data["tensors"]) if data.get("tensors") else None)
+                   tensors=tuple(data["tensors"]) if data.get("tensors") else None,
+                   layers=tuple(data["layers"]) if data.get("layers") is not None else None)
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "weights": list(self.weights), "inputs": self.inputs, "outputs": self.outputs,
+                "quantization": self.quantization,
+                **({"layers": list(self.layers)} if self.layers is not None else {}),
+                **({"tensors": list(self.tensors)} if self.tensors else {}),
+                **({"embedding_table": self.embedding_table} if self.embedding_table is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -75,10 +86,14 @@ class ModelEntry:
                    source=data.get("source", ""), head_tokens=data.get("head_tokens"),
                    stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())))
 
+    def to_dict(self) -> dict:
+        return {"facts": self.facts.to_dict(), "source": self.source, "graph": self.graph.to_dict(),
+                **({"stages": [stage.to_dict() for stage in self.stages]} if self.stages else {}),
+                **({"head_tokens": self.head_tokens} if self.head_tokens is not None else {})}
+
 
 @dataclass(frozen=True)
 class Manifest:
-    raw: dict
     target: ModelEntry
     draft: ModelEntry | None  # None: a training-free drafter
     drafter: str  # "model", or a training-free drafter: "ngram", "recycling", "ngram+recycling"
@@ -88,8 +103,11 @@ class Manifest:
     ngram: NgramConfig | None  # an n-gram drafter's settings; None: no n-gram drafter
     prefill_chunk: int
     tokenizer: TokenizerSpec
-    profile: str
-    files: dict[str, str]
+    profile: DeviceProfile
+    files: dict[str, str]  # file name -> sha256, every file of the bundle but the manifest
+    edgespec_version: str = ""
+    created: str = ""  # UTC, ISO 8601
+    quality: dict | None = None  # quality.json's figures, as measured at export
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
@@ -109,7 +127,6 @@ class Manifest:
             if data["tree"].get("ngram") and drafter not in NGRAM_DRAFTERS:
                 raise BundleError(f"the manifest gives n-gram settings to the {drafter!r} drafter, which has no n-grams")
             return cls(
-                raw=data,
                 target=ModelEntry.from_dict(data["target"]),
                 draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
                 drafter=drafter,
@@ -119,11 +136,25 @@ class Manifest:
                 ngram=_ngram_config(drafter, data["tree"].get("ngram")),
                 prefill_chunk=int(data["steps"]["prefill_chunk"]),
                 tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
-                profile=data["profile"]["name"],
+                profile=DeviceProfile.from_dict(data["profile"]),
                 files=dict(data["files"]),
+                edgespec_version=str(data.get("edgespec_version", "")),
+                created=str(data.get("created", "")),
+                quality=data.get("quality"),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise BundleError(f"the manifest is malformed: {err!r}") from err
+
+    def to_dict(self) -> dict:
+        tree = {**self.tree.to_dict(),
+                **({"dynamic": self.dynamic.to_dict()} if self.dynamic is not None else {}),
+                **({"lookup": self.lookup.to_dict()} if self.lookup is not None else {}),
+                **({"ngram": self.ngram.to_dict()} if self.ngram is not None else {})}
+        draft = {"kind": "model", **self.draft.to_dict()} if self.draft is not None else {"kind": self.drafter}
+        return {"schema_version": SCHEMA_VERSION, "edgespec_version": self.edgespec_version, "created": self.created,
+                "profile": self.profile.to_dict(), "tree": tree, "steps": {"prefill_chunk": self.prefill_chunk},
+                "tokenizer": self.tokenizer.to_dict(), "target": self.target.to_dict(), "draft": draft,
+                **({"quality": self.quality} if self.quality is not None else {}), "files": dict(self.files)}
 
 
 def _drafter_kind(draft: dict | None) -> str:
@@ -204,6 +235,14 @@ def verify_files(folder: Path, manifest: Manifest) -> None:
         if actual != expected:
             raise BundleError(f"checksum mismatch for {name}: the file is corrupted or was modified "
                               f"(expected sha256 {expected[:12]}..., found {actual[:12]}...)")
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """Writes the manifest into `folder`, atomically: a reader sees the old one or the new one."""
+    path = Path(folder) / MANIFEST
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(manifest.to_dict(), indent=2), encoding="utf-8")
+    partial.replace(path)
 
 
 def open_bundle(folder) -> Manifest:

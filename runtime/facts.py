@@ -32,7 +32,10 @@ class ModelFacts:
         return cls(**values)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["rope_frequencies"] is not None:
+            data["rope_frequencies"] = list(data["rope_frequencies"])
+        return data
 
     def kv_bytes_per_token(self, itemsize: int = 4) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize

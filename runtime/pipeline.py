@@ -64,7 +64,7 @@ class Pipeline:
         self.memory = plan_memory(self.manifest, self.folder,
                                   None if memory_budget is None else parse_size(memory_budget))
         self.threads = threads or default_threads()
-        profile = get_profile(self.manifest.profile)
+        profile = get_profile(self.manifest.profile.name)
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)
         if self.memory.stage_bytes:  # the single graph does not fit: stages, through a window

@@ -26,6 +26,10 @@ class TokenizerSpec:
         return cls(file=data["file"], chat_template=data.get("chat_template"), bos_token=data.get("bos_token"),
                    eos_token_ids=tuple(data.get("eos_token_ids", ())), add_bos_token=bool(data.get("add_bos_token")))
 
+    def to_dict(self) -> dict:
+        return {"file": self.file, "chat_template": self.chat_template, "bos_token": self.bos_token,
+                "eos_token_ids": list(self.eos_token_ids), "add_bos_token": self.add_bos_token}
+
 
 def _raise(message):
     raise jinja2.exceptions.TemplateError(message)

@@ -27,6 +27,13 @@ class Topology:
             if not 0 <= p < i:
                 raise ValueError(f"parents[{i}]={p}: a parent must be an earlier node")
 
+    # two topologies are the same tree when their parents are (a manifest read back equals the one written)
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Topology) and self.parents == other.parents
+
+    def __hash__(self) -> int:
+        return hash(self.parents)
+
     @property
     def size(self) -> int:
         return len(self.parents)

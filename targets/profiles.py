@@ -23,6 +23,14 @@ class DeviceProfile:
         return {"name": self.name, "draft_providers": list(self.draft_providers),
                 "verify_providers": list(self.verify_providers), "static_shapes": self.static_shapes}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "DeviceProfile":
+        """A profile as a manifest records it (the description is the registry's, if it knows the name)."""
+        known = PROFILES.get(data["name"])
+        return cls(name=data["name"], draft_providers=tuple(data["draft_providers"]),
+                   verify_providers=tuple(data["verify_providers"]), static_shapes=bool(data["static_shapes"]),
+                   description=known.description if known is not None else "")
+
 
 PROFILES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile(

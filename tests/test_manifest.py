@@ -1,0 +1,59 @@
+"""The manifest has one owner: what the exporter and `tune` write is exactly `Manifest.to_dict`, and
+reading it back gives the same typed manifest."""
+import json
+
+import pytest
+
+from edgespec.exporters.export import ExportConfig, export
+from edgespec.runtime.bundle import MANIFEST, Manifest, read_manifest, write_manifest
+from edgespec.runtime.errors import BundleError
+from edgespec.runtime.lookup import LookupConfig
+from edgespec.runtime.tree import Topology
+
+
+@pytest.fixture(scope="module")
+def various(models, tmp_path_factory):
+    """Bundles that use every optional section: stages with mapped tensors, a trimmed-head draft is not
+    among the tiny models, so a draft model, lookup, a dynamic tree, n-gram settings, quantization."""
+    root = tmp_path_factory.mktemp("manifests")
+    specs = {
+        "ngram-staged": dict(draft="ngram", tree="chain:3", stages=2),
+        "draft-lookup": dict(draft=str(models["draft"]), tree="topk:2x2", lookup=2, lookup_quote=4),
+        "dynamic": dict(draft=str(models["draft"]), tree="dynamic:5"),
+        "int4-draft": dict(draft=str(models["draft"]), tree="chain:2", quant="int4", symmetric=False),
+    }
+    for name, spec in specs.items():
+        export(ExportConfig(model=str(models["target"]), out=root / name, context=128, cache_dir=root / "cache", **spec))
+    return {name: root / name for name in specs}
+
+
+@pytest.mark.parametrize("name", ["ngram-staged", "draft-lookup", "dynamic", "int4-draft"])
+def test_written_manifests_are_exactly_the_typed_manifest(name, various):
+    data = json.loads((various[name] / MANIFEST).read_text())
+    manifest = Manifest.from_dict(data)
+    assert manifest.to_dict() == data
+    assert Manifest.from_dict(manifest.to_dict()) == manifest
+
+
+def test_a_rewritten_manifest_changes_only_what_was_replaced(various, tmp_path):
+    from dataclasses import replace
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(various["draft-lookup"], bundle)
+    before = read_manifest(bundle)
+    write_manifest(bundle, replace(before, tree=Topology((-1, 0, 0)), lookup=LookupConfig(tokens=3)))
+    after = json.loads((bundle / MANIFEST).read_text())
+    assert after["tree"]["parents"] == [-1, 0, 0] and after["tree"]["lookup"]["tokens"] == 3
+    expected = before.to_dict()
+    for section in ("tree",):
+        expected.pop(section), after.pop(section)
+    assert after == expected
+    assert not list(bundle.glob("*.partial"))
+
+
+def test_an_older_schema_is_refused_with_what_to_do(various, tmp_path):
+    data = json.loads((various["ngram-staged"] / MANIFEST).read_text())
+    data["schema_version"] = 2
+    with pytest.raises(BundleError, match="export it again"):
+        Manifest.from_dict(data)
