@@ -119,6 +119,18 @@ def cmd_bench(args) -> None:
         print_report(report)
 
 
+def cmd_serve(args) -> None:
+    try:
+        from edgespec.serve import ServeConfig, serve
+    except ImportError as err:
+        raise ValueError(f"edgespec serve needs the serve extra (pip install 'edgespec[serve]'): {err}") from err
+    if args.threads is not None and args.threads < 1:
+        raise ValueError("--threads must be at least 1")
+    name = args.model_name or ("default" if args.bundle == "default" else Path(args.bundle).resolve().name)
+    config = ServeConfig(model=name, host=args.host, port=args.port, api_key=args.api_key, queue=args.queue)
+    serve(args.bundle, config, threads=args.threads, memory_budget=args.memory_budget)
+
+
 def cmd_tune(args) -> None:
     from edgespec.defaults import resolve_bundle
     from edgespec.tune import tune
@@ -369,6 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
     budget_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("serve", help="a local OpenAI-compatible server (needs the serve extra)")
+    bundle_arg(p, optional=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API requests")
+    p.add_argument("--queue", type=int, default=8, help="requests that may wait while one generates; more get 429")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: the bundle folder's name, 'default' for the default)")
+    p.add_argument("--memory-budget", default=None,
+                   help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
+    p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("demo", help="a short chat reply from the default bundle")
     p.add_argument("--threads", type=int, default=None)

@@ -53,6 +53,7 @@ class GenerationConfig:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV rows the session already held (not prefilled again)
     new_tokens: int = 0
     target_passes: int = 0  # verification passes after prefill
     accepted_drafts: int = 0
@@ -71,7 +72,7 @@ class Stats:
         return (self.accepted_drafts + self.target_passes) / self.target_passes if self.target_passes else 0.0
 
     def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
                 "target_passes": self.target_passes, "tokens_per_s": round(self.tokens_per_s, 2),
                 "mean_accepted_per_pass": round(self.mean_accepted_per_pass, 3),
                 "time_to_first_token_s": round(self.first_token_s, 4), "prefill_s": round(self.prefill_s, 4),
@@ -83,7 +84,7 @@ class Result:
     token_ids: list[int]
     text: str
     stats: Stats
-    stop_reason: str  # "eos", "stop_string", "max_new_tokens"
+    stop_reason: str  # "eos", "stop_string", "max_new_tokens", "cancelled"
 
 
 @dataclass
@@ -164,9 +165,10 @@ class TextSink:
 
 
 def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: Session, context_ids: list[int],
-             config: GenerationConfig, prefill_chunk: int, on_text=None) -> Result:
+             config: GenerationConfig, prefill_chunk: int, on_text=None, should_stop=None) -> Result:
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
-    of it (the longest common prefix) is reused. `on_text(piece)` streams the text."""
+    of it (the longest common prefix) is reused. `on_text(piece)` streams the text; `should_stop()`,
+    asked before every target pass, ends the generation early (stop reason "cancelled")."""
     cache = session.cache
     if not context_ids:
         raise ValueError("the prompt is empty")
@@ -184,6 +186,7 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
     keep = min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
     cache.trim(keep)
     drafter.rewind(keep)
+    stats.cached_tokens = keep
     session.begin(context_ids)
     sampler = None if config.sampling.greedy else Sampler(config.sampling)
     logits = prefill(target, cache, context_ids[keep:], prefill_chunk)            # prefill
@@ -213,6 +216,8 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
                     reason = "max_new_tokens"
             if reason:
                 break
+        if reason is None and should_stop is not None and should_stop():
+            reason = "cancelled"
         if reason is None:
             if cache.room() < 1 and config.kv_policy == "sliding":
                 slide(session, drafter, config.attention_sinks, target.facts.rope_frequencies)

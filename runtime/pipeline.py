@@ -156,11 +156,13 @@ class Pipeline:
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  config: GenerationConfig = GenerationConfig(), speculate: bool = True,
-                 session: Session | None = None, drafter: Drafter | None = None, on_text=None) -> Result:
+                 session: Session | None = None, drafter: Drafter | None = None, on_text=None,
+                 should_stop=None) -> Result:
         ids = self.encode(prompt, messages)
         session = session or self.new_session()
         drafter = drafter or self.make_drafter(speculate)
-        return generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk, on_text)
+        return generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk, on_text,
+                        should_stop)
 
 
 def load(folder, threads: int | None = None, memory_budget: int | str | None = None) -> Pipeline:

@@ -1,0 +1,232 @@
+"""The OpenAI API's shapes, as `edgespec serve` speaks them: requests checked into a typed `Completion`,
+results and stream chunks as the objects OpenAI's clients read. Pure functions, no server here.
+
+Every field a request may carry is known: a field edgespec supports is checked by type and range; a
+field it does not support is refused unless it holds the value that means "not used", so nothing a
+client asked for is ignored silently.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from edgespec.runtime.engine import GenerationConfig, Result
+from edgespec.runtime.sampling import SamplingConfig
+
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+# fields a client may send with the value that means "not used" (OpenAI's defaults); any other value is refused
+INERT_FIELDS = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, None),
+                "top_logprobs": (None, 0), "n": (1, None), "logit_bias": (None, {}), "tools": (None, []),
+                "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None,),
+                "echo": (False, None), "best_of": (1, None), "suffix": (None, ""), "service_tier": (None, "auto"),
+                "store": (False, None), "metadata": (None,), "user": None}  # user: any string, a label only
+SAMPLING_FIELDS = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+                   "top_p", "seed", "stop")
+
+
+class APIError(Exception):
+    """A request the API refuses: answered with `status` and OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One checked request: chat `messages` or a plain `prompt`, and how to generate."""
+
+    sampling: SamplingConfig
+    stop: tuple[str, ...]
+    max_tokens: int | None  # None: as many as the context has room for
+    stream: bool
+    include_usage: bool
+    messages: tuple[dict, ...] | None = None
+    prompt: str | None = None
+
+    def config(self, prompt_tokens: int, context: int) -> GenerationConfig:
+        """How to generate after a prompt of `prompt_tokens`, within `context` tokens."""
+        room = context - prompt_tokens - 1
+        if room < 1 or (self.max_tokens is not None and self.max_tokens > room):
+            asked = f" and {self.max_tokens} new tokens" if self.max_tokens is not None else ""
+            raise APIError(f"this model's context is {context} tokens; the prompt has {prompt_tokens}{asked}: "
+                           "shorten the messages or lower max_tokens", "messages", "context_length_exceeded")
+        return GenerationConfig(max_new_tokens=self.max_tokens or room, stop_strings=self.stop, sampling=self.sampling)
+
+
+def parse_chat(body, model: str) -> Completion:
+    _check_fields(body, ("messages",))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    return Completion(messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+                      **_generation(body, model))
+
+
+def parse_completion(body, model: str) -> Completion:
+    _check_fields(body, ("prompt",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    return Completion(prompt=prompt, **_generation(body, model))
+
+
+def _check_fields(body, own: tuple[str, ...]) -> None:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    for name, value in body.items():
+        if name in own or name in SAMPLING_FIELDS:
+            continue
+        if name not in INERT_FIELDS:
+            raise APIError(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+        inert = INERT_FIELDS[name]
+        if inert is None:
+            if not isinstance(value, str):
+                raise APIError(f"'{name}' must be a string", name)
+        elif value not in inert and value is not None:
+            raise APIError(f"'{name}' = {value!r} is not supported by this server (only {inert[0]!r})", name,
+                           "unsupported_parameter")
+
+
+def _message(message, index: int) -> dict:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise APIError(f"{param} must be an object with a 'role' and a 'content'", param)
+    if message["role"] not in ("system", "developer", "user", "assistant"):
+        raise APIError(f"{param}.role {message['role']!r} is not supported (system, developer, user, assistant)",
+                       f"{param}.role")
+    unknown = set(message) - {"role", "content", "name"}
+    if unknown:
+        raise APIError(f"{param} has unsupported fields: {', '.join(sorted(unknown))}", param, "unsupported_parameter")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise APIError(f"{param}.content: only text parts are supported", f"{param}.content")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(f"{param}.content must be a string", f"{param}.content")
+    return {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
+
+
+def _generation(body: dict, model: str) -> dict:
+    if not isinstance(body.get("model"), str):
+        raise APIError("'model' is required: a string", "model")
+    if body["model"] != model:
+        raise APIError(f"the model {body['model']!r} does not exist here: this server serves {model!r}", "model",
+                       "model_not_found")
+    stream = _typed(body, "stream", bool, False)
+    options = _typed(body, "stream_options", dict, {})
+    if options and not stream:
+        raise APIError("'stream_options' is for streamed requests ('stream': true)", "stream_options")
+    if set(options) - {"include_usage"}:
+        raise APIError("'stream_options' supports 'include_usage' only", "stream_options", "unsupported_parameter")
+    include_usage = _typed(options, "include_usage", bool, False)
+    max_tokens = _max_tokens(body)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise APIError("'top_p' must be in (0, 1]", "top_p")
+    seed = _typed(body, "seed", int, None)
+    if seed is not None and seed < 0:
+        raise APIError("'seed' must be >= 0", "seed")
+    stop = _stop(body.get("stop"))
+    # temperatures below the runtime's smallest are greedy, as a tiny temperature is in effect
+    sampling = SamplingConfig(temperature=temperature if temperature >= 1e-3 else 0.0, top_p=top_p, seed=seed)
+    return dict(sampling=sampling, stop=stop, max_tokens=max_tokens, stream=stream, include_usage=include_usage)
+
+
+def _typed(body: dict, name: str, kind: type, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise APIError(f"'{name}' must be {'an integer' if kind is int else 'a ' + kind.__name__}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise APIError(f"'{name}' must be a number", name)
+    if not low <= value <= high:
+        raise APIError(f"'{name}' must be between {low} and {high} (got {value})", name)
+    return float(value)
+
+
+def _max_tokens(body: dict) -> int | None:
+    given = [n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None]
+    if not given:
+        return None
+    value = _typed(body, given[0], int, None)
+    if value <= 0:
+        raise APIError(f"'{given[0]}' must be at least 1 (got {value})", given[0])
+    return value
+
+
+def _stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(stops)
+
+
+# --- responses -------------------------------------------------------------------------------------
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(result: Result) -> dict:
+    stats = result.stats
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+
+
+def speculation(result: Result) -> dict:
+    """The documented extension field `edgespec`: how speculation went for this request."""
+    stats = result.stats
+    return {"tokens_per_target_pass": round(stats.mean_accepted_per_pass, 3), "target_passes": stats.target_passes,
+            "tokens_per_s": round(stats.tokens_per_s, 2), "time_to_first_token_s": round(stats.first_token_s, 4),
+            "stop_reason": result.stop_reason}
+
+
+def response(request_id: str, chat: bool, model: str, result: Result) -> dict:
+    finish = FINISH_REASONS[result.stop_reason]
+    choice = ({"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": finish}
+              if chat else {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None})
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage(result), "edgespec": speculation(result)}
+
+
+def chunk(request_id: str, chat: bool, model: str, text: str | None = None, result: Result | None = None,
+          first: bool = False, usage_only: bool = False) -> dict:
+    """A stream chunk: text (the first chat chunk also names the role), the last one (finish reason,
+    usage and the extension field), or the usage-only chunk of `stream_options.include_usage`."""
+    base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model}
+    if usage_only:
+        return {**base, "choices": [], "usage": usage(result)}
+    finish = FINISH_REASONS[result.stop_reason] if result is not None else None
+    if chat:
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    extra = {"usage": usage(result), "edgespec": speculation(result)} if result is not None else {}
+    return {**base, "choices": [choice], **extra}
