@@ -230,3 +230,40 @@ def test_parse_keeps_what_was_asked():
 def test_serve_refuses_bad_options(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--queue", "-1"]) == 2
     assert "--queue" in capsys.readouterr().err
+
+
+def test_sixteen_clients_at_once_get_an_answer_or_a_clean_429(pipeline):
+    server = Server(pipeline, queue=4)
+    try:
+        outcomes = []
+
+        def client(i: int):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"a b c {i}"}], "max_tokens": 8,
+                    "temperature": 0}
+            if i % 2:  # half of them streamed, through OpenAI's client
+                try:
+                    pieces = list(server.client().chat.completions.create(**body, stream=True))
+                    outcomes.append(("stream", 200, pieces[-1].choices[0].finish_reason))
+                except openai.RateLimitError as err:
+                    outcomes.append(("stream", err.status_code, err.response.headers.get("retry-after")))
+            else:
+                status, headers, reply = server.post("/v1/chat/completions", body)
+                outcomes.append(("plain", status, reply["choices"][0]["finish_reason"] if status == 200
+                                 else headers.get("Retry-After")))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        started = time.time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        assert time.time() - started < 120
+        assert len(outcomes) == 16
+        for kind, status, detail in outcomes:
+            assert (status == 200 and detail in ("stop", "length")) or (status == 429 and int(detail) > 0), (kind, status)
+        assert sum(status == 200 for _, status, _ in outcomes) >= 5  # the running one and the queue's 4 at least
+        with urllib.request.urlopen(server.url + "/health") as reply:
+            assert json.loads(reply.read()) == {"status": "ok", "model": MODEL, "pending": 0}
+    finally:
+        server.stop()
