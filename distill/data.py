@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,6 @@ def _write_shard(path: Path, sequences: list[tuple[np.ndarray, int, np.ndarray, 
 
 
 def _topk(logits, k: int):
-    import torch
-
     logp = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logp, k, dim=-1)
     return ids.numpy(), values.numpy()
@@ -62,7 +61,6 @@ def _topk(logits, k: int):
 
 def _generate_batch(model, prompt_ids: list[list[int]], config: DataConfig, eos_ids: set[int], pad_id: int):
     """Greedy continuations of a batch of prompts: the contexts the draft meets when the target decodes."""
-    import torch
 
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
@@ -148,7 +146,6 @@ def corpus_windows(tokenizer, files: list[Path], window: int, limit: int, seed: 
 def teacher_forced_shards(model, windows: list[np.ndarray], folder: Path, config: DataConfig, deadline: float,
                           progress=None, batch: int = 8) -> int:
     """The target's top-k at every position of each window (one forward pass per batch, no generation)."""
-    import torch
 
     def run_batch(chunk):
         rows = torch.tensor(np.stack(chunk), dtype=torch.long)
@@ -160,14 +157,16 @@ def teacher_forced_shards(model, windows: list[np.ndarray], folder: Path, config
     return _fill_shards(folder, windows, config.prompts_per_shard, batch, deadline, run_batch, progress)
 
 
+def feature_file(features_dir: Path, shard: Path) -> Path:
+    """Where the features of a shard's tokens live: one [tokens, H] float16 array per shard."""
+    return features_dir / shard.parent.name / f"{shard.stem}.npy"
+
+
 def feature_shards(model, shards: list[Path], features_dir: Path, deadline: float, progress=None,
                    batch: int = 8) -> int:
     """The target's final hidden state at every token of each shard (teacher-forced), for drafts that
     read the target's features: one float16 [tokens, H] array per shard, written after the shard's
     last batch, so an interrupted run resumes with the next shard. Returns how many were written."""
-    import torch
-
-    from edgespec.distill.train import feature_file
 
     written = 0
     for shard_path in shards:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 DESIGNS = ("cut", "small", "eagle")
 FEATURE_DESIGNS = ("eagle",)  # designs whose draft reads the target's features
 DRAFT_LAYERS = {"cut": 2, "small": 2, "eagle": 1}
@@ -38,7 +40,6 @@ def draft_config(target_config, design: str):
 
 def build_draft(target, design: str):
     """A *ForCausalLM of the target's class; returns (draft, names of the parameters to train)."""
-    import torch
 
     if design not in DESIGNS:
         raise ValueError(f"unknown draft design {design!r}; choose one of {', '.join(DESIGNS)}")
@@ -71,7 +72,6 @@ def build_draft(target, design: str):
 def draft_hidden(draft, ids, mask, features=None):
     """The draft's final hidden states [B, T, H]; a feature design mixes `features` [B, T, H] (the
     target's feature before each token) into its input embeddings."""
-    import torch
 
     if not hasattr(draft, "feature_fc"):
         return draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -89,7 +89,6 @@ def draft_hidden_steps(draft, ids, mask, features, steps: int) -> list:
     t - s + 1, then to the rows it drafted itself, one per earlier step. Here every step is one pass over
     all rows: its keys are appended to the cache and `_step_mask` lets each row see exactly those keys.
     """
-    import torch
 
     embedded = draft.get_input_embeddings()(ids)
     positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
@@ -109,7 +108,6 @@ def draft_hidden_steps(draft, ids, mask, features, steps: int) -> list:
 def _step_mask(mask, step: int, dtype):
     """Additive attention mask [B, 1, T, step * T] for drafting step `step` over the keys of steps 1..step:
     row t sees step-1 keys of rows <= t - step + 1 and, of each later step j, the key of row t - step + j."""
-    import torch
 
     rows = mask.shape[1]
     t = torch.arange(rows)

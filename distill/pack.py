@@ -9,8 +9,13 @@ turned back into a Hugging Face folder against the same target by `unpack_draft`
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
 
 from edgespec.distill.draft_model import build_draft
 from edgespec.distill.train import draft_state, write_draft
@@ -21,9 +26,6 @@ PACKED_WEIGHTS = "weights.safetensors"
 
 
 def pack_draft(draft_folder: Path, out: Path, provenance: dict) -> Path:
-    import torch
-    from safetensors.torch import save_file
-
     info, state = draft_state(draft_folder)
     shared = ("model.embed_tokens.weight", "lm_head.weight")
     trained = {k: v.to(torch.float16).contiguous() for k, v in state.items() if k not in shared}
@@ -36,8 +38,6 @@ def pack_draft(draft_folder: Path, out: Path, provenance: dict) -> Path:
 
 def unpack_draft(packed: Path, target, tokenizer, out: Path) -> Path:
     """Rebuilds the draft folder: the target's shared tensors plus the packed trained ones."""
-    import numpy as np
-    from safetensors.torch import load_file
 
     info = json.loads((packed / PACKED_INFO).read_text())
     draft, trainable = build_draft(target, info["design"])
@@ -54,7 +54,6 @@ def unpack_draft(packed: Path, target, tokenizer, out: Path) -> Path:
 
 def main(argv=None) -> None:
     """python -m edgespec.distill.pack RUN_DIR OUT --command "edgespec distill ..." [--note TEXT]"""
-    import argparse
 
     parser = argparse.ArgumentParser(prog="python -m edgespec.distill.pack", description=main.__doc__)
     parser.add_argument("run", type=Path, help="a finished `edgespec distill` folder")

@@ -15,10 +15,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from edgespec.distill.data import DataConfig
+import torch
+from tqdm import tqdm
+
+from edgespec.distill import data, prompts
+from edgespec.distill.data import DataConfig, feature_file
 from edgespec.distill.draft_model import FEATURE_DESIGNS
-from edgespec.distill.train import TrainConfig, feature_file
+from edgespec.distill.train import TrainConfig, train
 from edgespec.exporters.export import DRAFT_INFO
+from edgespec.exporters.sources import resolve_source
 from edgespec.runtime.errors import ExportError
 
 # Shares of the time budget. Chat continuations are the draft's real workload, so they get the most;
@@ -123,13 +128,6 @@ def _phase(config: DistillConfig, state: RunState, name: str, log: RunLog, work)
 
 
 def distill(config: DistillConfig) -> Path:
-    import torch
-    from tqdm import tqdm
-
-    from edgespec.distill import data, prompts
-    from edgespec.distill.train import train
-    from edgespec.exporters.sources import resolve_source
-
     if config.minutes <= 0:
         raise ExportError(f"--minutes must be positive, got {config.minutes}")
     corpus = [Path(p) for p in config.corpus] or prompts.default_corpus()

@@ -17,9 +17,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
 
-from edgespec.distill.data import load_shard
-from edgespec.distill.draft_model import FEATURE_DESIGNS, LEARNING_RATE, build_draft, draft_hidden, draft_hidden_steps
+from edgespec.distill.data import feature_file, load_shard
+from edgespec.distill.draft_model import (
+    FEATURE_DESIGNS,
+    LEARNING_RATE,
+    build_draft,
+    draft_hidden,
+    draft_hidden_steps,
+)
 from edgespec.distill.vocab import choose_head_tokens, coverage
 from edgespec.exporters.export import DRAFT_INFO
 
@@ -46,11 +54,6 @@ class Sequence:
     topk_ids: np.ndarray  # [L - first, k]: target's top-k for positions first..L-1
     topk_logp: np.ndarray
     features: np.ndarray | None = None  # [L, H] float16: the target's final hidden state at every position
-
-
-def feature_file(features_dir: Path, shard: Path) -> Path:
-    """Where the features of a shard's tokens live: one [tokens, H] float16 array per shard."""
-    return features_dir / shard.parent.name / f"{shard.stem}.npy"
 
 
 def read_sequences(paths: list[Path], features_dir: Path | None = None) -> list[Sequence]:
@@ -88,8 +91,6 @@ class Batch:
 
 
 def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator, kept_index: np.ndarray) -> Batch:
-    import torch
-
     rows_in, starts, where, target_idx, target_logp = [], [], [], [], []
     for b, seq in enumerate(sequences):
         length = len(seq.tokens)
@@ -146,8 +147,6 @@ def draft_outputs(draft, head, batch: Batch, steps: int = 1) -> list:
 
 
 def distill_loss(logits, idx, p):
-    import torch
-
     logq = torch.log_softmax(logits, dim=-1)
     per_row = -(p * logq.gather(1, idx)).sum(dim=1)
     return per_row.sum() / (p.sum(dim=1) > 0).sum().clamp(min=1)
@@ -161,7 +160,6 @@ def batch_loss(draft, head, batch: Batch, steps: int = 1):
     """Distillation on the target's top-k; a feature draft also regresses the target's feature (EAGLE), at
     every drafting step it is trained for. A drafting step s reads its own step s-1 output at the row before,
     so that row must exist in the window: rows before s - 1 do not count for it."""
-    import torch
 
     loss = 0.0
     for step, (rows, logits) in enumerate(draft_outputs(draft, head, batch, steps), start=1):
@@ -179,7 +177,6 @@ def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[
     target pass, not counting the target's own token; each step's top-1 agreement with the target's greedy
     token). Step s at row t is accepted when steps 1..s-1 were accepted at rows t-s+1..t-1 and it agrees
     too; with one step the first number is the first step's agreement."""
-    import torch
 
     accepted = np.zeros(steps)
     hits_by_step = np.zeros(steps)
@@ -226,8 +223,6 @@ def peak_learning_rate(config: TrainConfig) -> float:
 
 
 def _save_checkpoint(path: Path, payload: dict) -> None:
-    import torch
-
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     torch.save(payload, partial)
@@ -240,7 +235,6 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     `held_out`, then writes the draft folder into `out`. A feature design reads the shards' target
     features from `features_dir` (see `feature_file`). Without a checkpoint, `init` (a draft folder
     that `write_draft` wrote) gives the starting weights and head tokens."""
-    import torch
 
     if config.design in FEATURE_DESIGNS and features_dir is None:
         raise ValueError(f"the {config.design} design learns from the target's features: give features_dir")
@@ -350,7 +344,6 @@ FEATURE_FC_FILE = "feature_fc.safetensors"
 def draft_state(folder: Path) -> tuple[dict, dict]:
     """A draft folder as `write_draft` wrote it: its info (head tokens, training report) and every tensor,
     the projection of a feature design included (as `feature_fc.*`)."""
-    from safetensors.torch import load_file
 
     info = json.loads((folder / DRAFT_INFO).read_text())
     state = {}
@@ -381,7 +374,6 @@ def write_draft(draft, tokenizer, head_tokens: np.ndarray, report: dict, out: Pa
     state = draft.state_dict()
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(draft, "feature_fc"):
-        from safetensors.torch import save_file
 
         save_file({"weight": draft.feature_fc.weight.detach().contiguous(),
                    "bias": draft.feature_fc.bias.detach().contiguous()}, str(out / FEATURE_FC_FILE))

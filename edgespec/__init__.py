@@ -1,5 +1,7 @@
 """edgespec: speculative decoding for language models on the devices people own."""
-__version__ = "0.1.0"
+from importlib.metadata import version as _version
+
+__version__ = _version("edgespec")  # pyproject.toml holds the one number
 
 from edgespec.runtime.engine import GenerationConfig  # noqa: E402
 from edgespec.runtime.errors import EdgespecError  # noqa: E402

@@ -6,7 +6,18 @@ import json
 import sys
 from pathlib import Path
 
+from edgespec.bench import load_prompts, print_report, run_bench
+from edgespec.defaults import resolve_bundle
+from edgespec.inspection import check_exact, print_bundle
+from edgespec.runtime import prepacked
+from edgespec.runtime.budget import parse_size, plan_memory
+from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import EdgespecError
+from edgespec.runtime.paths import cache_dir
+from edgespec.runtime.pipeline import Pipeline, default_prepared_dir, packed_copies
+from edgespec.runtime.sampling import SamplingConfig
+from edgespec.tune import export_tuned, tune
 
 DEMO_QUESTION = "What are three good habits for writing clear code? Answer briefly."
 
@@ -18,9 +29,6 @@ def _stats_line(stats) -> str:
 
 
 def _pipeline(args):
-    from edgespec.defaults import resolve_bundle
-    from edgespec.runtime.pipeline import Pipeline
-
     return Pipeline(resolve_bundle(args.bundle), args.threads, getattr(args, "memory_budget", None),
                     evict_page_cache=getattr(args, "evict_page_cache", False))
 
@@ -37,10 +45,9 @@ def _stream(pipeline, config, speculate, **ask):
 
 
 def cmd_export(args) -> None:
-    from edgespec.runtime.paths import cache_dir
     from edgespec.exporters.export import ExportConfig, export
 
-    export(ExportConfig(model=args.model, draft=args.draft, out=Path(args.out), tree=args.tree,
+    config = ExportConfig(model=args.model, draft=args.draft, out=Path(args.out), tree=args.tree,
                         context=args.context, profile=args.profile, prefill_chunk=args.prefill_chunk,
                         quant=args.quant, draft_quant=args.draft_quant, block=args.block,
                         symmetric=not (args.asymmetric or args.integer_zero_points),
@@ -48,19 +55,19 @@ def cmd_export(args) -> None:
                         integer_matmul=args.integer_matmul,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
                         force=args.force, stages=args.stages, lookup=args.lookup, lookup_quote=args.lookup_quote,
-                        lanes=args.lanes, cache_dir=cache_dir()))
+                        lanes=args.lanes, cache_dir=cache_dir())
+    if args.tree == "auto":
+        export_tuned(config)
+    else:
+        export(config)
 
 
 def _sampling_config(args):
-    from edgespec.runtime.sampling import SamplingConfig
-
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
 def _generation_config(args):
-    from edgespec.runtime.engine import GenerationConfig
-
     return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()),
                             sampling=_sampling_config(args), kv_policy=args.kv_policy)
 
@@ -105,8 +112,6 @@ def cmd_chat(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from edgespec.bench import load_prompts, print_report, run_bench
-
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
@@ -132,9 +137,6 @@ def cmd_serve(args) -> None:
 
 
 def cmd_tune(args) -> None:
-    from edgespec.defaults import resolve_bundle
-    from edgespec.tune import tune
-
     if args.max_nodes < 1 or args.max_nodes > 64:
         raise ValueError("--max-nodes must be between 1 and 64")
     result = tune(resolve_bundle(args.bundle), Path(args.prompts) if args.prompts else None, args.max_nodes,
@@ -164,9 +166,6 @@ def cmd_tune(args) -> None:
 
 
 def cmd_inspect(args) -> None:
-    from edgespec.defaults import resolve_bundle
-    from edgespec.inspection import check_exact, print_bundle
-
     folder = resolve_bundle(args.bundle)
     print_bundle(folder)
     if args.check_exact:
@@ -174,7 +173,6 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_distill(args) -> None:
-    from edgespec.runtime.paths import cache_dir
     from edgespec.distill.run import DistillConfig, distill
     from edgespec.distill.train import TrainConfig
 
@@ -188,10 +186,6 @@ def cmd_distill(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from edgespec.defaults import resolve_bundle
-    from edgespec.runtime.budget import parse_size, plan_memory
-    from edgespec.runtime.bundle import open_bundle
-
     folder = resolve_bundle(args.bundle)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     manifest = open_bundle(folder)
@@ -211,8 +205,6 @@ def cmd_plan(args) -> None:
 
 def _packed_disk(manifest, folder) -> dict | None:
     """The packed copies a staged run maps on this machine (Linux), and the disk they take."""
-    from edgespec.runtime import prepacked
-    from edgespec.runtime.pipeline import default_prepared_dir, packed_copies
 
     if not prepacked.available():
         return None
@@ -222,8 +214,6 @@ def _packed_disk(manifest, folder) -> dict | None:
 
 
 def cmd_demo(args) -> None:
-    from edgespec.runtime.engine import GenerationConfig
-
     pipeline = _pipeline(argparse.Namespace(bundle="default", threads=args.threads))
     print(f"> {DEMO_QUESTION}", file=sys.stderr)
     _stream(pipeline, GenerationConfig(max_new_tokens=args.max_new_tokens), True,

@@ -6,8 +6,11 @@ import hashlib
 import json
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
+from edgespec import __version__
+from edgespec.runtime.bundle import SCHEMA_VERSION
 from edgespec.runtime.paths import cache_dir
 
 # The draft ships packed (trained tensors only, float16) and is rebuilt against the target on first use.
@@ -29,10 +32,6 @@ def _shipped_draft_digest() -> str:
 
 def default_bundle_path() -> Path:
     """Named by edgespec's version, the recipe, the shipped draft and the bundle schema, so a change builds a new bundle."""
-    from edgespec import __version__
-
-    from edgespec.runtime.bundle import SCHEMA_VERSION
-
     recipe = json.dumps({**DEFAULT_RECIPE, "draft": _shipped_draft_digest(), "schema": SCHEMA_VERSION}, sort_keys=True)
     return cache_dir() / "bundles" / f"default-{__version__}-{hashlib.sha256(recipe.encode()).hexdigest()[:8]}"
 
@@ -64,7 +63,6 @@ def ensure_default_bundle() -> Path:
     print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct and its distilled draft) into "
           f"{path}; this takes about a minute and is reused afterwards.", file=sys.stderr)
     started = time.perf_counter()
-    from importlib import resources
 
     with resources.as_file(resources.files("edgespec.quant") / "policies" / "head-int8.json") as policy:
         export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, quant_policy=policy, out=path,

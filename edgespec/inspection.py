@@ -37,7 +37,7 @@ def print_bundle(folder: Path) -> None:
         for name, spec in entry.graph.outputs.items():
             print(f"      out {name:16s} {spec['dtype']:8s} {spec['shape']}")
     if manifest.draft is None:
-        print(f"  drafter: {manifest.drafter} (training-free)")
+        print(f"  drafter: {manifest.drafter.value} (training-free)")
     quality = manifest.quality
     if quality:
         ppl, agree = quality["perplexity"], quality["greedy_agreement"]

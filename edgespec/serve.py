@@ -22,7 +22,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from edgespec.openai_api import APIError, Completion, chunk, new_id, parse_chat, parse_completion, response
+from edgespec.defaults import resolve_bundle
+from edgespec.openai_api import (
+    APIError,
+    Completion,
+    chunk,
+    new_id,
+    parse_chat,
+    parse_completion,
+    response,
+)
 from edgespec.runtime.engine import Result
 from edgespec.runtime.errors import EdgespecError
 from edgespec.runtime.pipeline import Pipeline
@@ -202,8 +211,6 @@ async def stream(generations: Generations, completion: Completion, request_id: s
 
 def serve(bundle: str, config: ServeConfig, threads: int | None = None, memory_budget: str | None = None) -> None:
     import uvicorn
-
-    from edgespec.defaults import resolve_bundle
 
     pipeline = Pipeline(resolve_bundle(bundle), threads=threads, memory_budget=memory_budget)
     uvicorn.run(make_app(pipeline, config), host=config.host, port=config.port, log_level="info")

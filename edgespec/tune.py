@@ -26,6 +26,7 @@ import numpy as np
 
 from edgespec.bench import load_prompts, prompt_kwargs, run_bench
 from edgespec.runtime.bundle import read_manifest, write_manifest
+from edgespec.runtime.drafters import DrafterKind
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.lookup import LookupConfig
@@ -209,7 +210,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
 def lookup_choices(pipeline: Pipeline, lookup: LookupConfig | None) -> list[LookupConfig | None]:
     """Lookups worth measuring, with the bundle's n-gram settings: none, the standard lengths (longer
     while quoting) and the bundle's own. Prompt lookup goes beside a draft model only."""
-    if pipeline.manifest.drafter != "model":
+    if pipeline.manifest.drafter is not DrafterKind.MODEL:
         return [None]
     base = lookup or LookupConfig()
     found = [None] + [replace(base, tokens=k, quote_tokens=QUOTE_TOKENS) for k in LOOKUP_CHOICES] + [lookup]
@@ -223,13 +224,30 @@ def lookup_label(lookup: LookupConfig | None) -> str:
     return f"{lookup.tokens}/{lookup.quote_tokens}" if lookup.quote_tokens > lookup.tokens else str(lookup.tokens)
 
 
-def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None | str = "keep") -> None:
-    """Rewrites the manifest's tree (graphs take any node count on dynamic profiles), atomically, and its
-    prompt lookup: a config, None for none, "keep" to leave it as it is."""
+def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None) -> None:
+    """Rewrites the manifest's tree (graphs take any node count on dynamic profiles) and its prompt
+    lookup (None: none), atomically."""
     manifest = read_manifest(folder)
     if manifest.profile.static_shapes:
         raise ValueError("this bundle's profile has static shapes: its tree is fixed at export")
-    manifest = replace(manifest, tree=topology)  # keeps the dynamic settings
-    if lookup != "keep":
-        manifest = replace(manifest, lookup=lookup)
+    manifest = replace(manifest, tree=topology, lookup=lookup)  # keeps the dynamic settings
     write_manifest(folder, manifest)
+
+
+AUTO_TREE_START = "chain:4"  # what `--tree auto` exports before tune replaces it
+
+
+def export_tuned(config) -> Path:
+    """`edgespec export --tree auto`: exports a short chain, then measures this device and writes the
+    tree `tune` chooses before the bundle is moved into place."""
+    from edgespec.exporters.export import (
+        export,  # the export extra is optional for the runtime
+    )
+
+    def finish(folder: Path, say) -> None:
+        say("choosing the tree for this device (edgespec tune)")
+        result = tune(folder, None, max_nodes=12, max_new_tokens=64, threads=None, write=True)
+        say(f"tree: parents {result['tree']['parents']}, predicted {result['predicted_tokens_per_s']} tokens/s, "
+            f"measured {result['measured_tokens_per_s']}")
+
+    return export(replace(config, tree=AUTO_TREE_START), finish=finish)

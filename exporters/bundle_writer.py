@@ -6,21 +6,28 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, replace
+from importlib.metadata import version
 from pathlib import Path
 
 import onnx
 
-from edgespec import __version__
-from edgespec.runtime.bundle import MANIFEST, GraphSpec, Manifest, ModelEntry, sha256_file, write_manifest
-from edgespec.runtime.drafters import NgramConfig
-from edgespec.runtime.dynamic_tree import DynamicTreeConfig
-from edgespec.runtime.lookup import LookupConfig
-from edgespec.runtime.tokenizer import TokenizerSpec
-from edgespec.runtime.errors import ExportError
 from edgespec.quant.apply import quantize_model
 from edgespec.quant.calibrate import Calibration, activation_maxima
-from edgespec.runtime.model import EXACT_ROWS_KEY, MIN_ROWS
 from edgespec.quant.schemes import QuantPolicy
+from edgespec.runtime.bundle import (
+    MANIFEST,
+    GraphSpec,
+    Manifest,
+    ModelEntry,
+    sha256_file,
+    write_manifest,
+)
+from edgespec.runtime.drafters import DrafterKind, NgramConfig
+from edgespec.runtime.dynamic_tree import DynamicTreeConfig
+from edgespec.runtime.errors import ExportError
+from edgespec.runtime.lookup import LookupConfig
+from edgespec.runtime.model import EXACT_ROWS_KEY, MIN_ROWS
+from edgespec.runtime.tokenizer import TokenizerSpec
 from edgespec.runtime.tree import Topology
 from edgespec.targets.profiles import DeviceProfile
 
@@ -141,7 +148,7 @@ class BundleContents:
 
     tokenizer: TokenizerSpec
     target: ModelEntry
-    drafter: str  # "model", or a training-free drafter
+    drafter: DrafterKind
     draft: ModelEntry | None = None
     quality: dict | None = None
 
@@ -172,7 +179,7 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
             dynamic=tree.dynamic, lookup=tree.lookup, ngram=tree.ngram, prefill_chunk=prefill_chunk,
             tokenizer=contents.tokenizer, profile=profile,
             files={p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
-            edgespec_version=__version__, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             quality=contents.quality)
         write_manifest(tmp, manifest)
         if finish is not None:

@@ -11,18 +11,26 @@ import numpy as np
 
 from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
-from edgespec.runtime.features import draft_inputs
-from edgespec.runtime.drafters import NGRAM_DRAFTERS, TRAINING_FREE, NgramConfig
-from edgespec.runtime.lookup import LookupConfig
+from edgespec.runtime.budget import MAX_LANES, lanes_for
+from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
-from edgespec.runtime.budget import MAX_LANES, lanes_for
+from edgespec.runtime.features import draft_inputs
+from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile
 
 from .architectures import builder_for
-from .bundle_writer import (BundleContents, TreeSettings, calibrate, check_compatible, check_output, write_bundle,
-                            write_model, write_tokenizer)
+from .bundle_writer import (
+    BundleContents,
+    TreeSettings,
+    calibrate,
+    check_compatible,
+    check_output,
+    write_bundle,
+    write_model,
+    write_tokenizer,
+)
 from .quality import write_quality_report
 from .sources import resolve_source
 
@@ -57,7 +65,8 @@ def default_tree(draft: str) -> str:
     chain a quote runs to: it is cut at NgramConfig.partial_match_depth unless the context's suffix
     occurred before, and 12 nodes is the last count before fp32's pass cost steps up
     (benchmarks/RESULTS.md §25, §33)."""
-    return "chain:11" if draft in NGRAM_DRAFTERS else "chain:4"
+    kind = DrafterKind.training_free(draft)
+    return "chain:11" if kind is not None and kind.looks_up_ngrams else "chain:4"
 
 
 def graph_lanes(topology: Topology, dynamic: DynamicTreeConfig | None, lookup_tokens: int) -> int:
@@ -68,12 +77,9 @@ def graph_lanes(topology: Topology, dynamic: DynamicTreeConfig | None, lookup_to
 
 
 def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
-    """The static tree to write, and the dynamic-tree settings if any.
-    `auto`: a short chain, replaced by what `tune` measures on this device before the bundle is moved
-    into place; `dynamic:N`: a draft model grows each step's tree within N nodes (its static fallback
-    is the chain of N nodes)."""
-    if spec == "auto":
-        return parse_tree_spec("chain:4"), None
+    """The static tree to write, and the dynamic-tree settings if any. `dynamic:N`: a draft model grows
+    each step's tree within N nodes (its static fallback is the chain of N nodes). (`auto` is the front
+    door's: edgespec.tune.export_tuned exports a short chain and tunes it before the bundle lands.)"""
     if spec.startswith("dynamic:"):
         budget = spec.split(":", 1)[1]
         if not budget.isdigit():
@@ -116,11 +122,21 @@ def _say(message: str, started: float) -> None:
     print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def export(config: ExportConfig) -> Path:
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class ExportPlan:
+    """An export's settings, checked before any model is loaded."""
+
+    tree: TreeSettings
+    lanes: int
+    target_scheme: QuantScheme
+    draft_scheme: QuantScheme
+    target_policy: QuantPolicy
+
+
+def plan_export(config: ExportConfig) -> ExportPlan:
+    """Checks `config` as a whole; every problem is an ExportError naming the option."""
     try:
-        tree_spec = config.tree or default_tree(config.draft)
-        topology, dynamic = tree_plan(tree_spec)
+        topology, dynamic = tree_plan(config.tree or default_tree(config.draft))
     except ValueError as err:
         raise ExportError(str(err)) from err
     if config.lookup < 0:
@@ -137,23 +153,21 @@ def export(config: ExportConfig) -> Path:
         raise ExportError(f"--lanes must be between 1 and {MAX_LANES} (got {lanes})")
     if config.prefill_chunk < 2:
         raise ExportError("the prefill chunk must be at least 2 tokens")
-    if dynamic is not None and config.draft in TRAINING_FREE:
+    training_free = DrafterKind.training_free(config.draft)
+    if dynamic is not None and training_free is not None:
         raise ExportError("a dynamic tree grows by a draft model's confidence: give --draft a model")
-    if lookup_tokens and config.draft in TRAINING_FREE:
+    if lookup_tokens and training_free is not None:
         raise ExportError(f"--lookup adds prompt lookup to a draft model; the {config.draft!r} drafter has none "
                           "(use --draft ngram or ngram+recycling for prompt lookup alone)")
-    ngram = None
-    if config.draft in NGRAM_DRAFTERS:
-        # quantized weights make every verified row cost (int8 compute): without a full match, one token,
-        # which takes the padding row's place in the pass for free (RESULTS.md §40: 1.30x against 0.91x)
-        ngram = NgramConfig(partial_match_depth=1 if config.quant in ("int4", "int8") else 5)
-    tree = TreeSettings(topology, dynamic, ngram=ngram,
-                        lookup=LookupConfig(tokens=config.lookup, quote_tokens=config.lookup_quote) if lookup_tokens else None)
     if config.integer_matmul and (config.quant != "int8" or not config.symmetric):
         raise ExportError("--integer-matmul is a scheme of --quant int8 (symmetric activations, a zero point per "
                           "weight channel): drop --asymmetric/--integer-zero-points, or use MatMulNBits' int4/int8")
-    profile = get_profile(config.profile)
-    check_output(Path(config.out), config.force)  # before minutes of work, not after
+    ngram = None
+    if training_free is not None and training_free.looks_up_ngrams:
+        # quantized weights make every verified row cost (int8 compute): without a full match, one token,
+        # which takes the padding row's place in the pass for free (RESULTS.md §40: 1.30x against 0.91x)
+        ngram = NgramConfig(partial_match_depth=1 if config.quant in ("int4", "int8") else 5)
+    lookup = LookupConfig(tokens=config.lookup, quote_tokens=config.lookup_quote) if lookup_tokens else None
     try:
         target_scheme = QuantScheme(config.quant, config.block, config.symmetric, config.accuracy_level,
                                     config.integer_zero_points, config.integer_matmul)
@@ -161,57 +175,66 @@ def export(config: ExportConfig) -> Path:
         target_policy = QuantPolicy.load(config.quant_policy, target_scheme)
     except ValueError as err:
         raise ExportError(str(err)) from err
+    return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy)
+
+
+def export(config: ExportConfig, finish=None) -> Path:
+    """Writes the bundle `config` describes. `finish(folder, say)` may work on the complete bundle before
+    it is moved into place (the front door tunes its tree there)."""
+    started = time.perf_counter()
+    plan = plan_export(config)
+    profile = get_profile(config.profile)
+    check_output(Path(config.out), config.force)  # before minutes of work, not after
     target_source = resolve_source(config.model, config.cache_dir)
-    draft_source = None if config.draft in TRAINING_FREE else resolve_source(config.draft, config.cache_dir)
-    draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
+    training_free = DrafterKind.training_free(config.draft)
+    draft_source = None if training_free is not None else resolve_source(config.draft, config.cache_dir)
+    say = lambda message: _say(message, started)  # noqa: E731
 
     def fill(folder: Path) -> BundleContents:
-        _say(f"loading target: {target_source.description}", started)
-        target, tokenizer = target_source.load()
-        # a draft that reads the target's features needs a target graph that returns them
-        target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
-                                     lanes=lanes)
-        tokenizer_spec = write_tokenizer(folder, tokenizer, target)
-        _say(f"writing target graph ({target_builder.facts.num_layers} layers, "
-             f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {target_scheme.name})", started)
-        calibration = None
-        if target_scheme.integer_matmul:
-            _say("calibrating integer matmuls (activation ranges over quant/data/calibration.txt)", started)
-            calibration = calibrate(target_builder, tokenizer(calibration_text())["input_ids"])
-        target_entry = write_model(folder, "target", target_builder, target_source.description, target_policy,
-                                   stages=config.stages, calibration=calibration)
-        draft_entry, draft_builder = None, None
-        if draft_source is not None:
-            _say(f"loading draft: {draft_source.description}", started)
-            draft_builder = _draft_builder(draft_source, draft_info, tokenizer, target_builder, config.context)
-            _say(f"writing draft graph ({draft_scheme.name})", started)
-            draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
-                                      QuantPolicy(draft_scheme),
-                                      calibration=_draft_calibration(draft_builder, calibration) if draft_scheme.bits else None)
-            if draft_info.head_tokens is not None:
-                (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_info.head_tokens]))
-                draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
-        quality = None
-        if target_policy.quantizes() or (draft_builder is not None and draft_scheme.name != "fp32"):
-            _say("measuring quality against the fp32 export (perplexity, greedy agreement)", started)
-            quality = {"file": "quality.json",
-                       **write_quality_report(folder, tokenizer_spec, target_builder, draft_builder)}
-        _say("writing manifest and checksums", started)
-        return BundleContents(tokenizer_spec, target_entry, "model" if draft_entry else config.draft, draft_entry,
-                              quality)
+        return _write_models(folder, config, plan, target_source, draft_source, say)
 
-    def tune_tree(folder: Path) -> None:
-        from edgespec.tune import tune
-
-        _say("choosing the tree for this device (edgespec tune)", started)
-        result = tune(folder, None, max_nodes=12, max_new_tokens=64, threads=None, write=True)
-        _say(f"tree: parents {result['tree']['parents']}, predicted {result['predicted_tokens_per_s']} tokens/s, "
-             f"measured {result['measured_tokens_per_s']}", started)
-
-    out = write_bundle(config.out, config.force, fill, profile, tree, config.prefill_chunk,
-                       finish=tune_tree if tree_spec == "auto" else None)
-    _say(f"bundle written to {out}", started)
+    out = write_bundle(config.out, config.force, fill, profile, plan.tree, config.prefill_chunk,
+                       finish=None if finish is None else lambda folder: finish(folder, say))
+    say(f"bundle written to {out}")
     return out
+
+
+def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_source, draft_source,
+                  say) -> BundleContents:
+    """Tokenizer, target graph (+ stages), draft graph, quality report: everything the manifest lists."""
+    draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
+    say(f"loading target: {target_source.description}")
+    target, tokenizer = target_source.load()
+    # a draft that reads the target's features needs a target graph that returns them
+    target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
+                                 lanes=plan.lanes)
+    tokenizer_spec = write_tokenizer(folder, tokenizer, target)
+    say(f"writing target graph ({target_builder.facts.num_layers} layers, "
+        f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {plan.target_scheme.name})")
+    calibration = None
+    if plan.target_scheme.integer_matmul:
+        say("calibrating integer matmuls (activation ranges over quant/data/calibration.txt)")
+        calibration = calibrate(target_builder, tokenizer(calibration_text())["input_ids"])
+    target_entry = write_model(folder, "target", target_builder, target_source.description, plan.target_policy,
+                               stages=config.stages, calibration=calibration)
+    draft_entry, draft_builder = None, None
+    if draft_source is not None:
+        say(f"loading draft: {draft_source.description}")
+        draft_builder = _draft_builder(draft_source, draft_info, tokenizer, target_builder, config.context)
+        say(f"writing draft graph ({plan.draft_scheme.name})")
+        draft_calibration = _draft_calibration(draft_builder, calibration) if plan.draft_scheme.bits else None
+        draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
+                                  QuantPolicy(plan.draft_scheme), calibration=draft_calibration)
+        if draft_info.head_tokens is not None:
+            (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_info.head_tokens]))
+            draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
+    quality = None
+    if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
+        say("measuring quality against the fp32 export (perplexity, greedy agreement)")
+        quality = {"file": "quality.json", **write_quality_report(folder, tokenizer_spec, target_builder, draft_builder)}
+    say("writing manifest and checksums")
+    kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
+    return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality)
 
 
 def _draft_builder(source, info: DraftInfo, tokenizer, target_builder, context: int):

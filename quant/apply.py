@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from . import integer
 from .offsets import replace_matmul
@@ -124,7 +125,6 @@ def _apply_offsets(model: onnx.ModelProto, users, applied: dict[str, str], polic
 
 def _apply_nbits(model: onnx.ModelProto, applied: dict[str, str], policy: QuantPolicy) -> None:
     """What is still int8/int4 goes through onnxruntime's own quantizer, one bit width at a time."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     scheme = policy.default
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)

@@ -7,14 +7,12 @@ held-out text that quality.json measures on).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
-
-from dataclasses import dataclass
 
 from edgespec.runtime.facts import ModelFacts
 from edgespec.runtime.features import FEATURES, FEATURES_OUT

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import BundleError
-from .drafters import LEGACY_NGRAM, NGRAM_DRAFTERS, NgramConfig
-from .lookup import LookupConfig
+from edgespec.targets.profiles import DeviceProfile
+
+from .drafters import LEGACY_NGRAM, DrafterKind, NgramConfig
 from .dynamic_tree import DynamicTreeConfig
+from .errors import BundleError
 from .facts import ModelFacts
 from .features import FEATURES_OUT
+from .lookup import LookupConfig
 from .tokenizer import TokenizerSpec
 from .tree import Topology
-from edgespec.targets.profiles import DeviceProfile
 
 SCHEMA_VERSION = 3  # 3: GroupQueryAttention over per-layer KV buffers bound as past and present (lanes)
 MANIFEST = "manifest.json"
@@ -96,7 +97,7 @@ class ModelEntry:
 class Manifest:
     target: ModelEntry
     draft: ModelEntry | None  # None: a training-free drafter
-    drafter: str  # "model", or a training-free drafter: "ngram", "recycling", "ngram+recycling"
+    drafter: DrafterKind
     tree: Topology
     dynamic: DynamicTreeConfig | None  # set: a draft model grows each step's tree within a node budget
     lookup: LookupConfig | None  # set: a prompt-lookup chain is grafted onto the draft model's tree
@@ -122,10 +123,11 @@ class Manifest:
         try:
             draft = data.get("draft")
             drafter = _drafter_kind(draft)
-            if data["tree"].get("lookup") and drafter != "model":
+            if data["tree"].get("lookup") and drafter is not DrafterKind.MODEL:
                 raise BundleError("the manifest adds prompt lookup to a training-free drafter: it is for a draft model")
-            if data["tree"].get("ngram") and drafter not in NGRAM_DRAFTERS:
-                raise BundleError(f"the manifest gives n-gram settings to the {drafter!r} drafter, which has no n-grams")
+            if data["tree"].get("ngram") and not drafter.looks_up_ngrams:
+                raise BundleError(f"the manifest gives n-gram settings to the {drafter.value!r} drafter, which has no "
+                                  "n-grams")
             return cls(
                 target=ModelEntry.from_dict(data["target"]),
                 draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
@@ -150,22 +152,22 @@ class Manifest:
                 **({"dynamic": self.dynamic.to_dict()} if self.dynamic is not None else {}),
                 **({"lookup": self.lookup.to_dict()} if self.lookup is not None else {}),
                 **({"ngram": self.ngram.to_dict()} if self.ngram is not None else {})}
-        draft = {"kind": "model", **self.draft.to_dict()} if self.draft is not None else {"kind": self.drafter}
+        draft = {"kind": self.drafter.value, **(self.draft.to_dict() if self.draft is not None else {})}
         return {"schema_version": SCHEMA_VERSION, "edgespec_version": self.edgespec_version, "created": self.created,
                 "profile": self.profile.to_dict(), "tree": tree, "steps": {"prefill_chunk": self.prefill_chunk},
                 "tokenizer": self.tokenizer.to_dict(), "target": self.target.to_dict(), "draft": draft,
                 **({"quality": self.quality} if self.quality is not None else {}), "files": dict(self.files)}
 
 
-def _drafter_kind(draft: dict | None) -> str:
-    kind = draft["kind"] if draft else "ngram"
-    if kind not in ("model", "ngram", "recycling", "ngram+recycling"):
-        raise BundleError(f"the manifest names an unknown drafter {kind!r}")
-    return kind
+def _drafter_kind(draft: dict | None) -> DrafterKind:
+    try:
+        return DrafterKind.named(draft["kind"]) if draft else DrafterKind.NGRAM
+    except ValueError as err:
+        raise BundleError(f"the manifest names an {err}") from err
 
 
-def _ngram_config(drafter: str, settings: dict | None) -> NgramConfig | None:
-    if drafter not in NGRAM_DRAFTERS:
+def _ngram_config(drafter: DrafterKind, settings: dict | None) -> NgramConfig | None:
+    if not drafter.looks_up_ngrams:
         return None
     return LEGACY_NGRAM if settings is None else NgramConfig(**settings)
 

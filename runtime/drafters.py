@@ -7,6 +7,7 @@ owns its draft KV cache, whose `length` is how many committed tokens it has alre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 import numpy as np
@@ -15,7 +16,7 @@ from .features import draft_inputs
 from .kvcache import KVCache
 from .model import ModelRunner, commit, prefill
 from .sampling import Sampler, sample_without_replacement
-from .tree import Topology, Tree
+from .tree import Topology, Tree, path_from_root
 
 
 class Drafter(Protocol):
@@ -61,20 +62,12 @@ def grow_tree(topology: Topology, root: int, candidates) -> Tree:
         for parent, kids in by_parent.items():
             if parent not in kept:
                 continue
-            path = [tokens[i] for i in _path(parents, kept[parent])]
+            path = [tokens[i] for i in path_from_root(parents, kept[parent])]
             for node, token in zip(kids, candidates(path, len(kids))):
                 kept[node] = len(tokens)
                 parents.append(kept[parent])
                 tokens.append(token)
     return Tree.from_parents(tuple(parents), tokens)
-
-
-def _path(parents, node):
-    out = []
-    while node != -1:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]
 
 
 @dataclass(frozen=True)
@@ -247,8 +240,34 @@ class ModelDrafter:
         self.cache.trim(min(self.cache.length, length))
 
 
-TRAINING_FREE = ("ngram", "recycling", "ngram+recycling")
-NGRAM_DRAFTERS = ("ngram", "ngram+recycling")  # the training-free drafters that look n-grams up
+class DrafterKind(Enum):
+    """What proposes a bundle's tokens: the manifest's `draft.kind`, and `export --draft`'s training-free names."""
+
+    MODEL = "model"  # a draft model's graph
+    NGRAM = "ngram"  # prompt lookup over the context
+    RECYCLING = "recycling"  # Token Recycling: the target's own recent successors
+    NGRAM_RECYCLING = "ngram+recycling"  # context matches first, recycled candidates fill the other branches
+
+    @classmethod
+    def training_free(cls, name: str) -> "DrafterKind | None":
+        """The training-free drafter `name` names, or None (then it names a draft model)."""
+        kind = next((k for k in cls if k.value == name), None)
+        return None if kind is cls.MODEL else kind
+
+    @classmethod
+    def named(cls, name: str) -> "DrafterKind":
+        kind = next((k for k in cls if k.value == name), None)
+        if kind is None:
+            raise ValueError(f"unknown drafter {name!r}: one of {', '.join(k.value for k in cls)}")
+        return kind
+
+    @property
+    def looks_up_ngrams(self) -> bool:
+        return self in (DrafterKind.NGRAM, DrafterKind.NGRAM_RECYCLING)
+
+    @property
+    def recycles(self) -> bool:
+        return self in (DrafterKind.RECYCLING, DrafterKind.NGRAM_RECYCLING)
 
 
 def new_recycling_table(vocab_size: int, width: int = 8) -> np.ndarray:

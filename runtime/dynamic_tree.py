@@ -25,7 +25,7 @@ from .kvcache import KVCache
 from .drafters import catch_up, own_features
 from .model import ModelRunner, commit
 from .sampling import Sampler
-from .tree import Tree
+from .tree import Tree, path_from_root
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,7 @@ class DynamicDrafter:
 
     @staticmethod
     def _ancestors(parents: list[int], node: int) -> set[int]:
-        out = set()
-        while parents[node] != -1:
-            node = parents[node]
-            out.add(node)
-        return out
+        return set(path_from_root(parents, node)[:-1])
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass

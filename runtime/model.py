@@ -10,6 +10,7 @@ import onnxruntime as ort
 from .features import FEATURES, FEATURES_OUT
 from .facts import ModelFacts
 from .kvcache import KVCache
+from .tree import Topology
 
 # onnxruntime's CPU matmuls (MLAS sgemm, and MatMulNBits at every accuracy level) take a separate
 # single-row (GEMV) path whose rounding differs from the multi-row kernel (measured: up to ~8e-5 in
@@ -164,7 +165,8 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     ids = np.zeros((1, rows), dtype=np.int64)
     ids[0, :n] = tokens
     tree_mask = np.asarray(tree_mask, dtype=bool)
-    paths = root_to_leaf_paths(tree_mask) if exact_rows and not _is_chain(tree_mask) else [list(range(n))]
+    paths = [list(range(n))] if not exact_rows or _is_chain(tree_mask) else \
+        [list(p) for p in Topology.from_ancestor_mask(tree_mask).root_to_leaf_paths]
     if len(paths) > cache.lanes:
         raise ValueError(f"the tree has {len(paths)} root-to-leaf paths but the graph attends in {cache.lanes} "
                          "lanes: cut it with Tree.within_paths")
@@ -226,24 +228,6 @@ def head_rows_of(path_nodes: np.ndarray, node_slots: np.ndarray, heads: tuple[in
 def _is_chain(mask: np.ndarray) -> bool:
     """Whether every row sees itself and all earlier rows (one path: no need to look for others)."""
     return bool(np.tril(mask).all()) and not np.triu(mask, 1).any()
-
-
-def root_to_leaf_paths(ancestors: np.ndarray) -> list[list[int]]:
-    """The paths of a tree given as an ancestor mask (row i: i and its ancestors, parents first), in
-    the order of their leaves. Refuses a mask that is not one (a row seeing a later row, or rows whose
-    visible sets are not a chain)."""
-    n = len(ancestors)
-    if ancestors.shape != (n, n) or not ancestors.diagonal().all() or np.triu(ancestors, 1).any():
-        raise ValueError("exact rows need an ancestor mask: each row sees itself and earlier rows only")
-    has_child = np.zeros(n, dtype=bool)
-    for node in range(n):
-        seen = np.flatnonzero(ancestors[node, :node])
-        if len(seen):
-            parent = seen[-1]
-            if not np.array_equal(ancestors[node, :node], ancestors[parent, :node] | (np.arange(node) == parent)):
-                raise ValueError(f"row {node} sees rows that are not the chain of its parent {parent}")
-            has_child[parent] = True
-    return [list(np.flatnonzero(ancestors[leaf])) for leaf in np.flatnonzero(~has_child)]
 
 
 def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int, features: np.ndarray | None = None) -> np.ndarray:

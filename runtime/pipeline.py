@@ -6,20 +6,35 @@ from pathlib import Path
 
 from edgespec.targets.profiles import get_profile
 
+from . import prepacked
 from .budget import parse_size, plan_memory
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
+from .drafters import (
+    Drafter,
+    DrafterKind,
+    ModelDrafter,
+    NgramDrafter,
+    NoDrafter,
+    RecyclingDrafter,
+    new_recycling_table,
+)
 from .dynamic_tree import DynamicDrafter
-from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
-from .lookup import WithLookup
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError
 from .exactness import RowMismatch, check_exact_rows
 from .kvcache import KVCache
+from .lookup import WithLookup
 from .model import ModelRunner
 from .paths import cache_dir
 from .sessions import make_session
-from . import prepacked
-from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
+from .staged import (
+    LoadedStage,
+    MappedEmbedding,
+    MappedStage,
+    Stage,
+    StagedRunner,
+    StageWindow,
+)
 from .tokenizer import TextCodec
 
 
@@ -84,7 +99,7 @@ class Pipeline:
         self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
-        if m.drafter == "model":
+        if m.drafter is DrafterKind.MODEL:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
@@ -131,9 +146,9 @@ class Pipeline:
         if not speculate:
             return NoDrafter()
         ngram = NgramDrafter.from_config(self.tree, m.ngram) if m.ngram is not None else None
-        if m.drafter == "ngram":
+        if m.drafter is DrafterKind.NGRAM:
             return ngram
-        if m.drafter in ("recycling", "ngram+recycling"):
+        if m.drafter.recycles:
             if self.recycling_table is None:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
             return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)

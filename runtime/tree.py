@@ -92,11 +92,30 @@ class Topology:
 
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root to `node`, both included."""
-        path = []
-        while node != -1:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return path_from_root(self.parents, node)
+
+    @cached_property
+    def root_to_leaf_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Every root-to-leaf path, leaves in node order: the lanes a verifying pass attends in."""
+        return tuple(tuple(self.path_to(leaf)) for leaf, kids in enumerate(self.children) if not kids)
+
+    @classmethod
+    def from_ancestor_mask(cls, ancestors: np.ndarray) -> "Topology":
+        """The tree whose `ancestor_mask` this is; refuses a mask that is none (a row seeing a later row,
+        or rows whose visible sets are not their parent's plus themselves)."""
+        n = len(ancestors)
+        if ancestors.shape != (n, n) or not ancestors.diagonal().all() or np.triu(ancestors, 1).any():
+            raise ValueError("exact rows need an ancestor mask: each row sees itself and earlier rows only")
+        parents = [-1]
+        for node in range(1, n):
+            seen = np.flatnonzero(ancestors[node, :node])
+            if not len(seen):
+                raise ValueError(f"row {node} sees no earlier row: a tree has one root")
+            parent = int(seen[-1])
+            if not np.array_equal(ancestors[node, :node], ancestors[parent, :node] | (np.arange(node) == parent)):
+                raise ValueError(f"row {node} sees rows that are not the chain of its parent {parent}")
+            parents.append(parent)
+        return cls(tuple(parents))
 
     def spec(self) -> str:
         """The shortest spec `parse_tree_spec` reads back as this topology."""
@@ -106,6 +125,15 @@ class Topology:
 
     def to_dict(self) -> dict:
         return {"parents": list(self.parents), "size": self.size, "depth": self.max_depth}
+
+
+def path_from_root(parents, node: int) -> list[int]:
+    """The walk up a tree given by `parents` (-1 at the root): nodes from the root to `node`, both included."""
+    path = []
+    while node != -1:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 @dataclass(frozen=True, eq=False)

@@ -36,8 +36,8 @@ def test_written_manifests_are_exactly_the_typed_manifest(name, various):
 
 
 def test_a_rewritten_manifest_changes_only_what_was_replaced(various, tmp_path):
-    from dataclasses import replace
     import shutil
+    from dataclasses import replace
 
     bundle = tmp_path / "b"
     shutil.copytree(various["draft-lookup"], bundle)

@@ -4,7 +4,7 @@ import pytest
 
 from edgespec.runtime.facts import ModelFacts
 from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import pass_feed, root_to_leaf_paths
+from edgespec.runtime.model import pass_feed
 from edgespec.runtime.tree import Topology
 
 FACTS = ModelFacts(architecture="llama", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
@@ -23,8 +23,9 @@ def cache_with(length: int, lanes: int = 1) -> KVCache:
 
 def test_paths_of_a_tree_in_leaf_order():
     tree = Topology((-1, 0, 0, 1, 1, 2))
-    assert root_to_leaf_paths(tree.ancestor_mask) == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
-    assert root_to_leaf_paths(np.tril(np.ones((4, 4), bool))) == [[0, 1, 2, 3]]
+    assert tree.root_to_leaf_paths == ((0, 1, 3), (0, 1, 4), (0, 2, 5))
+    assert Topology.from_ancestor_mask(tree.ancestor_mask) == tree
+    assert Topology.from_ancestor_mask(np.tril(np.ones((4, 4), bool))).root_to_leaf_paths == ((0, 1, 2, 3),)
 
 
 @pytest.mark.parametrize("mask", [
@@ -34,7 +35,7 @@ def test_paths_of_a_tree_in_leaf_order():
 ])
 def test_a_mask_that_is_not_an_ancestor_mask_is_refused(mask):
     with pytest.raises(ValueError, match="ancestor mask|chain of its parent"):
-        root_to_leaf_paths(mask)
+        Topology.from_ancestor_mask(mask)
 
 
 def test_every_path_gets_a_lane_whose_slots_sit_at_the_columns_plain_decoding_gives_them():

@@ -1,11 +1,12 @@
 """On the reference model (SmolLM2-135M-Instruct, the default bundle): greedy speculative == plain."""
 import pytest
+from rows import assert_tree_rows_match_plain_decoding
 
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import ensure_default_bundle
+from edgespec.runtime.drafters import DrafterKind
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
-from rows import assert_tree_rows_match_plain_decoding
 
 pytestmark = pytest.mark.reference
 
@@ -36,7 +37,7 @@ def test_default_bundle_drafts_with_the_shipped_distilled_draft(pipeline):
     from edgespec.distill.draft_model import DRAFT_LAYERS, FEATURE_DESIGNS
 
     design = json.loads((SHIPPED_DRAFT / "draft.json").read_text())["design"]
-    assert pipeline.manifest.drafter == "model"
+    assert pipeline.manifest.drafter is DrafterKind.MODEL
     assert pipeline.draft.head_tokens is not None and len(pipeline.draft.head_tokens) == 8192
     assert pipeline.manifest.draft.facts.num_layers == DRAFT_LAYERS[design]
     # a feature design's draft reads what the target's graph returns

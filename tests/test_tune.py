@@ -1,10 +1,10 @@
 import json
 
 from edgespec.cli import main
-from edgespec.runtime.bundle import open_bundle
-from edgespec.tune import AcceptanceCounter, probe_topology, tune
-from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.bundle import open_bundle, read_manifest
 from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.tune import AcceptanceCounter, probe_topology, tune
 
 
 def test_probe_is_a_spine_of_top_candidates_with_siblings():
@@ -69,11 +69,12 @@ def test_dry_run_leaves_the_bundle_alone(bundle_factory, tmp_path):
 
 
 def test_export_with_an_automatic_tree(models, tmp_path):
-    from edgespec.exporters.export import ExportConfig, export
+    from edgespec.exporters.export import ExportConfig
+    from edgespec.tune import export_tuned
 
     out = tmp_path / "auto"
-    export(ExportConfig(model=str(models["target"]), draft="ngram", out=out, tree="auto", context=256,
-                        cache_dir=tmp_path))
+    export_tuned(ExportConfig(model=str(models["target"]), draft="ngram", out=out, tree="auto", context=256,
+                              cache_dir=tmp_path))
     tree = open_bundle(out).tree
     assert 1 <= tree.size <= 12
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
@@ -120,7 +121,7 @@ def test_write_tree_sets_or_removes_the_lookup(bundle_factory, tmp_path):
 
     bundle = tmp_path / "b"
     shutil.copytree(bundle_factory(draft="draft", tree="chain:1", lookup=4), bundle)
-    write_tree(bundle, Topology((-1, 0, 0)))
+    write_tree(bundle, Topology((-1, 0, 0)), read_manifest(bundle).lookup)
     assert open_bundle(bundle).lookup.tokens == 4 and open_bundle(bundle).tree.size == 3
     write_tree(bundle, Topology((-1, 0)), LookupConfig(tokens=2))
     assert open_bundle(bundle).lookup == LookupConfig(tokens=2)
