@@ -223,39 +223,49 @@ def cmd_demo(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_export, _add_generate, _add_chat, _add_bench, _add_tune, _add_inspect, _add_distill, _add_plan,
+                _add_serve, _add_demo):
+        add(sub)
+    return parser
 
-    def bundle_arg(p, optional=False):
-        if optional:
-            p.add_argument("bundle", nargs="?", default="default", help="bundle folder, or 'default'")
-        else:
-            p.add_argument("bundle", help="bundle folder, or 'default'")
-        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
-    def budget_arg(p):
-        p.add_argument("--memory-budget", default=None,
-                       help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
-        p.add_argument("--evict-page-cache", action="store_true",
-                       help="drop streamed stages from the OS page cache too when they are released, where the "
-                            "memory limit counts the cache (containers, devices without spare memory); slower "
-                            "where memory is free")
+def _bundle_arg(p, optional=False):
+    if optional:
+        p.add_argument("bundle", nargs="?", default="default", help="bundle folder, or 'default'")
+    else:
+        p.add_argument("bundle", help="bundle folder, or 'default'")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
-    def sampling_args(p):
-        p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-        p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-        p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-        p.add_argument("--repetition-penalty", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=None, help="the same seed reproduces the same output")
 
-    def generation_args(p, max_new=128):
-        p.add_argument("--max-new-tokens", type=int, default=max_new)
-        p.add_argument("--stop", action="append", help="stop string (repeatable)")
-        p.add_argument("--no-speculate", action="store_true", help="plain decoding of the same bundle")
-        p.add_argument("--kv-policy", default="error", choices=("error", "sliding"),
-                       help="when the context fills the cache: stop with an error (default), or keep 4 attention "
-                            "sinks and the most recent tokens (StreamingLLM)")
-        sampling_args(p)
+def _budget_arg(p):
+    p.add_argument("--memory-budget", default=None,
+                   help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
+    p.add_argument("--evict-page-cache", action="store_true",
+                   help="drop streamed stages from the OS page cache too when they are released, where the "
+                        "memory limit counts the cache (containers, devices without spare memory); slower "
+                        "where memory is free")
 
+
+def _sampling_args(p):
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="the same seed reproduces the same output")
+
+
+def _generation_args(p, max_new=128):
+    p.add_argument("--max-new-tokens", type=int, default=max_new)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--no-speculate", action="store_true", help="plain decoding of the same bundle")
+    p.add_argument("--kv-policy", default="error", choices=("error", "sliding"),
+                   help="when the context fills the cache: stop with an error (default), or keep 4 attention "
+                        "sinks and the most recent tokens (StreamingLLM)")
+    _sampling_args(p)
+
+
+def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export a target (+ draft) model to a device bundle")
     p.add_argument("model", help="Hugging Face folder, GGUF file, hub id, or 'default'")
     p.add_argument("--draft", required=True,
@@ -298,34 +308,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.set_defaults(run=cmd_export)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, streamed")
-    bundle_arg(p)
+    _bundle_arg(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    generation_args(p)
-    budget_arg(p)
+    _generation_args(p)
+    _budget_arg(p)
     p.set_defaults(run=cmd_generate)
 
+
+def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat")
-    bundle_arg(p, optional=True)
-    generation_args(p, max_new=256)
-    budget_arg(p)
+    _bundle_arg(p, optional=True)
+    _generation_args(p, max_new=256)
+    _budget_arg(p)
     p.set_defaults(run=cmd_chat)
 
+
+def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="plain vs speculative decoding in one run")
-    bundle_arg(p)
+    _bundle_arg(p)
     p.add_argument("--prompts", help="JSONL file: one object per line with 'messages' or 'prompt'")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1,
                    help="run the prompts this many times; each round's speedup is printed beside the total's")
     p.add_argument("--json", action="store_true")
-    sampling_args(p)
-    budget_arg(p)
+    _sampling_args(p)
+    _budget_arg(p)
     p.set_defaults(run=cmd_bench)
 
+
+def _add_tune(sub) -> None:
     p = sub.add_parser("tune", help="choose the tree for this device from measured acceptance and cost")
-    bundle_arg(p)
+    _bundle_arg(p)
     p.add_argument("--prompts", help="calibration prompts (JSONL, as for bench)")
     p.add_argument("--max-nodes", type=int, default=12, help="largest tree considered")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -333,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_tune)
 
+
+def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="print a bundle's manifest and verify its checksums")
     p.add_argument("bundle", help="bundle folder, or 'default'")
     p.add_argument("--check-exact", action="store_true",
@@ -340,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "any pass (what makes speculation lossless)")
     p.set_defaults(run=cmd_inspect)
 
+
+def _add_distill(sub) -> None:
     p = sub.add_parser("distill", help="train a draft model aligned to a target, on this machine's CPU")
     p.add_argument("target", help="Hugging Face folder, GGUF file, hub id, or 'default'")
     p.add_argument("--out", required=True, help="folder for the run and the finished draft (a Hugging Face folder)")
@@ -366,14 +388,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the design's)")
     p.set_defaults(run=cmd_distill)
 
+
+def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="how a memory budget is split for a bundle, and the context that fits")
     p.add_argument("bundle", help="bundle folder, or 'default'")
-    budget_arg(p)
+    _budget_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=cmd_plan)
 
+
+def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="a local OpenAI-compatible server (needs the serve extra)")
-    bundle_arg(p, optional=True)
+    _bundle_arg(p, optional=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API requests")
@@ -384,11 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
     p.set_defaults(run=cmd_serve)
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="a short chat reply from the default bundle")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.set_defaults(run=cmd_demo)
-    return parser
 
 
 def main(argv=None) -> int:

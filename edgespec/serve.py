@@ -32,7 +32,7 @@ from edgespec.openai_api import (
     parse_completion,
     response,
 )
-from edgespec.runtime.engine import Result
+from edgespec.runtime.engine import GenerationConfig, Result
 from edgespec.runtime.errors import EdgespecError
 from edgespec.runtime.pipeline import Pipeline
 
@@ -71,28 +71,37 @@ class Generations:
         self.drafter = self.pipeline.make_drafter(speculate=True)
 
     def admit(self) -> None:
+        """Takes a place in the queue (`release` gives it back), or refuses with 429."""
         if self.pending >= self.limit:
             raise APIError(f"the server is busy: {self.limit - 1} requests are already waiting; retry shortly",
                            code="queue_full", status=429, kind="rate_limit_error")
+        self.pending += 1
 
-    def prepare(self, request: Completion):
-        """(token ids, generation config): checked against the context before the request queues."""
+    def release(self) -> None:
+        self.pending -= 1
+
+    def prepare(self, request: Completion) -> GenerationConfig:
+        """The generation config, checked against the context before the request queues."""
         try:
             ids = self.pipeline.encode(request.prompt, list(request.messages) if request.messages else None)
         except (ValueError, EdgespecError) as err:
             raise APIError(f"the prompt cannot be encoded: {err}", "messages" if request.messages else "prompt") from err
-        return ids, request.config(len(ids), self.pipeline.context)
+        return request.config(len(ids), self.pipeline.context)
 
-    async def run(self, request: Completion, on_text=None, cancel: threading.Event | None = None) -> Result | None:
-        """Generates on the worker thread, in turn; None when `cancel` was set before its turn came."""
+    async def run(self, request: Completion) -> Result:
+        """Generates in turn, the whole answer at once."""
+        config = self.prepare(request)
         self.admit()
-        ids, config = self.prepare(request)
-        self.pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.worker, self._generate, request, config, on_text, cancel)
+            return await self.execute(request, config)
         finally:
-            self.pending -= 1
+            self.release()
+
+    def execute(self, request: Completion, config: GenerationConfig, on_text=None, cancel: threading.Event | None = None):
+        """An awaitable of the generation on the worker thread, in turn: None when `cancel` was set before
+        its turn came."""
+        return asyncio.get_running_loop().run_in_executor(self.worker, self._generate, request, config, on_text,
+                                                          cancel)
 
     def _generate(self, request: Completion, config, on_text, cancel) -> Result | None:
         if cancel is not None and cancel.is_set():
@@ -106,100 +115,115 @@ class Generations:
             raise
 
 
-def make_app(pipeline: Pipeline, config: ServeConfig) -> Starlette:
-    generations = Generations(pipeline, config.queue)
+class Routes:
+    """The HTTP side: each route checks its request, hands it to `Generations`, and shapes the answer."""
 
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
+    def __init__(self, generations: Generations, config: ServeConfig):
+        self.generations, self.config = generations, config
+
+    def authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.encode(), config.api_key.encode()):
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.encode(), self.config.api_key.encode()):
             raise APIError("a valid API key is required: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                            status=401)
 
-    async def read_json(request: Request):
+    async def completions(self, request: Request, chat: bool):
+        self.authorize(request)
         try:
-            return json.loads(await request.body())
+            body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise APIError(f"the request body is not valid JSON: {err}") from err
-
-    async def completions(request: Request, chat: bool):
-        authorize(request)
-        body = await read_json(request)
-        completion = (parse_chat if chat else parse_completion)(body, config.model)
+        completion = (parse_chat if chat else parse_completion)(body, self.config.model)
         request_id = new_id(chat)
         if completion.stream:
-            generations.admit()
-            generations.prepare(completion)  # refuse a prompt too long before the stream starts
-            return StreamingResponse(stream(generations, completion, request_id, chat, config.model),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return self.stream(completion, request_id, chat)
         try:
-            result = await generations.run(completion)
+            result = await self.generations.run(completion)
         except EdgespecError as err:
             raise APIError(str(err), code="generation_failed") from err
-        return JSONResponse(response(request_id, chat, config.model, result))
+        return JSONResponse(response(request_id, chat, self.config.model, result))
 
-    async def chat_completions(request: Request):
-        return await completions(request, chat=True)
+    def stream(self, completion: Completion, request_id: str, chat: bool) -> StreamingResponse:
+        """Takes the queue place and starts the generation here, so that a place is never counted twice
+        and always given back, whatever the client does with the stream."""
+        config = self.generations.prepare(completion)  # a prompt too long is refused before the stream starts
+        self.generations.admit()
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        task = asyncio.ensure_future(self.generations.execute(
+            completion, config, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text), cancel))
 
-    async def text_completions(request: Request):
-        return await completions(request, chat=False)
+        def done(_) -> None:
+            self.generations.release()
+            pieces.put_nowait(None)
 
-    async def models(request: Request):
-        authorize(request)
-        return JSONResponse({"object": "list", "data": [{"id": config.model, "object": "model", "created": 0,
+        task.add_done_callback(done)
+        events = stream_events(task, pieces, cancel, completion, request_id, chat, self.config.model)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def chat_completions(self, request: Request):
+        return await self.completions(request, chat=True)
+
+    async def text_completions(self, request: Request):
+        return await self.completions(request, chat=False)
+
+    async def models(self, request: Request):
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model", "created": 0,
                                                          "owned_by": "edgespec"}]})
 
-    async def health(request: Request):
-        return JSONResponse({"status": "ok", "model": config.model, "pending": generations.pending})
+    async def health(self, request: Request):
+        return JSONResponse({"status": "ok", "model": self.config.model, "pending": self.generations.pending})
 
+    @staticmethod
     async def api_error(request: Request, err: APIError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
+    @staticmethod
     async def http_error(request: Request, err: HTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(f"{request.method} {request.url.path}: {err.detail}", kind=kind).body(),
                             status_code=err.status_code)
 
-    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", text_completions, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]),
-              Route("/health", health, methods=["GET"])]
+
+def make_app(pipeline: Pipeline, config: ServeConfig) -> Starlette:
+    generations = Generations(pipeline, config.queue)
+    routes = Routes(generations, config)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         generations.worker.shutdown(wait=False, cancel_futures=True)
 
-    app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error},
+    app = Starlette(routes=[Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+                            Route("/v1/completions", routes.text_completions, methods=["POST"]),
+                            Route("/v1/models", routes.models, methods=["GET"]),
+                            Route("/health", routes.health, methods=["GET"])],
+                    exception_handlers={APIError: routes.api_error, HTTPException: routes.http_error},
                     lifespan=lifespan)
     app.state.generations = generations
     return app
 
 
-async def stream(generations: Generations, completion: Completion, request_id: str, chat: bool, model: str):
+async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: threading.Event, completion: Completion,
+                        request_id: str, chat: bool, model: str):
     """Server-sent events: the text as it comes, the last chunk with the finish reason, usage if asked,
     then [DONE]. A client that goes away cancels the generation at its next target pass."""
-    loop = asyncio.get_running_loop()
-    pieces: asyncio.Queue = asyncio.Queue()
-    cancel = threading.Event()
-
     def event(payload) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    task = asyncio.ensure_future(generations.run(
-        completion, on_text=lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text), cancel=cancel))
-    task.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
     try:
         yield event(chunk(request_id, chat, model, first=True))
         while (text := await pieces.get()) is not None:
             yield event(chunk(request_id, chat, model, text=text))
         try:
             result = task.result()
-        except (APIError, EdgespecError) as err:
-            body = err.body() if isinstance(err, APIError) else APIError(str(err), code="generation_failed").body()
-            yield event(body)
+        except EdgespecError as err:
+            yield event(APIError(str(err), code="generation_failed").body())
             return
         yield event(chunk(request_id, chat, model, result=result))
         if completion.include_usage:

@@ -134,30 +134,11 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         raise ValueError(f"{folder} grows a dynamic tree each step (dynamic:{pipeline.manifest.dynamic.budget}); tune "
                          "chooses a static one: export the bundle with --tree auto or a static tree to tune it")
     prompts = load_prompts(prompts_file)
-    # 1. acceptance by depth and rank, with the probe tree, of the draft model alone: lookup tokens
-    # grafted on would blur which rank the target chose
-    lookup, pipeline.lookup = pipeline.lookup, None
-    pipeline.tree = probe_topology()
-    counter = AcceptanceCounter(pipeline.make_drafter(True))
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    for item in prompts:
-        pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
-    accept = counter.acceptance
-    # 2. cost of a step by node count: the target pass plus drafting (per level of depth); a step with
-    # k lookup tokens carries up to k more nodes, so a tree of n nodes pays for n + k
+    lookup = pipeline.lookup
+    counter = _measure_acceptance(pipeline, prompts, max_new_tokens)
     choices = lookup_choices(pipeline, lookup)
     most = max(config.tokens if config else 0 for config in choices)
-    past = min(256, pipeline.context // 2)
-    verify = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, range(1, max_nodes + most + 1),
-                          past, repeats=15)
-    # each root-to-leaf path beyond the first attends in a sequence of its own: measured on a star
-    # a star of 3 or more nodes has 2 or more leaves, and a star of n nodes needs n - 1 lanes in the graph
-    stars = range(3, min(max_nodes + most, pipeline.target.lanes + 1) + 1)
-    star = pass_seconds(pipeline.target, pipeline.manifest.prefill_chunk, stars, past, repeats=15,
-                        star=True) if len(stars) else {}
-    leaf = {n: max(0.0, (star[n] - verify[n]) / (n - 2)) for n in star}
-    for n in range(max(star, default=2) + 1, max_nodes + most + 1):  # more paths than lanes: the tree is cut
-        leaf[n] = leaf.get(n - 1, 0.0)
+    verify, leaf = _measure_costs(pipeline, max_nodes + most)
     draft_per_level = counter.draft_seconds / max(counter.draft_levels, 1)
     # 3. for each lookup candidate, choose the tree (a step costs the target pass plus one draft call per
     # level) and 4. measure it end to end, as a fresh pipeline would run it (a recycling table kept from
@@ -166,8 +147,9 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     for config in choices:
         k = config.tokens if config else 0
         pipeline.lookup = config
-        tree, chain = choose_tree(accept, {n: verify[n + k] for n in range(1, max_nodes + 1)}, draft_per_level,
-                                  {n: leaf.get(n + k, 0.0) for n in range(1, max_nodes + 1)}, extra_leaves=int(k > 0))
+        tree, chain = choose_tree(counter.acceptance, {n: verify[n + k] for n in range(1, max_nodes + 1)},
+                                  draft_per_level, {n: leaf.get(n + k, 0.0) for n in range(1, max_nodes + 1)},
+                                  extra_leaves=int(k > 0))
         pipeline.tree, pipeline.recycling_table = tree.topology, None
         runs[config] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
     best = max(runs, key=lambda c: runs[c][2]["speedup"])  # against plain decoding in the same run: drift cancels
@@ -180,7 +162,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     pipeline.tree, pipeline.recycling_table = chain.topology, None
     chain_measured = run_bench(pipeline, prompts, max_new_tokens)
     if write:
-        write_tree(folder, tree.topology, pipeline.lookup)
+        write_tree(folder, tree.topology, best)
     return {
         "tree": tree.topology.to_dict(),
         "predicted_tokens_per_s": round(tree.tokens_per_s, 2),
@@ -198,13 +180,39 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         "lookup_tokens": best.tokens if best else 0,
         "lookup_quote_tokens": best.quote_tokens if best else 0,
         "speedup_by_lookup": {lookup_label(c): run[2]["speedup"] for c, run in runs.items()},
-        "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in accept],
+        "acceptance_by_depth_and_rank": [[round(float(a), 4) for a in row] for row in counter.acceptance],
         "opportunities_by_depth": [int(n) for n in counter.opportunities],
         "pass_ms": {n: round(s * 1000, 2) for n, s in verify.items()},
         "leaf_ms": {n: round(s * 1000, 2) for n, s in leaf.items()},
         "draft_ms_per_level": round(draft_per_level * 1000, 3),
         "written": write,
     }
+
+
+def _measure_acceptance(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int) -> "AcceptanceCounter":
+    """1. Acceptance by depth and rank, with the probe tree, of the draft alone: lookup tokens grafted on
+    would blur which rank the target chose."""
+    pipeline.lookup, pipeline.tree = None, probe_topology()
+    counter = AcceptanceCounter(pipeline.make_drafter(True))
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    for item in prompts:
+        pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
+    return counter
+
+
+def _measure_costs(pipeline: Pipeline, most_nodes: int) -> tuple[dict[int, float], dict[int, float]]:
+    """2. What a step costs by node count, 1..most_nodes (a step with k lookup tokens carries up to k more
+    nodes): seconds of a chain's pass, and what each root-to-leaf path beyond the first adds (it attends
+    in a lane of its own: measured on stars, whose n nodes need n - 1 lanes)."""
+    past = min(256, pipeline.context // 2)
+    chunk = pipeline.manifest.prefill_chunk
+    verify = pass_seconds(pipeline.target, chunk, range(1, most_nodes + 1), past, repeats=15)
+    stars = range(3, min(most_nodes, pipeline.target.lanes + 1) + 1)
+    star = pass_seconds(pipeline.target, chunk, stars, past, repeats=15, star=True) if len(stars) else {}
+    leaf = {n: max(0.0, (star[n] - verify[n]) / (n - 2)) for n in star}
+    for n in range(max(star, default=2) + 1, most_nodes + 1):  # more paths than lanes: the tree is cut
+        leaf[n] = leaf.get(n - 1, 0.0)
+    return verify, leaf
 
 
 def lookup_choices(pipeline: Pipeline, lookup: LookupConfig | None) -> list[LookupConfig | None]:

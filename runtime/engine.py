@@ -170,33 +170,8 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
     of it (the longest common prefix) is reused. `on_text(piece)` streams the text; `should_stop()`,
     asked before every target pass, ends the generation early (stop reason "cancelled")."""
     cache = session.cache
-    if not context_ids:
-        raise ValueError("the prompt is empty")
-    if len(context_ids) > cache.capacity:
-        raise ContextOverflowError(
-            f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "
-            f"shorten the prompt or export with a larger --context")
-    if config.kv_policy == "sliding" and target.facts.rope_frequencies is None:
-        raise ContextOverflowError("this bundle's manifest has no rope frequencies, which the sliding KV policy "
-                                   "needs: export it again with this edgespec")
-    stats = Stats(prompt_tokens=len(context_ids))
-    started = time.perf_counter()
-    # a slid cache no longer holds a prefix of the conversation: nothing of it can be reused
-    reusable = session.window if session.window == session.committed else []
-    keep = min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
-    cache.trim(keep)
-    drafter.rewind(keep)
-    stats.cached_tokens = keep
-    session.begin(context_ids)
     sampler = None if config.sampling.greedy else Sampler(config.sampling)
-    logits = prefill(target, cache, context_ids[keep:], prefill_chunk)            # prefill
-    first = int(np.argmax(logits)) if sampler is None else \
-        sample(sampler.distributions(logits[None], session.committed, [[]])[0], sampler.rng)
-    session.committed.append(first)
-    session.window.append(first)
-    drafter.observe(session.committed[-1:])
-    stats.prefill_s = stats.first_token_s = time.perf_counter() - started
-
+    stats = _start(target, drafter, session, context_ids, config, prefill_chunk, sampler)
     sink = TextSink(codec.stream(), config.stop_strings, on_text)
     eos = set(codec.spec.eos_token_ids) if config.stop_at_eos else set()
     emitted: list[int] = []
@@ -232,12 +207,49 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
         emitted = emitted[: sink.tokens_before_stop()]
     stats.new_tokens = len(emitted)
     stats.decode_s = time.perf_counter() - decode_start
-    # Forget what was accepted past the stop, so the next turn continues from what the user saw.
-    unseen = len(session.committed) - (len(context_ids) + len(emitted) + (reason == "eos"))
+    _forget_unseen(session, len(context_ids) + len(emitted) + (reason == "eos"))
+    return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason)
+
+
+def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids: list[int], config: GenerationConfig,
+           prefill_chunk: int, sampler: Sampler | None) -> Stats:
+    """Checks the prompt, keeps what the session already holds of it, prefills the rest and commits the
+    first new token."""
+    cache = session.cache
+    if not context_ids:
+        raise ValueError("the prompt is empty")
+    if len(context_ids) > cache.capacity:
+        raise ContextOverflowError(
+            f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "
+            f"shorten the prompt or export with a larger --context")
+    if config.kv_policy == "sliding" and target.facts.rope_frequencies is None:
+        raise ContextOverflowError("this bundle's manifest has no rope frequencies, which the sliding KV policy "
+                                   "needs: export it again with this edgespec")
+    stats = Stats(prompt_tokens=len(context_ids))
+    started = time.perf_counter()
+    # a slid cache no longer holds a prefix of the conversation: nothing of it can be reused
+    reusable = session.window if session.window == session.committed else []
+    keep = min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
+    cache.trim(keep)
+    drafter.rewind(keep)
+    stats.cached_tokens = keep
+    session.begin(context_ids)
+    logits = prefill(target, cache, context_ids[keep:], prefill_chunk)
+    first = int(np.argmax(logits)) if sampler is None else \
+        sample(sampler.distributions(logits[None], session.committed, [[]])[0], sampler.rng)
+    session.committed.append(first)
+    session.window.append(first)
+    drafter.observe(session.committed[-1:])
+    stats.prefill_s = stats.first_token_s = time.perf_counter() - started
+    return stats
+
+
+def _forget_unseen(session: Session, seen: int) -> None:
+    """Forgets what was accepted past the stop, so the next turn continues from what the user saw."""
+    unseen = len(session.committed) - seen
     session.committed = session.committed[: len(session.committed) - unseen]
     session.window = session.window[: len(session.window) - unseen]
-    cache.trim(min(cache.length, len(session.window) - 1))
-    return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason)
+    session.cache.trim(min(session.cache.length, len(session.window) - 1))
 
 
 def slide(session: Session, drafter: Drafter, sinks: int, rope_frequencies) -> None:
