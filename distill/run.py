@@ -128,6 +128,33 @@ def _phase(config: DistillConfig, state: RunState, name: str, log: RunLog, work)
 
 
 def distill(config: DistillConfig) -> Path:
+    corpus = _checked_corpus(config)
+    state = _open_state(config)
+    log = RunLog(config.out / "log.txt")
+    if state.finished:
+        log("already finished; nothing to do")
+        return config.out
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    source = resolve_source(config.target, config.cache_dir)
+    model, tokenizer = source.load()
+    log(f"target {source.description}; budget {config.minutes:g} min; used so far {state.used_s}")
+    phases = Phases(config, model, tokenizer, corpus, log)
+    if config.data_from is not None:  # its chat and corpus shares are zero: those phases do not run
+        log(f"data: reusing the target data in {phases.data_dir}")
+    _phase(config, state, "chat", log, phases.chat)
+    _phase(config, state, "corpus", log, phases.teacher_forced)
+    _phase(config, state, "features", log, phases.features)
+    _phase(config, state, "train", log, phases.training)
+    state.finished = True
+    _save_state(config, state)
+    log(f"draft written to {config.out}")
+    return config.out
+
+
+def _checked_corpus(config: DistillConfig) -> list[Path]:
+    """The corpus paths, after every check that can fail before minutes of work."""
     if config.minutes <= 0:
         raise ExportError(f"--minutes must be positive, got {config.minutes}")
     corpus = [Path(p) for p in config.corpus] or prompts.default_corpus()
@@ -145,70 +172,57 @@ def distill(config: DistillConfig) -> Path:
                           f"the {config.design} design drafts every step alike")
     if config.data_from is not None and not data.shard_paths(config.data_from / "chat"):
         raise ExportError(f"{config.data_from} holds no target data: give the `data` folder of an earlier distill run")
-    state = _open_state(config)
-    if state.finished:
-        log = RunLog(config.out / "log.txt")
-        log("already finished; nothing to do")
-        return config.out
-    log = RunLog(config.out / "log.txt")
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    torch.manual_seed(config.seed)
-    source = resolve_source(config.target, config.cache_dir)
-    model, tokenizer = source.load()
-    log(f"target {source.description}; budget {config.minutes:g} min; used so far {state.used_s}")
-    data_config = config.data
-    data_dir = config.out / "data" if config.data_from is None else config.data_from
-    features_dir = config.out / "data" / "features"
+    return corpus
 
-    def all_shards() -> list[Path]:
+
+class Phases:
+    """The run's phases, each given the time it may take: target answers to prompts, the target over
+    local text, the target's features, training."""
+
+    def __init__(self, config: DistillConfig, model, tokenizer, corpus: list[Path], log):
+        self.config, self.model, self.tokenizer, self.corpus, self.log = config, model, tokenizer, corpus, log
+        self.data_dir = config.out / "data" if config.data_from is None else config.data_from
+        self.features_dir = config.out / "data" / "features"
+
+    def all_shards(self) -> list[Path]:
         """The held-out shard first: training cannot measure itself without it."""
-        chat_shards = data.shard_paths(data_dir / "chat")
-        return chat_shards[-1:] + chat_shards[:-1] + data.shard_paths(data_dir / "corpus")
+        chat_shards = data.shard_paths(self.data_dir / "chat")
+        return chat_shards[-1:] + chat_shards[:-1] + data.shard_paths(self.data_dir / "corpus")
 
-    def chat(deadline: float) -> None:
-        texts = prompts.training_prompts(config.prompts, config.seed, corpus)
+    def chat(self, deadline: float) -> None:
+        texts = prompts.training_prompts(self.config.prompts, self.config.seed, self.corpus)
         with tqdm(desc="target continuations", unit="tok") as bar:
-            written = data.generate_shards(model, tokenizer, texts, data_dir / "chat", data_config,
+            written = data.generate_shards(self.model, self.tokenizer, texts, self.data_dir / "chat", self.config.data,
                                            deadline, progress=bar.update)
-        log(f"chat: {written} new shards, {len(data.shard_paths(data_dir / 'chat'))} in all")
+        self.log(f"chat: {written} new shards, {len(data.shard_paths(self.data_dir / 'chat'))} in all")
 
-    def teacher_forced(deadline: float) -> None:
-        files = [f for root in corpus for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
+    def teacher_forced(self, deadline: float) -> None:
+        files = [f for root in self.corpus for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
         # in file order from a seeded shuffle: a longer phase takes more of the same sequence
-        windows = data.corpus_windows(tokenizer, files, window=256, limit=4000, seed=config.seed)
+        windows = data.corpus_windows(self.tokenizer, files, window=256, limit=4000, seed=self.config.seed)
         with tqdm(desc="target over local text", unit="tok") as bar:
-            written = data.teacher_forced_shards(model, windows, data_dir / "corpus", data_config,
+            written = data.teacher_forced_shards(self.model, windows, self.data_dir / "corpus", self.config.data,
                                                  deadline, progress=bar.update)
-        log(f"corpus: {written} new shards")
+        self.log(f"corpus: {written} new shards")
 
-    def features(deadline: float) -> None:
+    def features(self, deadline: float) -> None:
         with tqdm(desc="target features", unit="tok") as bar:
-            written = data.feature_shards(model, all_shards(), features_dir, deadline, progress=bar.update)
-        log(f"features: {written} new feature files")
+            written = data.feature_shards(self.model, self.all_shards(), self.features_dir, deadline,
+                                          progress=bar.update)
+        self.log(f"features: {written} new feature files")
 
-    def training(deadline: float) -> None:
-        chat_shards = data.shard_paths(data_dir / "chat")
+    def training(self, deadline: float) -> None:
+        config = self.config
+        chat_shards = data.shard_paths(self.data_dir / "chat")
         if len(chat_shards) < 2:
             raise ExportError("too little training data was produced (two shards of target answers at least): "
                               "give the run more --minutes")
-        shards = chat_shards[:-1] + data.shard_paths(data_dir / "corpus")
+        shards = chat_shards[:-1] + data.shard_paths(self.data_dir / "corpus")
         if config.design in FEATURE_DESIGNS:  # shards the features phase did not reach are left out
-            if not feature_file(features_dir, chat_shards[-1]).is_file():
+            if not feature_file(self.features_dir, chat_shards[-1]).is_file():
                 raise ExportError("the features phase did not reach the held-out shard: give the run more --minutes")
-            shards = [s for s in shards if feature_file(features_dir, s).is_file()]
+            shards = [s for s in shards if feature_file(self.features_dir, s).is_file()]
         # the last shard of target answers is held out: agreement is measured where the draft will work
-        train(model, tokenizer, shards, chat_shards[-1:], config.out,
-              replace(config.training, design=config.design, seed=config.seed), deadline, log, features_dir,
-              init=config.init)
-
-    if config.data_from is not None:  # its chat and corpus shares are zero: those phases do not run
-        log(f"data: reusing the target data in {data_dir}")
-    _phase(config, state, "chat", log, chat)
-    _phase(config, state, "corpus", log, teacher_forced)
-    _phase(config, state, "features", log, features)
-    _phase(config, state, "train", log, training)
-    state.finished = True
-    _save_state(config, state)
-    log(f"draft written to {config.out}")
-    return config.out
+        train(self.model, self.tokenizer, shards, chat_shards[-1:], config.out,
+              replace(config.training, design=config.design, seed=config.seed), deadline, self.log,
+              self.features_dir, init=config.init)

@@ -234,15 +234,9 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     """Trains on `shards` until `deadline` (resuming checkpoints/last.pt), measures agreement on
     `held_out`, then writes the draft folder into `out`. A feature design reads the shards' target
     features from `features_dir` (see `feature_file`). Without a checkpoint, `init` (a draft folder
-    that `write_draft` wrote) gives the starting weights and head tokens."""
-
-    if config.design in FEATURE_DESIGNS and features_dir is None:
-        raise ValueError(f"the {config.design} design learns from the target's features: give features_dir")
-    if config.drafting_steps < 1:
-        raise ValueError(f"drafting_steps must be at least 1, got {config.drafting_steps}")
-    if config.drafting_steps > 1 and config.design not in FEATURE_DESIGNS:
-        raise ValueError(f"training for later drafting steps is for drafts that read features; "
-                         f"the {config.design} design drafts every step alike")
+    that `write_draft` wrote) gives the starting weights and head tokens. (One function on purpose: the
+    loop's step, evaluation and checkpoint share the state a resumed run must restore, all in view.)"""
+    _check(config, features_dir)
     steps = config.drafting_steps
     features_dir = features_dir if config.design in FEATURE_DESIGNS else None
     torch.manual_seed(config.seed)
@@ -252,15 +246,7 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     checkpoint, best_file = out / "checkpoints" / "last.pt", out / "checkpoints" / "best.pt"
     draft, trainable = build_draft(target, config.design)
     saved = torch.load(checkpoint, weights_only=True) if checkpoint.is_file() else None
-    if saved is not None:
-        head_tokens = saved["head_tokens"].numpy()
-    elif init is not None:
-        head_tokens = read_draft(draft, init, config.design)
-    else:
-        top1 = np.concatenate([s.topk_ids[:, 0] for s in sequences])
-        always = {int(t) for t in (tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>"]))
-                  if t is not None and 0 <= int(t) < vocab}
-        head_tokens = choose_head_tokens(top1, vocab, config.head_size, always)
+    head_tokens = _head_tokens(saved, init, draft, config, sequences, tokenizer, vocab)
     kept_index = np.full(vocab, -1, dtype=np.int64)
     kept_index[head_tokens] = np.arange(len(head_tokens))
     held_top1 = np.concatenate([s.topk_ids[:, 0] for s in validation])
@@ -325,6 +311,30 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     write_draft(draft, tokenizer, head_tokens, report, out)
     log(f"train: finished at step {step}, keeping step {kept_step}: held-out {_describe(score, by_step)}")
     return report
+
+
+def _check(config: TrainConfig, features_dir: Path | None) -> None:
+    if config.design in FEATURE_DESIGNS and features_dir is None:
+        raise ValueError(f"the {config.design} design learns from the target's features: give features_dir")
+    if config.drafting_steps < 1:
+        raise ValueError(f"drafting_steps must be at least 1, got {config.drafting_steps}")
+    if config.drafting_steps > 1 and config.design not in FEATURE_DESIGNS:
+        raise ValueError(f"training for later drafting steps is for drafts that read features; "
+                         f"the {config.design} design drafts every step alike")
+
+
+def _head_tokens(saved: dict | None, init: Path | None, draft, config: TrainConfig, sequences, tokenizer,
+                 vocab: int) -> np.ndarray:
+    """The vocabulary the draft's head predicts: the checkpoint's, the initial draft's, or the tokens the
+    target chose most often (with end-of-turn tokens always kept)."""
+    if saved is not None:
+        return saved["head_tokens"].numpy()
+    if init is not None:
+        return read_draft(draft, init, config.design)
+    top1 = np.concatenate([s.topk_ids[:, 0] for s in sequences])
+    always = {int(t) for t in (tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>"]))
+              if t is not None and 0 <= int(t) < vocab}
+    return choose_head_tokens(top1, vocab, config.head_size, always)
 
 
 def _describe(score: float, by_step: list[float]) -> str:
