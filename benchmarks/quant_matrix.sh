@@ -2,6 +2,10 @@
 # Exports the reference model in several schemes and benchmarks each bundle (plain vs speculative, one run each).
 #   benchmarks/quant_matrix.sh MODEL OUT_DIR      (MODEL: default, or a local copy of it for faster loading)
 set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,3p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 model=${1:-default}
 out=${2:-/tmp/edgespec-quant}
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,6 +16,7 @@ recipes=(
   "int8|--quant int8"
   "int4|--quant int4"
   "int4-asym-head8|--quant int4 --asymmetric --quant-policy $here/quant/policies/head-int8.json"
+  "int8-integer|--quant int8 --integer-matmul"
 )
 for recipe in "${recipes[@]}"; do
   name=${recipe%%|*}
