@@ -16,7 +16,6 @@ right before it is decoded speculatively: a row's speedup is over the plain deco
 in the same minutes, since sampled outputs cannot be compared with a reference.
 """
 import argparse
-import time
 from pathlib import Path
 
 from edgespec.bench import load_prompts, prompt_kwargs

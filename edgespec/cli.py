@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from edgespec.bench import load_prompts, print_report, run_bench
@@ -13,7 +14,7 @@ from edgespec.runtime import prepacked
 from edgespec.runtime.budget import parse_size, plan_memory
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import EdgespecError
+from edgespec.runtime.errors import ContextOverflowError, EdgespecError
 from edgespec.runtime.paths import cache_dir
 from edgespec.runtime.pipeline import Pipeline, default_prepared_dir, packed_copies
 from edgespec.runtime.sampling import SamplingConfig
@@ -62,31 +63,60 @@ def cmd_export(args) -> None:
         export(config)
 
 
+# the settings' names as the command line spells them, for errors raised by the configs themselves
+FLAGS = {name: "--" + name.replace("_", "-") for name in ("max_new_tokens", "top_p", "top_k", "min_p", "temperature",
+                                                           "repetition_penalty", "seed", "kv_policy")}
+
+
+def _as_flags(err: ValueError) -> ValueError:
+    message = str(err)
+    for name, flag in FLAGS.items():
+        message = message.replace(name, flag)
+    return ValueError(message)
+
+
 def _sampling_config(args):
-    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+    try:
+        return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    except ValueError as err:
+        raise _as_flags(err) from None
 
 
 def _generation_config(args):
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()),
-                            sampling=_sampling_config(args), kv_policy=args.kv_policy)
+    try:
+        return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()),
+                                sampling=_sampling_config(args), kv_policy=args.kv_policy)
+    except ValueError as err:
+        raise _as_flags(err) from None
+
+
+def _result_json(result) -> dict:
+    return {"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+            "stats": result.stats.to_dict()}
 
 
 def cmd_generate(args) -> None:
+    config = _generation_config(args)  # before minutes of loading
     pipeline = _pipeline(args)
-    config = _generation_config(args)
     ask = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.json:
-        result = pipeline.generate(**ask, config=config, speculate=not args.no_speculate)
-        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
-                          "stats": result.stats.to_dict()}))
+        try:
+            result = pipeline.generate(**ask, config=config, speculate=not args.no_speculate)
+        except ContextOverflowError as err:
+            if err.partial is None:
+                raise
+            # what was generated before the context filled still reaches stdout, with the error beside it
+            print(json.dumps({**_result_json(err.partial), "error": str(err)}))
+            raise
+        print(json.dumps(_result_json(result)))
     else:
         _stream(pipeline, config, not args.no_speculate, **ask)
 
 
 def cmd_chat(args) -> None:
-    pipeline = _pipeline(args)
     config = _generation_config(args)
+    pipeline = _pipeline(args)
     session = pipeline.new_session()
     drafter = pipeline.make_drafter(not args.no_speculate)
     messages = []
@@ -117,7 +147,8 @@ def cmd_bench(args) -> None:
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
     if args.rounds < 1:
         raise ValueError("--rounds must be at least 1")
-    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, _sampling_config(args), args.rounds)
+    sampling = _sampling_config(args)
+    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, sampling, args.rounds)
     if args.json:
         print(json.dumps(report))
     else:
@@ -222,6 +253,7 @@ def cmd_demo(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_export, _add_generate, _add_chat, _add_bench, _add_tune, _add_inspect, _add_distill, _add_plan,
                 _add_serve, _add_demo):
@@ -422,7 +454,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except (EdgespecError, ValueError) as err:
+    except (EdgespecError, ValueError, OSError) as err:
+        if args.debug:
+            traceback.print_exc()
         print(f"edgespec: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -2,8 +2,13 @@
 moved into place only when complete, so a failed export leaves nothing half-written."""
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from importlib.metadata import version
@@ -151,6 +156,7 @@ class BundleContents:
     drafter: DrafterKind
     draft: ModelEntry | None = None
     quality: dict | None = None
+    exactness: dict | None = None  # the exactness check on the exporting device
 
 
 @dataclass(frozen=True)
@@ -171,38 +177,111 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
     out = Path(out)
     check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_exports(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    (tmp / EXPORT_OWNER).write_text(str(os.getpid()))
     try:
-        contents = fill(tmp)
-        manifest = Manifest(
-            target=contents.target, draft=contents.draft, drafter=contents.drafter, tree=tree.topology,
-            dynamic=tree.dynamic, lookup=tree.lookup, ngram=tree.ngram, prefill_chunk=prefill_chunk,
-            tokenizer=contents.tokenizer, profile=profile,
-            files={p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()},
-            edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            quality=contents.quality)
-        write_manifest(tmp, manifest)
-        if finish is not None:
-            finish(tmp)
-        check_output(out, force)  # again: the export took a while
-        old = out.with_name(f".{out.name}.replaced") if out.exists() else None
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
+        with _terminate_as_interrupt():
+            contents = fill(tmp)
+            manifest = Manifest(
+                target=contents.target, draft=contents.draft, drafter=contents.drafter, tree=tree.topology,
+                dynamic=tree.dynamic, lookup=tree.lookup, ngram=tree.ngram, prefill_chunk=prefill_chunk,
+                tokenizer=contents.tokenizer, profile=profile,
+                files={p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != EXPORT_OWNER},
+                edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                quality=contents.quality, exactness=contents.exactness)
+            write_manifest(tmp, manifest)
+            if finish is not None:
+                finish(tmp)
+            check_output(out, force)  # again: the export took a while
+            (tmp / EXPORT_OWNER).unlink()
+            tmp.chmod(0o777 & ~_umask())  # mkdtemp made it private; a bundle is written like any other folder
+            old = out.with_name(f".{out.name}.replaced") if out.exists() else None
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+                out.rename(old)
+            tmp.rename(out)
+            if old is not None:
+                shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
+EXPORT_OWNER = ".export-pid"  # inside an export's temporary folder while it is written: whose it is
+
+
+def remove_abandoned_exports(out: Path) -> None:
+    """Removes the temporary folders that exports to `out` killed outright (SIGKILL, power loss) left
+    beside it: those whose process is gone. A running export's folder is left alone."""
+    for folder in out.parent.glob(f".{out.name}.*"):
+        owner = folder / EXPORT_OWNER
+        if not (folder.is_dir() and owner.is_file()):
+            continue
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            pid = None
+        if pid is None or not _running(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM ends an export as Ctrl-C does, through the cleanup above (only the main thread can
+    handle signals; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def check_output(out: Path, force: bool) -> None:
-    """Refuses to overwrite anything but a bundle, and a bundle only with --force."""
+    """Refuses to overwrite anything but an edgespec bundle that verifies (every file listed in its
+    manifest, with its checksum, and nothing else), and a bundle only with --force."""
     if not out.exists():
         return
     if not force:
         raise ExportError(f"{out} already exists; pass --force to replace it")
     if not (out.is_dir() and (out / MANIFEST).is_file()):
         raise ExportError(f"{out} exists and is not a bundle (no {MANIFEST}); --force replaces bundles only")
+    try:
+        listed = json.loads((out / MANIFEST).read_text(encoding="utf-8"))["files"]
+        if not isinstance(listed, dict):
+            raise TypeError("files is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"{out} is not a bundle this edgespec can verify ({err}); --force replaces bundles "
+                          "only: remove it yourself if it is one") from err
+    unlisted = sorted(p.name for p in out.iterdir() if p.name != MANIFEST and p.name not in listed)
+    if unlisted:
+        raise ExportError(f"{out} holds files its manifest does not list ({', '.join(unlisted[:5])}); --force "
+                          "replaces a bundle only as it was written: move them first")
+    changed = [name for name, digest in listed.items() if not (out / name).is_file() or sha256_file(out / name) != digest]
+    if changed:
+        raise ExportError(f"{out}: {', '.join(changed[:5])} differ from the bundle's checksums; --force replaces a "
+                          "bundle only as it was written: remove it yourself if it is yours to lose")

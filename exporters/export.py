@@ -8,15 +8,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 
 from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.budget import MAX_LANES, lanes_for
+from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
+from edgespec.runtime.exactness import check_exact_rows
 from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.lookup import LookupConfig
+from edgespec.runtime.model import ModelRunner
+from edgespec.runtime.pipeline import default_threads
+from edgespec.runtime.sessions import make_session
 from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile
 
@@ -232,9 +238,22 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
         say("measuring quality against the fp32 export (perplexity, greedy agreement)")
         quality = {"file": "quality.json", **write_quality_report(folder, tokenizer_spec, target_builder, draft_builder)}
+    say("checking that this device keeps plain decoding's bits (as inspect --check-exact does)")
+    exactness = check_exactness(folder / target_entry.graph.file, target_builder.facts)
+    if not exactness["exact"]:
+        say(f"warning: {exactness['differ']} of {exactness['rows']} rows differ from plain decoding on this device: "
+            "the bundle will decode plainly here")
     say("writing manifest and checksums")
     kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
-    return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality)
+    return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness)
+
+
+def check_exactness(graph: Path, facts) -> dict:
+    """runtime/exactness.py's check on the written target graph, as the manifest records it."""
+    runner = ModelRunner(make_session(graph, ("CPUExecutionProvider",), default_threads()), facts)
+    compared, differ = check_exact_rows(runner)
+    return {"machine": machine_key(), "onnxruntime": onnxruntime.__version__, "exact": not differ,
+            "rows": compared, "differ": len(differ)}
 
 
 def _draft_builder(source, info: DraftInfo, tokenizer, target_builder, context: int):

@@ -19,6 +19,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .rewrite import add_constants, replace_node
+
 
 def quantize_block_minmax(weight: np.ndarray, bits: int, block: int):
     """weight [K, N] (MatMul layout) -> (packed [N, K/block, block*bits/8] uint8, scales [N*K/block] float32,
@@ -52,11 +54,7 @@ def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndar
                               numpy_helper.from_array(scales, f"{name}_scales"),
                               numpy_helper.from_array(offsets, f"{name}_offsets")])
     blocks_name, axis_name = f"blocks_{k}_{block}", "blocksum_axis"
-    known = {t.name for t in graph.initializer}
-    if blocks_name not in known:
-        graph.initializer.append(numpy_helper.from_array(np.array([-1, k // block, block], np.int64), blocks_name))
-    if axis_name not in known:
-        graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), axis_name))
+    add_constants(graph, {blocks_name: np.array([-1, k // block, block], np.int64), axis_name: np.array([-1], np.int64)})
     x, y = node.input[0], node.output[0]
     new_nodes = [
         helper.make_node("MatMulNBits", [x, f"{name}_Q{bits}", f"{name}_scales"], [f"{y}_sym"], name=f"{node.name}_nbits",
@@ -67,7 +65,4 @@ def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndar
         helper.make_node("MatMul", [f"{y}_blocksum", f"{name}_offsets"], [f"{y}_offset"], name=f"{node.name}_offset"),
         helper.make_node("Add", [f"{y}_sym", f"{y}_offset"], [y], name=f"{node.name}_add"),
     ]
-    position = list(graph.node).index(node)
-    graph.node.remove(node)
-    for i, new in enumerate(new_nodes):
-        graph.node.insert(position + i, new)
+    replace_node(graph, node, new_nodes)

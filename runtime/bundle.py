@@ -16,7 +16,7 @@ from edgespec.targets.profiles import DeviceProfile
 
 from .drafters import LEGACY_NGRAM, DrafterKind, NgramConfig
 from .dynamic_tree import DynamicTreeConfig
-from .errors import BundleError
+from .errors import BundleError, InputError
 from .facts import ModelFacts
 from .features import FEATURES_OUT
 from .lookup import LookupConfig
@@ -43,6 +43,11 @@ class GraphSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphSpec":
+        if not isinstance(data, dict) or not isinstance(data.get("file"), str) or not isinstance(data.get("inputs"), dict) \
+                or not isinstance(data.get("outputs"), dict) \
+                or not all(isinstance(w, str) for w in data.get("weights", ())):
+            raise InputError(f"a graph entry needs a file name, weight file names, inputs and outputs (got "
+                             f"{sorted(data) if isinstance(data, dict) else repr(data)[:40]})")
         return cls(file=data["file"], weights=tuple(data.get("weights", ())), inputs=data["inputs"],
                    outputs=data["outputs"], quantization=data.get("quantization", {"scheme": "fp32"}),
                    embedding_table=data.get("embedding_table"),
@@ -83,9 +88,34 @@ class ModelEntry:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelEntry":
-        return cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
-                   source=data.get("source", ""), head_tokens=data.get("head_tokens"),
-                   stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())))
+        entry = cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
+                    source=data.get("source", ""), head_tokens=data.get("head_tokens"),
+                    stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())))
+        entry.check_graphs()
+        return entry
+
+    def check_graphs(self) -> None:
+        """The model facts agree with the graphs' own inputs and outputs (checked before anything is sized
+        from them): a KV buffer per layer of [1, lanes x kv heads, rows, head dim], logits as wide as the
+        vocabulary (or the trimmed head)."""
+        f = self.facts
+        layers = [int(name.removeprefix("past_key_")) for name in self.graph.inputs if name.startswith("past_key_")]
+        if sorted(layers) != list(range(f.num_layers)):
+            raise InputError(f"the graph has KV inputs for layers {sorted(layers)[:8]}... but the facts say "
+                             f"{f.num_layers} layers")
+        for graph in (self.graph, *self.stages):
+            for name, spec in graph.inputs.items():
+                shape = spec.get("shape") if isinstance(spec, dict) else None
+                if not isinstance(shape, list):
+                    raise InputError(f"{graph.file}: input {name} has no shape")
+                if name.startswith(("past_key_", "past_value_")) and (
+                        len(shape) != 4 or not isinstance(shape[1], int) or shape[1] % f.num_kv_heads
+                        or shape[3] != f.head_dim):
+                    raise InputError(f"{graph.file}: {name} {shape} is not [1, lanes x {f.num_kv_heads} kv heads, "
+                                     f"rows, {f.head_dim}]")
+        width = self.graph.outputs.get("logits", {}).get("shape", [None])[-1]
+        if self.head_tokens is None and isinstance(width, int) and width != f.vocab_size:
+            raise InputError(f"{self.graph.file}: logits are {width} wide but the vocabulary has {f.vocab_size} tokens")
 
     def to_dict(self) -> dict:
         return {"facts": self.facts.to_dict(), "source": self.source, "graph": self.graph.to_dict(),
@@ -109,6 +139,8 @@ class Manifest:
     edgespec_version: str = ""
     created: str = ""  # UTC, ISO 8601
     quality: dict | None = None  # quality.json's figures, as measured at export
+    # the exactness check at export: {"machine": runtime/device.machine_key(), "exact": bool, "onnxruntime": version}
+    exactness: dict | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
@@ -143,9 +175,10 @@ class Manifest:
                 edgespec_version=str(data.get("edgespec_version", "")),
                 created=str(data.get("created", "")),
                 quality=data.get("quality"),
+                exactness=data.get("exactness") if isinstance(data.get("exactness"), dict) else None,
             )
-        except (KeyError, TypeError, ValueError) as err:
-            raise BundleError(f"the manifest is malformed: {err!r}") from err
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise BundleError(f"the manifest is malformed ({type(err).__name__}: {err}): re-export the bundle") from err
 
     def to_dict(self) -> dict:
         tree = {**self.tree.to_dict(),
@@ -156,7 +189,8 @@ class Manifest:
         return {"schema_version": SCHEMA_VERSION, "edgespec_version": self.edgespec_version, "created": self.created,
                 "profile": self.profile.to_dict(), "tree": tree, "steps": {"prefill_chunk": self.prefill_chunk},
                 "tokenizer": self.tokenizer.to_dict(), "target": self.target.to_dict(), "draft": draft,
-                **({"quality": self.quality} if self.quality is not None else {}), "files": dict(self.files)}
+                **({"quality": self.quality} if self.quality is not None else {}),
+                **({"exactness": self.exactness} if self.exactness is not None else {}), "files": dict(self.files)}
 
 
 def _drafter_kind(draft: dict | None) -> DrafterKind:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .errors import InputError
 from .features import draft_inputs
 from .kvcache import KVCache
 from .model import ModelRunner, commit, prefill
@@ -82,7 +83,7 @@ class NgramConfig:
 
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n or (self.partial_match_depth is not None and self.partial_match_depth < 0):
-            raise ValueError(f"bad n-gram settings: {self}")
+            raise InputError(f"bad n-gram settings: {self}")
 
     def to_dict(self) -> dict:
         return {"min_n": self.min_n, "max_n": self.max_n, "partial_match_depth": self.partial_match_depth}
@@ -170,7 +171,7 @@ def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: i
     features = None
     if runner.reads_features:
         if target_features is None or len(target_features) < len(committed) - 1:
-            raise ValueError("this draft reads the target's features, but the target cache keeps none: "
+            raise InputError("this draft reads the target's features, but the target cache keeps none: "
                              "the bundle's target graph must return `features_out`")
         features = draft_inputs(target_features, start, len(committed))
     return prefill(runner, cache, new, chunk, features)
@@ -258,7 +259,7 @@ class DrafterKind(Enum):
     def named(cls, name: str) -> "DrafterKind":
         kind = next((k for k in cls if k.value == name), None)
         if kind is None:
-            raise ValueError(f"unknown drafter {name!r}: one of {', '.join(k.value for k in cls)}")
+            raise InputError(f"unknown drafter {name!r}: one of {', '.join(k.value for k in cls)}")
         return kind
 
     @property

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kvcache import KVCache
 from .drafters import catch_up, own_features
+from .errors import InputError
+from .kvcache import KVCache
 from .model import ModelRunner, commit
 from .sampling import Sampler
 from .tree import Tree, path_from_root
@@ -37,7 +38,7 @@ class DynamicTreeConfig:
 
     def __post_init__(self):
         if self.budget < 2 or self.width < 1 or self.max_depth < 1 or not 0 <= self.min_confidence < 1:
-            raise ValueError(f"bad dynamic tree settings: {self}")
+            raise InputError(f"bad dynamic tree settings: {self}")
 
     def to_dict(self) -> dict:
         return {"budget": self.budget, "width": self.width, "max_depth": self.max_depth,

@@ -18,12 +18,11 @@ import numpy as np
 
 from .accept import accept_greedy, accept_sampled
 from .drafters import Drafter
-from .errors import ContextOverflowError
+from .errors import ContextOverflowError, InputError
 from .kvcache import KVCache
 from .model import ModelRunner, commit, prefill
 from .sampling import Sampler, SamplingConfig, sample
 from .tokenizer import TextCodec, TextStream
-
 
 KV_POLICIES = ("error", "sliding")
 
@@ -40,14 +39,22 @@ class GenerationConfig:
     attention_sinks: int = 4
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "attention_sinks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InputError(f"{name} must be an integer (got {value!r})")
+        if not isinstance(self.stop_strings, tuple) or not all(isinstance(s, str) for s in self.stop_strings):
+            raise InputError(f"stop_strings must be a tuple of strings (got {self.stop_strings!r})")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise InputError("sampling must be a SamplingConfig")
         if self.kv_policy not in KV_POLICIES:
-            raise ValueError(f"unknown KV policy {self.kv_policy!r}; choose one of {', '.join(KV_POLICIES)}")
+            raise InputError(f"unknown KV policy {self.kv_policy!r}; choose one of {', '.join(KV_POLICIES)}")
         if self.attention_sinks < 0:
-            raise ValueError(f"attention_sinks must be >= 0 (got {self.attention_sinks})")
+            raise InputError(f"attention_sinks must be >= 0 (got {self.attention_sinks})")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
+            raise InputError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
         if any(not s for s in self.stop_strings):
-            raise ValueError("a stop string cannot be empty")
+            raise InputError("a stop string cannot be empty")
 
 
 @dataclass
@@ -197,8 +204,11 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
             if cache.room() < 1 and config.kv_policy == "sliding":
                 slide(session, drafter, config.attention_sinks, target.facts.rope_frequencies)
             if cache.room() < 1:
-                raise ContextOverflowError(f"the context is full ({cache.capacity} tokens) after {len(emitted)} "
-                                           "new tokens; lower --max-new-tokens or export with a larger --context")
+                full = ContextOverflowError(f"the context is full ({cache.capacity} tokens) after {len(emitted)} "
+                                            "new tokens; lower --max-new-tokens or export with a larger --context")
+                stats.new_tokens, stats.decode_s = len(emitted), time.perf_counter() - decode_start
+                full.partial = Result(token_ids=emitted, text=sink.finish(), stats=stats, stop_reason="context_full")
+                raise full
             new_tokens, accepted = speculative_step(target, session, drafter, sampler)
             stats.target_passes += 1
             stats.accepted_drafts += accepted
@@ -217,7 +227,7 @@ def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids:
     first new token."""
     cache = session.cache
     if not context_ids:
-        raise ValueError("the prompt is empty")
+        raise InputError("the prompt is empty")
     if len(context_ids) > cache.capacity:
         raise ContextOverflowError(
             f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "

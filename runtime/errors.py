@@ -5,6 +5,10 @@ class EdgespecError(Exception):
     """Base class: every error a user can cause is one of these, with a message meant for them."""
 
 
+class InputError(EdgespecError, ValueError):
+    """A setting, prompt or argument the runtime cannot take (a ValueError too, for callers that catch those)."""
+
+
 class BundleError(EdgespecError):
     """The bundle is missing, unreadable, corrupted or of an unknown schema."""
 
@@ -19,6 +23,8 @@ class UnsupportedArchitectureError(ExportError):
 
 class ContextOverflowError(EdgespecError):
     """The prompt (or prompt + generation) does not fit the bundle's context."""
+
+    partial = None  # once generation began: the Result up to where the context filled (stop reason "context_full")
 
 
 class BudgetError(EdgespecError):

@@ -9,10 +9,13 @@ prove it where they run; `check_exact_rows` proves it for one bundle's target on
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from .device import describe, machine_key
 from .kvcache import KVCache
 from .model import ModelRunner, Pass, commit, prefill
 from .tree import Tree
@@ -105,6 +108,41 @@ def tree_mismatches(runner: ModelRunner, seed: int, prefix: int,
 CHUNK_CHECK = (5, 30)
 TREE_CHECKS = ((6, 29), (7, 13))
 CHUNK, TAIL = 16, 10
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether speculation keeps plain decoding's bits on this device, and why it is believed."""
+
+    exact: bool
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"exact": self.exact, "reason": self.reason}
+
+
+def verdict_here(recorded: dict | None, target_checksum: str, runner, cache_root: Path) -> Verdict:
+    """The bundle's verdict for this device: the one recorded at export if it was this device (onnxruntime
+    release and CPU), else one cached by an earlier load here, else the check runs now (seconds) and its
+    verdict is cached for the next load."""
+    here = machine_key()
+    if recorded and recorded.get("machine") == here and isinstance(recorded.get("exact"), bool):
+        return Verdict(recorded["exact"], f"checked at export, {describe()}")
+    place = Path(cache_root) / "exactness" / f"{target_checksum[:32]}-{here}.json"
+    try:
+        cached = json.loads(place.read_text(encoding="utf-8"))
+        return Verdict(bool(cached["exact"]), str(cached["reason"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    compared, differ = check_exact_rows(runner)
+    verdict = Verdict(not differ, f"checked on first load, {describe()}: "
+                      + (f"{compared} of {compared} rows keep their bits" if not differ else
+                         f"{len(differ)} of {compared} rows differ from plain decoding"))
+    place.parent.mkdir(parents=True, exist_ok=True)
+    partial = place.with_suffix(".partial")
+    partial.write_text(json.dumps(verdict.to_dict()), encoding="utf-8")
+    partial.replace(place)
+    return verdict
 
 
 def check_exact_rows(runner: ModelRunner) -> tuple[int, list[RowMismatch]]:

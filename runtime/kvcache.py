@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 import onnxruntime as ort
 
-from .errors import ContextOverflowError
+from .errors import ContextOverflowError, InputError
 from .facts import ModelFacts
 
 # Rows a pass may write past `capacity`: a one-token step's padding row (runtime/model.py, MIN_ROWS).
@@ -48,7 +48,7 @@ class KVCache:
     def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0, lanes: int = 1,
                  initial_rows: int = INITIAL_ROWS):
         if lanes < 1:
-            raise ValueError(f"a KV cache needs at least one lane (got {lanes})")
+            raise InputError(f"a KV cache needs at least one lane (got {lanes})")
         self.capacity = capacity
         self.lanes = lanes
         self.data = np.zeros((facts.num_layers, 2, lanes, facts.num_kv_heads, min(capacity, initial_rows) + KV_SLACK,
@@ -111,7 +111,7 @@ class KVCache:
             raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {end} were needed")
         if self.features is not None:
             if features is None:
-                raise ValueError("this cache keeps features, but the pass returned none")
+                raise InputError("this cache keeps features, but the pass returned none")
             self.features[self.length : end] = features
         if self.lanes > 1 and count:
             written = self.data[:, :, lane : lane + 1, :, self.length : end]
@@ -124,7 +124,7 @@ class KVCache:
         rotary position embeddings, so they are rotated back by `count` positions: every row's position
         stays its index, as the graphs assume (StreamingLLM's positions within the cache)."""
         if not (0 <= start and count > 0 and start + count <= self.length):
-            raise ValueError(f"cannot evict rows {start}..{start + count} of a cache of {self.length}")
+            raise InputError(f"cannot evict rows {start}..{start + count} of a cache of {self.length}")
         moved = slice(start + count, self.length)
         kept = slice(start, self.length - count)
         freqs = np.asarray(rope_frequencies, dtype=np.float64)
@@ -147,5 +147,5 @@ class KVCache:
     def trim(self, length: int) -> None:
         """Forgets every row from `length` on."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"cannot trim a cache of {self.length} rows to {length}")
+            raise InputError(f"cannot trim a cache of {self.length} rows to {length}")
         self.length = length

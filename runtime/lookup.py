@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .drafters import Drafter, NgramConfig, NgramDrafter
+from .errors import InputError
 from .sampling import Sampler
 from .tree import Topology, Tree
 
@@ -25,7 +26,7 @@ class LookupConfig:
 
     def __post_init__(self):
         if self.tokens < 0 or self.quote_tokens < 0 or self.longest < 1 or not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"bad lookup settings: {self}")
+            raise InputError(f"bad lookup settings: {self}")
 
     @property
     def longest(self) -> int:

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from .features import FEATURES, FEATURES_OUT
+from .errors import InputError
 from .facts import ModelFacts
+from .features import FEATURES, FEATURES_OUT
 from .kvcache import KVCache
 from .tree import Topology
 
@@ -37,7 +38,7 @@ class Pass:
         for lane, nodes in enumerate(self.path_nodes):
             if count <= len(nodes) and np.array_equal(nodes[:count], rows):
                 return lane
-        raise ValueError(f"rows {list(rows)} are no lane's first slots: keep a root-first path of the tree")
+        raise InputError(f"rows {list(rows)} are no lane's first slots: keep a root-first path of the tree")
 
 
 def commit(cache: KVCache, out: Pass, rows) -> None:
@@ -126,7 +127,7 @@ def exact_min_rows(session: ort.InferenceSession) -> int:
     """The fewest rows an exact pass of this graph needs (MIN_ROWS unless the graph says fewer)."""
     value = session.get_modelmeta().custom_metadata_map.get(EXACT_ROWS_KEY, str(MIN_ROWS))
     if value not in ("1", "2"):
-        raise ValueError(f"the graph's {EXACT_ROWS_KEY} is {value!r}: re-export the bundle")
+        raise InputError(f"the graph's {EXACT_ROWS_KEY} is {value!r}: re-export the bundle")
     return int(value)
 
 
@@ -141,7 +142,7 @@ def graph_lanes(session: ort.InferenceSession, facts: ModelFacts) -> int:
 def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.ndarray:
     """[1, rows, hidden]: the given features, then zero rows for the padding tokens."""
     if features is None:
-        raise ValueError("this draft reads the target's features: pass them with the tokens")
+        raise InputError("this draft reads the target's features: pass them with the tokens")
     out = np.zeros((1, rows, hidden), np.float32)
     out[0, : len(features)] = features
     return out
@@ -168,7 +169,7 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     paths = [list(range(n))] if not exact_rows or _is_chain(tree_mask) else \
         [list(p) for p in Topology.from_ancestor_mask(tree_mask).root_to_leaf_paths]
     if len(paths) > cache.lanes:
-        raise ValueError(f"the tree has {len(paths)} root-to-leaf paths but the graph attends in {cache.lanes} "
+        raise InputError(f"the tree has {len(paths)} root-to-leaf paths but the graph attends in {cache.lanes} "
                          "lanes: cut it with Tree.within_paths")
     paths[0] = paths[0] + list(range(n, rows))  # padding rows go last in the first lane: no real row sees them
     # the attention op's one-query path rounds unlike its multi-query one (5e-7, RESULTS.md §41): an exact
@@ -187,7 +188,7 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
         position_ids = (past_len + np.arange(slots, dtype=np.int64))[None]
         if past_mask is not None:
             if len(paths) > 1:
-                raise ValueError("a mask over the past applies to one lane: give exact rows a chain")
+                raise InputError("a mask over the past applies to one lane: give exact rows a chain")
             bias[0, 0, :n, :past_len] = np.where(np.asarray(past_mask, dtype=bool), 0, -np.inf)
     else:
         node_positions = np.empty(rows, dtype=np.int64)

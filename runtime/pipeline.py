@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from edgespec.targets.profiles import get_profile
@@ -20,8 +21,8 @@ from .drafters import (
 )
 from .dynamic_tree import DynamicDrafter
 from .engine import GenerationConfig, Result, Session, generate
-from .errors import BundleError
-from .exactness import RowMismatch, check_exact_rows
+from .errors import BundleError, InputError
+from .exactness import RowMismatch, Verdict, check_exact_rows, verdict_here
 from .kvcache import KVCache
 from .lookup import WithLookup
 from .model import ModelRunner
@@ -36,6 +37,8 @@ from .staged import (
     StageWindow,
 )
 from .tokenizer import TextCodec
+
+MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxruntime's pools thrash
 
 
 def default_prepared_dir() -> Path:
@@ -78,6 +81,9 @@ class Pipeline:
         self.manifest: Manifest = open_bundle(self.folder)
         self.memory = plan_memory(self.manifest, self.folder,
                                   None if memory_budget is None else parse_size(memory_budget))
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or not 1 <= threads <= MAX_THREADS):
+            raise InputError(f"threads must be between 1 and {MAX_THREADS} (got {threads!r})")
         self.threads = threads or default_threads()
         profile = get_profile(self.manifest.profile.name)
         m = self.manifest
@@ -97,6 +103,7 @@ class Pipeline:
                                                    self.threads), m.target.facts)
         self.tree = m.tree  # the tree drafters fill: the manifest's, unless a caller (tune) tries another
         self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
+        self._exactness: Verdict | None = None
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         if m.drafter is DrafterKind.MODEL:
@@ -141,9 +148,22 @@ class Pipeline:
         draft = self.manifest.draft
         return KVCache(draft.facts, self.context, draft.feature_size)
 
+    @property
+    def exactness(self) -> Verdict:
+        """Whether speculation keeps plain decoding's bits here: recorded at export for the device that
+        exported it; elsewhere checked once on first use and cached per device (runtime/exactness.py)."""
+        if self._exactness is None:
+            m = self.manifest
+            self._exactness = verdict_here(m.exactness, m.files.get(m.target.graph.file, ""), self.target, cache_dir())
+        return self._exactness
+
     def make_drafter(self, speculate: bool) -> Drafter:
         m = self.manifest
         if not speculate:
+            return NoDrafter()
+        if not self.exactness.exact:
+            warnings.warn(f"speculation is off for this bundle here: {self.exactness.reason}; decoding plainly, "
+                          "which gives the same output", RuntimeWarning, stacklevel=2)
             return NoDrafter()
         ngram = NgramDrafter.from_config(self.tree, m.ngram) if m.ngram is not None else None
         if m.drafter is DrafterKind.NGRAM:
@@ -166,7 +186,7 @@ class Pipeline:
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
-            raise ValueError("give either a prompt or chat messages")
+            raise InputError("give either a prompt or chat messages")
         return self.codec.encode_chat(messages) if messages is not None else self.codec.encode(prompt)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,

@@ -18,7 +18,6 @@ import ctypes
 import hashlib
 import mmap
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
+from .device import machine_key
 from .sessions import make_session
 
 PROC_MAPS = Path("/proc/self/maps")
@@ -38,20 +38,6 @@ GRAPH, WEIGHTS = "graph.onnx", "graph.weights"
 
 def available() -> bool:
     return PROC_MAPS.exists() and hasattr(mmap, "MADV_DONTNEED")
-
-
-def machine_key() -> str:
-    """What the packed layout depends on: onnxruntime's version, the CPU architecture and its features."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        flags = platform.processor()
-    identity = "\n".join([ort.__version__, platform.machine(), flags])
-    return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def _place(checksum: str, root: Path) -> Path:

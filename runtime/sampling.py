@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import InputError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -22,20 +24,30 @@ class SamplingConfig:
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"{name} must be a number (got {value!r})")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InputError(f"{name} must be an integer (got {value!r})")
+        if self.top_k is None:
+            raise InputError("top_k must be an integer (0: off)")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number (got {getattr(self, name)})")
+                raise InputError(f"{name} must be a finite number (got {getattr(self, name)})")
         if self.temperature < 0 or 0 < self.temperature < 1e-3:
-            raise ValueError(f"temperature must be 0 (greedy) or at least 0.001 (got {self.temperature})")
+            raise InputError(f"temperature must be 0 (greedy) or at least 0.001 (got {self.temperature})")
         if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be >= 0 (got {self.seed})")
+            raise InputError(f"seed must be >= 0 (got {self.seed})")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
+            raise InputError(f"top_k must be >= 0 (got {self.top_k})")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+            raise InputError(f"top_p must be in (0, 1] (got {self.top_p})")
         if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1) (got {self.min_p})")
+            raise InputError(f"min_p must be in [0, 1) (got {self.min_p})")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+            raise InputError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
 
     @property
     def greedy(self) -> bool:

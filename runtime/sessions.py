@@ -7,6 +7,8 @@ import onnxruntime as ort
 
 from edgespec.targets.profiles import usable_providers
 
+from .errors import BundleError
+
 
 def make_session(path: Path, providers: tuple[str, ...], threads: int,
                  initializers: dict[str, ort.OrtValue] | None = None, prepack: bool = True,
@@ -32,4 +34,11 @@ def make_session(path: Path, providers: tuple[str, ...], threads: int,
         options.add_session_config_entry("session.disable_prepacking", "1")
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
-    return ort.InferenceSession(str(path), options, providers=usable_providers(providers))
+    try:
+        return ort.InferenceSession(str(path), options, providers=usable_providers(providers))
+    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.NoSuchFile,
+            ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as err:
+        # a graph that passed its checksum but onnxruntime refuses: written wrong, or for another onnxruntime
+        raise BundleError(f"onnxruntime {ort.__version__} cannot load {Path(path).name}: {str(err)[:300]}; "
+                          "re-export the bundle with this edgespec") from err

@@ -33,6 +33,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .bundle import GraphSpec
+from .errors import InputError
 from .facts import ModelFacts
 from .features import FEATURES_OUT
 from .kvcache import KVCache
@@ -64,7 +65,7 @@ class LoadedStage:
 class MappedStage:
     def __init__(self, folder: Path, spec: GraphSpec, providers: tuple[str, ...], threads: int):
         if not spec.tensors or len(spec.weights) != 1:
-            raise ValueError(f"{spec.file} lists no mappable tensors")
+            raise InputError(f"{spec.file} lists no mappable tensors")
         with open(Path(folder) / spec.weights[0], "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         # the session reads these buffers for as long as it lives: they are kept with it
@@ -160,7 +161,7 @@ class StagedRunner:
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
                 exact_rows: bool = True) -> Pass:
         if features is not None:
-            raise ValueError("a staged target reads no features; only a draft does")
+            raise InputError("a staged target reads no features; only a draft does")
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
                            logit_rows, past_mask, exact_rows)
         feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]

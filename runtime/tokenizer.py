@@ -10,6 +10,8 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from .errors import InputError
+
 
 @dataclass(frozen=True)
 class TokenizerSpec:
@@ -29,6 +31,18 @@ class TokenizerSpec:
     def to_dict(self) -> dict:
         return {"file": self.file, "chat_template": self.chat_template, "bos_token": self.bos_token,
                 "eos_token_ids": list(self.eos_token_ids), "add_bos_token": self.add_bos_token}
+
+
+def checked_text(text, what: str) -> str:
+    """`text` if it is a string of valid Unicode (text read with surrogateescape from bytes that are not
+    UTF-8 holds lone surrogates, which no tokenizer takes)."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(f"{what} is not valid UTF-8 (byte {err.start}): give text in UTF-8") from None
+    return text
 
 
 def _raise(message):
@@ -51,20 +65,24 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         """Plain text: the tokenizer's own special tokens are not added; a BOS only if the model wants one."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.tokenizer.encode(checked_text(text, "the prompt"), add_special_tokens=False).ids
         if self.spec.add_bos_token and self.spec.bos_token:
             ids = [self.tokenizer.token_to_id(self.spec.bos_token)] + ids
         return ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The chat template supplies every special token itself (no extra BOS)."""
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise InputError(f"chat message {i} needs a 'role' and a 'content'")
+            checked_text(message.get("content"), f"chat message {i}'s content")
         if self._template is None:
-            raise ValueError("this bundle's tokenizer has no chat template; use a plain prompt")
+            raise InputError("this bundle's tokenizer has no chat template; use a plain prompt")
         try:
             text = self._template.render(messages=messages, add_generation_prompt=True,
                                          bos_token=self.spec.bos_token or "")
         except jinja2.TemplateError as err:
-            raise ValueError(f"the model's chat template refused these messages: {err}") from err
+            raise InputError(f"the model's chat template refused these messages: {err}") from err
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:

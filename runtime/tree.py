@@ -13,6 +13,8 @@ from functools import cached_property
 
 import numpy as np
 
+from .errors import InputError
+
 
 @dataclass(frozen=True, eq=False)
 class Topology:
@@ -22,10 +24,10 @@ class Topology:
 
     def __post_init__(self):
         if not self.parents or self.parents[0] != -1:
-            raise ValueError("a tree topology starts with the root: parents[0] must be -1")
+            raise InputError("a tree topology starts with the root: parents[0] must be -1")
         for i, p in enumerate(self.parents[1:], start=1):
             if not 0 <= p < i:
-                raise ValueError(f"parents[{i}]={p}: a parent must be an earlier node")
+                raise InputError(f"parents[{i}]={p}: a parent must be an earlier node")
 
     # two topologies are the same tree when their parents are (a manifest read back equals the one written)
     def __eq__(self, other) -> bool:
@@ -105,15 +107,15 @@ class Topology:
         or rows whose visible sets are not their parent's plus themselves)."""
         n = len(ancestors)
         if ancestors.shape != (n, n) or not ancestors.diagonal().all() or np.triu(ancestors, 1).any():
-            raise ValueError("exact rows need an ancestor mask: each row sees itself and earlier rows only")
+            raise InputError("exact rows need an ancestor mask: each row sees itself and earlier rows only")
         parents = [-1]
         for node in range(1, n):
             seen = np.flatnonzero(ancestors[node, :node])
             if not len(seen):
-                raise ValueError(f"row {node} sees no earlier row: a tree has one root")
+                raise InputError(f"row {node} sees no earlier row: a tree has one root")
             parent = int(seen[-1])
             if not np.array_equal(ancestors[node, :node], ancestors[parent, :node] | (np.arange(node) == parent)):
-                raise ValueError(f"row {node} sees rows that are not the chain of its parent {parent}")
+                raise InputError(f"row {node} sees rows that are not the chain of its parent {parent}")
             parents.append(parent)
         return cls(tuple(parents))
 
@@ -200,16 +202,16 @@ def parse_tree_spec(spec: str) -> Topology:
     deep) or `parents:-1,0,0,1,...` (an explicit parents array)."""
     match = _SPEC.match(spec.strip())
     if not match:
-        raise ValueError(f"unknown tree spec {spec!r}: use chain:K, topk:BxD or parents:-1,0,...")
+        raise InputError(f"unknown tree spec {spec!r}: use chain:K, topk:BxD or parents:-1,0,...")
     if match.group(1):
         length = int(match.group(2))
         if not 1 <= length < MAX_NODES:
-            raise ValueError(f"chain:K needs 1 <= K < {MAX_NODES}")
+            raise InputError(f"chain:K needs 1 <= K < {MAX_NODES}")
         return Topology(tuple(range(-1, length)))
     if match.group(3):
         branch, depth = int(match.group(4)), int(match.group(5))
         if branch < 1 or depth < 1:
-            raise ValueError("topk:BxD needs B >= 1 and D >= 1")
+            raise InputError("topk:BxD needs B >= 1 and D >= 1")
         size, level = 1, 1
         for _ in range(min(depth, MAX_NODES)):
             level *= branch
@@ -217,7 +219,7 @@ def parse_tree_spec(spec: str) -> Topology:
             if size > MAX_NODES:
                 break
         if size > MAX_NODES:
-            raise ValueError(f"tree {spec} has {size} nodes; at most {MAX_NODES} are supported")
+            raise InputError(f"tree {spec} has {size} nodes; at most {MAX_NODES} are supported")
         parents, frontier = [-1], [0]
         for _ in range(depth):
             next_frontier = []
@@ -229,5 +231,5 @@ def parse_tree_spec(spec: str) -> Topology:
         return Topology(tuple(parents))
     parents = tuple(int(p) for p in match.group(7).split(","))
     if len(parents) > MAX_NODES:
-        raise ValueError(f"the tree has {len(parents)} nodes; at most {MAX_NODES} are supported")
+        raise InputError(f"the tree has {len(parents)} nodes; at most {MAX_NODES} are supported")
     return Topology(parents)

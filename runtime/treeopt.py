@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .errors import InputError
 from .tree import Topology
 
 
@@ -41,7 +42,7 @@ def _rates(accept) -> np.ndarray:
     """accept as [depth, rank] (a 1-D array: the same rates at every depth)."""
     rates = np.atleast_2d(np.asarray(accept, dtype=float))
     if rates.size == 0 or (rates < 0).any() or (rates > 1).any():
-        raise ValueError("acceptance rates must be probabilities, one row per depth")
+        raise InputError("acceptance rates must be probabilities, one row per depth")
     return rates
 
 

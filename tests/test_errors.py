@@ -152,8 +152,10 @@ def test_prompt_longer_than_the_context(bundle_factory):
 
 def test_generation_stops_cleanly_when_the_context_fills(bundle_factory):
     pipeline = Pipeline(bundle_factory(context=64))
-    with pytest.raises(ContextOverflowError, match="context is full"):
+    with pytest.raises(ContextOverflowError, match="context is full") as raised:
         pipeline.generate("fox " * 20, config=GenerationConfig(max_new_tokens=500, stop_at_eos=False))
+    partial = raised.value.partial  # what was made before the context filled
+    assert partial.stop_reason == "context_full" and partial.token_ids and partial.text
 
 
 def test_bad_generation_settings():
@@ -201,3 +203,133 @@ def test_context_beyond_the_trained_positions_is_refused(models, tmp_path):
         export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", context=4096,
                             cache_dir=tmp_path))
     assert not (tmp_path / "b").exists()
+
+
+# --- hardening: what a hostile or unlucky user meets ---------------------------------------------------
+
+def exported(models, out, **extra):
+    return export(ExportConfig(model=str(models["target"]), draft="ngram", out=out, context=128,
+                               cache_dir=out.parent / "cache", **extra))
+
+
+@pytest.mark.parametrize("damage", ["extra file", "changed file"])
+def test_force_replaces_only_a_bundle_as_it_was_written(models, tmp_path, damage):
+    out = exported(models, tmp_path / "b")
+    if damage == "extra file":
+        (out / "notes.txt").write_text("mine")
+    else:
+        (out / "tokenizer.json").write_text("{}")
+    with pytest.raises(ExportError, match="does not list|differ from the bundle's checksums"):
+        exported(models, out, force=True)
+    assert (out / ("notes.txt" if damage == "extra file" else "tokenizer.json")).read_text() in ("mine", "{}")
+
+
+def test_sigterm_during_an_export_leaves_nothing_behind(models, tmp_path):
+    import os
+    import signal
+
+    from edgespec.exporters import bundle_writer
+
+    def fill(folder):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill` would, while graphs are being written
+
+    with pytest.raises(KeyboardInterrupt):
+        bundle_writer.write_bundle(tmp_path / "b", False, fill, None, None, 64)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the export's handler is gone again
+
+
+def test_what_a_killed_export_left_is_cleaned_up_by_the_next(models, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from edgespec.exporters.bundle_writer import EXPORT_OWNER
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned, running = tmp_path / ".b.dead1", tmp_path / ".b.live1"
+    for folder, pid in ((abandoned, gone.stdout.strip()), (running, str(os.getpid()))):
+        folder.mkdir()
+        (folder / EXPORT_OWNER).write_text(pid)
+        (folder / "target.weights").write_bytes(b"\0" * 1000)
+    exported(models, tmp_path / "b")
+    assert not abandoned.exists() and running.exists()
+
+
+def test_bundles_are_written_with_the_users_umask(models, tmp_path):
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        out = exported(models, tmp_path / "b")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert not (out / ".export-pid").exists()
+
+
+@pytest.mark.parametrize("threads", [0, -1, 100000])
+def test_thread_counts_out_of_range_are_refused(bundle_factory, threads, capsys):
+    with pytest.raises(ValueError, match="threads must be between 1"):
+        Pipeline(bundle_factory(), threads=threads)
+    assert main(["generate", str(bundle_factory()), "--prompt", "x", "--threads", str(threads)]) == 2
+    assert "threads must be between 1" in capsys.readouterr().err
+
+
+def test_text_that_is_not_utf8_is_a_clear_error(bundle_factory):
+    pipeline = Pipeline(bundle_factory())
+    broken = b"hello \xff".decode("utf-8", "surrogateescape")  # how Python reads such bytes from a pipe
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        pipeline.generate(broken, config=GenerationConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        pipeline.generate(messages=[{"role": "user", "content": broken}], config=GenerationConfig(max_new_tokens=4))
+
+
+def test_chat_on_bytes_that_are_not_utf8_answers_with_an_error_not_a_traceback(bundle_factory):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "edgespec.cli", "chat", str(bundle_factory()), "--max-new-tokens", "4"],
+                         input=b"hello \xff\nfine\n\n", capture_output=True, timeout=120)
+    assert b"Traceback" not in run.stderr
+    assert b"UTF-8" in run.stderr or b"utf-8" in run.stderr
+
+
+def test_settings_errors_name_the_flags_before_the_bundle_loads(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "no-such-bundle"), "--prompt", "x", "--top-p", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--top-p" in err and "no bundle" not in err
+    assert main(["generate", str(tmp_path / "no-such-bundle"), "--prompt", "x", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
+
+
+def test_a_json_generation_that_fills_the_context_still_prints_what_it_made(bundle_factory, capsys):
+    bundle = bundle_factory(context=64)
+    prompt = " ".join(["fox"] * 80)
+    while len(Pipeline(bundle).encode(prompt)) > 60:  # a few tokens short of the context: it fills before any eos
+        prompt = prompt[4:]
+    code = main(["generate", str(bundle), "--prompt", prompt, "--max-new-tokens", "500", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "context is full" in err
+    reply = json.loads(out)
+    assert reply["stop_reason"] == "context_full" and reply["token_ids"] and "context is full" in reply["error"]
+
+
+def test_a_graph_onnxruntime_refuses_is_a_bundle_error(bundle_factory, tmp_path):
+    from edgespec.runtime.bundle import sha256_file
+
+    bundle = copy_bundle(bundle_factory, tmp_path)
+    (bundle / "target.onnx").write_bytes(b"not a graph at all")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["files"]["target.onnx"] = sha256_file(bundle / "target.onnx")  # its checksum matches
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="cannot load target.onnx"):
+        Pipeline(bundle)
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    assert main(["--debug", "inspect", str(tmp_path / "none")]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "none")]) == 2
+    assert "Traceback" not in capsys.readouterr().err

@@ -57,3 +57,33 @@ def test_an_older_schema_is_refused_with_what_to_do(various, tmp_path):
     data["schema_version"] = 2
     with pytest.raises(BundleError, match="export it again"):
         Manifest.from_dict(data)
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (("target", "facts", "num_layers"), 10**9, "num_layers"),
+    (("target", "facts", "num_kv_heads"), 0, "num_kv_heads"),
+    (("target", "facts", "vocab_size"), -1, "vocab_size"),
+    (("target", "facts", "max_context"), "2048", "max_context"),
+    (("target", "facts", "num_heads"), True, "num_heads"),
+    (("target", "facts", "rms_norm_eps"), float("nan"), "rms_norm_eps"),
+    (("target", "facts", "head_dim"), 32, "rope_frequencies"),
+    (("target", "facts", "num_layers"), 3, "layers"),
+    (("target", "facts", "vocab_size"), 500, "vocabulary"),
+    (("target", "graph"), "target.onnx", "graph"),
+    (("target", "graph", "inputs"), [], "graph"),
+    (("tree", "parents"), "0,1", "parents|Topology|malformed"),
+    (("tree", "parents"), [0, 0], "root"),
+    (("steps", "prefill_chunk"), "many", "prefill_chunk|malformed"),
+    (("draft",), {"kind": "oracle"}, "unknown drafter"),
+    (("tokenizer",), [], "malformed"),
+    (("profile",), {"name": "cpu"}, "malformed"),
+])
+def test_a_hostile_manifest_is_refused_before_anything_is_sized(various, path, value, message):
+    """Every value a manifest holds is checked, as a whole, before a cache is sized or a session made."""
+    data = json.loads((various["ngram-staged"] / MANIFEST).read_text())
+    where = data
+    for key in path[:-1]:
+        where = where[key]
+    where[path[-1]] = value
+    with pytest.raises(BundleError, match=message):
+        Manifest.from_dict(data)
