@@ -5,13 +5,17 @@ folder holds config.json), never by its name.
 """
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import try_to_load_from_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from edgespec.runtime.errors import ExportError
@@ -31,6 +35,8 @@ class ModelSource:
         """Returns (model in float32, eval mode; tokenizer)."""
 
         kwargs = {"dtype": torch.float32}
+        if self.kind == "hub":
+            check_hub_reachable(self.location)
         try:
             if self.kind == "gguf":
                 path = Path(self.location)
@@ -47,6 +53,22 @@ class ModelSource:
             raise ExportError(f"{self.description} is quantized ({model.config.quantization_config}); "
                               "export from float weights")
         return model.eval(), tokenizer
+
+
+HUB_PROBE_TIMEOUT_S = 5
+
+
+def check_hub_reachable(repo_id: str) -> None:
+    """A hub id that is not in the local Hugging Face cache needs the hub: say so in seconds, not after a
+    minute of retries."""
+    if try_to_load_from_cache(repo_id, "config.json") is not None:
+        return
+    host = urlparse(hf_constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as err:
+        raise ExportError(f"{repo_id} is a hub id, which needs the network, and {host} cannot be reached ({err}); "
+                          "pass a local Hugging Face folder or GGUF file") from err
 
 
 def resolve_source(spec: str, cache_dir: Path) -> ModelSource:

@@ -333,3 +333,19 @@ def test_debug_shows_the_traceback(tmp_path, capsys):
     assert "Traceback" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "none")]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_hub_id_without_a_network_is_refused_in_seconds(monkeypatch, tmp_path):
+    import socket
+    import time
+
+    from edgespec.exporters import sources
+
+    def unreachable(*args, **kwargs):
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    started = time.time()
+    with pytest.raises(ExportError, match="needs the network"):
+        sources.resolve_source("someone/some-model-not-cached", tmp_path).load()
+    assert time.time() - started < 5

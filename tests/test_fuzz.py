@@ -1,4 +1,4 @@
-"""Property-based fuzzing: whatever a manifest, a prompt, generation settings or a server request hold,
+"""Property-based fuzzing: whatever a manifest, a bundle folder, a prompt, generation settings or a server request hold,
 the outcome is a result or an EdgespecError (a 4xx answer from the server), never anything else.
 
 CI runs a fixed-seed slice; `python benchmarks/fuzz.py` runs the same properties at benchmark scale
@@ -86,6 +86,38 @@ def test_any_prompt_answers_or_is_an_edgespec_error(pipeline, prompt, chat):
             pipeline.generate(messages=[{"role": "user", "content": prompt}], config=config)
         else:
             pipeline.generate(prompt, config=config)
+    except EdgespecError:
+        pass
+
+
+@FUZZ
+@given(damages=st.lists(st.tuples(st.sampled_from(["delete", "truncate", "flip", "extra", "folder"]),
+                                  st.integers(0, 50), st.integers(0, 2**20)), min_size=1, max_size=3))
+def test_any_damaged_bundle_folder_loads_or_is_an_edgespec_error(bundle, tmp_path_factory, damages):
+    import shutil
+
+    folder = tmp_path_factory.mktemp("damaged") / "b"
+    shutil.copytree(bundle, folder)
+    for kind, pick, offset in damages:
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+        if not files:
+            break
+        path = files[pick % len(files)]
+        if kind == "delete":
+            path.unlink()
+        elif kind == "truncate":
+            path.write_bytes(path.read_bytes()[: offset % (path.stat().st_size + 1)])
+        elif kind == "flip" and path.stat().st_size:
+            data = bytearray(path.read_bytes())
+            data[offset % len(data)] ^= 0xFF
+            path.write_bytes(bytes(data))
+        elif kind == "extra":
+            (folder / f"extra{offset}.bin").write_bytes(b"x" * (offset % 100))
+        elif kind == "folder":
+            path.unlink()
+            path.mkdir()
+    try:
+        Pipeline(folder, threads=1).generate("a b", config=GenerationConfig(max_new_tokens=2))
     except EdgespecError:
         pass
 
