@@ -1,0 +1,88 @@
+"""Soak: mixed generate and chat for a while under the sliding KV policy with random settings, one
+pipeline, watching resident memory. Passes when nothing fails and RSS after warm-up stays within 5%.
+
+    python benchmarks/soak.py [BUNDLE] [--minutes 30] [--warmup-minutes 5] [--threads 2] [--seed 0] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from importlib import resources
+
+from edgespec.defaults import resolve_bundle
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.sampling import SamplingConfig
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def random_config(rng: random.Random, max_new: int) -> GenerationConfig:
+    temperature = rng.choice([0.0, 0.0, 0.7, 1.0])
+    sampling = SamplingConfig(temperature=temperature, top_p=rng.choice([1.0, 0.9, 0.5]),
+                              top_k=rng.choice([0, 0, 40]), seed=rng.randrange(1 << 30))
+    return GenerationConfig(max_new_tokens=max_new, kv_policy="sliding", sampling=sampling,
+                            stop_strings=rng.choice([(), (), ("\n\n",)]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bundle", nargs="?", default="default")
+    parser.add_argument("--minutes", type=float, default=30)
+    parser.add_argument("--warmup-minutes", type=float, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    pipeline = Pipeline(resolve_bundle(args.bundle), threads=args.threads)
+    lines = resources.files("edgespec").joinpath("data/prompts.jsonl").read_text().splitlines()
+    questions = [json.loads(line)["messages"][-1]["content"] for line in lines]
+    started = time.time()
+    end, warm = started + 60 * args.minutes, started + 60 * args.warmup_minutes
+    session, drafter, messages = pipeline.new_session(), pipeline.make_drafter(True), []
+    counts = {"generate": 0, "chat": 0, "long": 0, "tokens": 0, "slides": 0}
+    samples: list[tuple[float, float]] = []
+    while time.time() < end:
+        kind = rng.choices(["generate", "chat", "long"], weights=[5, 5, 1])[0]
+        if kind == "chat":
+            if len(pipeline.encode(messages=messages or [{"role": "user", "content": "x"}])) > pipeline.context * 3 // 4:
+                session, drafter, messages = pipeline.new_session(), pipeline.make_drafter(True), []
+            messages.append({"role": "user", "content": rng.choice(questions)})
+            result = pipeline.generate(messages=messages, config=random_config(rng, rng.randint(16, 160)),
+                                       session=session, drafter=drafter)
+            messages.append({"role": "assistant", "content": result.text})
+        else:
+            # a long one runs past the context: the sliding policy evicts and goes on
+            max_new = pipeline.context + 500 if kind == "long" else rng.randint(16, 256)
+            result = pipeline.generate(messages=[{"role": "user", "content": rng.choice(questions)}],
+                                       config=random_config(rng, max_new), speculate=rng.random() < 0.8)
+            counts["slides"] += kind == "long" and result.stats.new_tokens >= pipeline.context
+        counts[kind] += 1
+        counts["tokens"] += result.stats.new_tokens
+        samples.append((time.time() - started, rss_mib()))
+    after = [rss for t, rss in samples if t >= 60 * args.warmup_minutes]
+    report = {"minutes": args.minutes, "requests": counts, "rss_at_warmup_mib": round(after[0], 1) if after else None,
+              "rss_min_after_mib": round(min(after), 1) if after else None,
+              "rss_max_after_mib": round(max(after), 1) if after else None,
+              "rss_growth_after_warmup": round(max(after) / after[0] - 1, 4) if after else None,
+              "samples": [(round(t), round(r, 1)) for t, r in samples[:: max(1, len(samples) // 60)]]}
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    flat = after and max(after) <= 1.05 * after[0] and min(after) >= 0.95 * after[0]
+    sys.exit(0 if flat else 1)
+
+
+if __name__ == "__main__":
+    main()
