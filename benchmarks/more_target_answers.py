@@ -5,7 +5,7 @@
 The run's prompt list is rebuilt from the same seed and prompt count (it does not depend on the time
 budget), and generation resumes with the first prompt no shard holds yet, exactly as the run's chat
 phase would have gone on with more minutes. Shards already there are never rewritten. This is how the
-data of the second eagle draft was made (benchmarks/RESULTS.md §23).
+data of the second eagle draft was made (benchmarks/history.md §23).
 """
 import argparse
 import time

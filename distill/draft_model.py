@@ -1,6 +1,6 @@
 """The draft's shape: a two-layer decoder of the target's own architecture that shares its embeddings and head.
 
-Designs (compared in benchmarks/RESULTS.md):
+Designs (compared in benchmarks/history.md §17, §19):
     cut    the target's first layer, then an adapter layer initialised from the target's last layer
            (Kangaroo: a shallow sub-network of the target plus a trained adapter)
     small  two new layers with half the target's MLP width, randomly initialised
@@ -20,7 +20,7 @@ import torch
 DESIGNS = ("cut", "small", "eagle")
 FEATURE_DESIGNS = ("eagle",)  # designs whose draft reads the target's features
 DRAFT_LAYERS = {"cut": 2, "small": 2, "eagle": 1}
-# Measured on the reference target (benchmarks/RESULTS.md): one feature-reading layer learns twice as fast
+# Measured on the reference target (benchmarks/history.md §17, §19): one feature-reading layer learns twice as fast
 # per minute as two, and takes a higher learning rate.
 LEARNING_RATE = {"cut": 5e-4, "small": 5e-4, "eagle": 1e-3}
 

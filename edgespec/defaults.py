@@ -16,7 +16,7 @@ from edgespec.runtime.paths import cache_dir
 # The draft ships packed (trained tensors only, float16) and is rebuilt against the target on first use.
 SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
 # int4 weights, the one int4 scheme within +2% perplexity of fp32 here: exact per-block float offsets
-# (the reference GGUF's Q4_1 grid, reproduced) with the head in int8, +0.07% (RESULTS.md §40); the
+# (the reference GGUF's Q4_1 grid, reproduced) with the head in int8, +0.07% (history.md §40); the
 # tree `edgespec tune` chose for this draft (§13), with prompt lookup while the answer quotes its context
 # only: on int4 every node costs a row of compute, and shorter matches do not pay for theirs (§32)
 DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 0,

@@ -37,7 +37,7 @@ from edgespec.runtime.treeopt import choose_tree
 
 PROBE_WIDTH, PROBE_DEPTH = 4, 6
 # Lookup lengths measured beside a draft model (and the bundle's own): what a lookup token costs depends
-# on the device and the weights (nearly nothing on fp32 here, a lot on int4: RESULTS.md §30). While the
+# on the device and the weights (nearly nothing on fp32 here, a lot on int4: history.md §30). While the
 # context quotes itself the chain runs to QUOTE_TOKENS; with K = 0 that is the only lookup, which int4
 # weights favour (§32).
 LOOKUP_CHOICES = (0, 2, 4)

@@ -70,7 +70,7 @@ def default_tree(draft: str) -> str:
     """A draft model's tree is a short chain until `tune` measures better. An n-gram drafter's is the
     chain a quote runs to: it is cut at NgramConfig.partial_match_depth unless the context's suffix
     occurred before, and 12 nodes is the last count before fp32's pass cost steps up
-    (benchmarks/RESULTS.md §25, §33)."""
+    (benchmarks/history.md §25, §33)."""
     kind = DrafterKind.training_free(draft)
     return "chain:11" if kind is not None and kind.looks_up_ngrams else "chain:4"
 
@@ -171,7 +171,7 @@ def plan_export(config: ExportConfig) -> ExportPlan:
     ngram = None
     if training_free is not None and training_free.looks_up_ngrams:
         # quantized weights make every verified row cost (int8 compute): without a full match, one token,
-        # which takes the padding row's place in the pass for free (RESULTS.md §40: 1.30x against 0.91x)
+        # which takes the padding row's place in the pass for free (history.md §40: 1.30x against 0.91x)
         ngram = NgramConfig(partial_match_depth=1 if config.quant in ("int4", "int8") else 5)
     lookup = LookupConfig(tokens=config.lookup, quote_tokens=config.lookup_quote) if lookup_tokens else None
     try:

@@ -2,7 +2,7 @@
 
 MatMulNBits (and MLAS sgemm) round a one-row product differently from a multi-row one, so an exact
 pass must pad a one-token step to two rows (runtime/model.py, MIN_ROWS): a third of a plain step
-(benchmarks/RESULTS.md §40). Here the product is
+(benchmarks/history.md §40). Here the product is
 
     x . W  ~=  s_x[row] * s_w[col] * sum_k qx[row, k] * qw[k, col]
 
@@ -14,7 +14,7 @@ step needs no padding row and runs the one-row kernel.
 
 u8 x u8: MLAS's u8 x s8 kernel on AVX2 without VNNI adds pairs of products in int16 with saturation
 (255 * 127 * 2 overflows), which cost +18.6% perplexity on SmolLM2; 7-bit weights avoid it at +5.5%;
-u8 x u8 widens to int16 first and is as fast here (RESULTS.md §41).
+u8 x u8 widens to int16 first and is as fast here (history.md §41).
 
 One scale per row lets a few channels that are always large take the row's precision (+2.3%
 perplexity), so each input channel k is first divided by s_k = amax_k^a / wmax_k^(1-a) and the
@@ -29,7 +29,7 @@ from onnx import helper, numpy_helper
 
 from .rewrite import add_constants, replace_node
 
-SMOOTHING = 0.3  # RESULTS.md §41: -0.07% perplexity at 0.3, +1.9% at 0.5, +2.3% without
+SMOOTHING = 0.3  # history.md §41: -0.07% perplexity at 0.3, +1.9% at 0.5, +2.3% without
 
 _SHARED = {  # constants every rewritten matmul reads
     "int_rows_axis": np.array([-1], np.int64),

@@ -10,7 +10,7 @@ split:
             symmetric MatMulNBits    a small fp32 matmul: [K / block] x N offsets
 
 blocksum(x) is a ReduceSum over x viewed as [rows, K / block, block] (a third cheaper per matmul than
-the matmul with a 0/1 matrix it replaced: 12 against 19 us, RESULTS.md §40). Weights that already lie
+the matmul with a 0/1 matrix it replaced: 12 against 19 us, history.md §40). Weights that already lie
 on such a grid — a model that came from a Q4_1/Q8_1 GGUF file — are reproduced exactly.
 """
 from __future__ import annotations

@@ -101,7 +101,7 @@ class NgramDrafter:
     With `partial_match_depth`, the tree is cut at that depth unless the context's last max_n tokens
     occurred before. Such a full match means the answer is quoting, and a quote goes on for many
     tokens; a shorter match is right less often, so its deep nodes would cost more than they bring
-    (benchmarks/RESULTS.md §32).
+    (benchmarks/history.md §32).
     """
 
     def __init__(self, topology: Topology, max_n: int = 3, min_n: int = 2, partial_match_depth: int | None = None):

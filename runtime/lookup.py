@@ -18,7 +18,7 @@ class LookupConfig:
     way it continued after an earlier occurrence of its suffix (n = min_n..max_n tokens), and up to
     `quote_tokens` when all max_n of the suffix's tokens occurred before (0: no longer than `tokens`).
     `tokens` = 0 drafts by lookup only while quoting: where each node costs (int4 weights), a shorter
-    match does not pay for its nodes (benchmarks/RESULTS.md §32)."""
+    match does not pay for its nodes (benchmarks/history.md §32)."""
     tokens: int = 4
     min_n: int = 1
     max_n: int = 4

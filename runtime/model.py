@@ -172,7 +172,7 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
         raise InputError(f"the tree has {len(paths)} root-to-leaf paths but the graph attends in {cache.lanes} "
                          "lanes: cut it with Tree.within_paths")
     paths[0] = paths[0] + list(range(n, rows))  # padding rows go last in the first lane: no real row sees them
-    # the attention op's one-query path rounds unlike its multi-query one (5e-7, RESULTS.md §41): an exact
+    # the attention op's one-query path rounds unlike its multi-query one (5e-7, history.md §41): an exact
     # pass gives it two slots even when its matmuls run one row (the second repeats the first)
     slots = max(max(len(path) for path in paths), 2 if exact_rows else 1)
     path_nodes = np.empty((cache.lanes, slots), dtype=np.int64)

@@ -1,7 +1,7 @@
 """Stage weights packed once per machine, then memory-mapped: fast kernels without holding the weights.
 
 A float matmul runs fastest from the packed layout onnxruntime makes when a session is created (measured:
-a pass of one token twice as fast as from unpacked weights, RESULTS.md §20). That layout depends on the
+a pass of one token twice as fast as from unpacked weights, history.md §20). That layout depends on the
 CPU and on onnxruntime's version, so the exporter cannot write it. The first time a bundle's stage is
 used on a machine, onnxruntime saves the stage's optimized graph with its packed weights in an external
 file (`session.save_external_prepacked_constant_initializers`), kept under the cache, keyed by the
@@ -122,7 +122,7 @@ class PrepackedStage:
 
     The file is first read with read(), before the session exists: the read path fills the cache in
     large folios, which later fetches map and releases drop far faster than the small pages faults read
-    in (measured: 16-19 against 12-13 tokens/s at half the weights, RESULTS.md §22)."""
+    in (measured: 16-19 against 12-13 tokens/s at half the weights, history.md §22)."""
 
     def __init__(self, prepared: Path, providers: tuple[str, ...], threads: int, evict: bool = False):
         """`evict`: release also drops the pages from the OS page cache, for a budget that must bound
@@ -149,7 +149,7 @@ class PrepackedStage:
     def fetch(self) -> ort.InferenceSession:
         # One call per mapping maps every page, reading what the cache lacks (Linux 5.14+). At half the
         # reference target's weights this decodes 28.5-29 tokens/s against 22-25 for asking the cache
-        # first (mincore) and faulting page by page (RESULTS.md §24); older kernels refuse the advice.
+        # first (mincore) and faulting page by page (history.md §24); older kernels refuse the advice.
         if all(self.libc.madvise(r.low, r.high - r.low, MADV_POPULATE_READ) == 0 for r in self.ranges):
             return self.session
         for r in self.ranges:

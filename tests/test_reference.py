@@ -57,7 +57,7 @@ def test_draft_speculation_is_lossless_on_the_reference_model(pipeline):
 
 def test_reply_is_coherent_english(pipeline):
     # Not "What is the capital of France?" alone: there the fp32 model's first token is "The" by 0.08
-    # logits over "L" (25.33 against 25.24), and the int4 default's rounding takes "L" (RESULTS.md §40)
+    # logits over "L" (25.33 against 25.24), and the int4 default's rounding takes "L" (history.md §40)
     ask = "What is the capital of France? Answer in one sentence."
     result = pipeline.generate(messages=[{"role": "user", "content": ask}], config=GenerationConfig(max_new_tokens=24))
     assert "Paris" in result.text
