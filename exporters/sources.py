@@ -46,7 +46,7 @@ class ModelSource:
                 where = self.location
             tokenizer = AutoTokenizer.from_pretrained(where, **({"gguf_file": kwargs["gguf_file"]} if self.kind == "gguf" else {}))
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-        except OSError as err:
+        except (OSError, ValueError, KeyError, TypeError) as err:  # a broken config.json, tokenizer or checkpoint
             hint = " (no network? hub ids need one; pass a local folder or GGUF file)" if self.kind == "hub" else ""
             raise ExportError(f"cannot load {self.description}: {err}{hint}") from err
         if getattr(model.config, "quantization_config", None) is not None and self.kind != "gguf":

@@ -10,7 +10,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from .errors import InputError
+from .errors import BundleError, InputError
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,19 @@ def _raise(message):
 class TextCodec:
     def __init__(self, folder: Path, spec: TokenizerSpec):
         self.spec = spec
-        self.tokenizer = Tokenizer.from_file(str(folder / spec.file))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(folder / spec.file))
+        except Exception as err:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise BundleError(f"the bundle's tokenizer {spec.file} cannot be read ({err}): re-export the bundle") from err
         self._template = None
         if spec.chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-            self._template = env.from_string((folder / spec.chat_template).read_text(encoding="utf-8"))
+            try:
+                self._template = env.from_string((folder / spec.chat_template).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, jinja2.TemplateError) as err:
+                raise BundleError(f"the bundle's chat template {spec.chat_template} cannot be read ({err}): "
+                                  "re-export the bundle") from err
 
     @property
     def has_chat_template(self) -> bool:

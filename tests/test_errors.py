@@ -349,3 +349,24 @@ def test_a_hub_id_without_a_network_is_refused_in_seconds(monkeypatch, tmp_path)
     with pytest.raises(ExportError, match="needs the network"):
         sources.resolve_source("someone/some-model-not-cached", tmp_path).load()
     assert time.time() - started < 5
+
+
+def test_a_tokenizer_the_library_cannot_parse_is_a_bundle_error(bundle_factory, tmp_path):
+    from edgespec.runtime.bundle import sha256_file
+
+    bundle = copy_bundle(bundle_factory, tmp_path)
+    (bundle / "tokenizer.json").write_text('{"model": "nonsense"}')
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["files"]["tokenizer.json"] = sha256_file(bundle / "tokenizer.json")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="tokenizer"):
+        Pipeline(bundle)
+
+
+def test_a_broken_config_json_is_an_export_error(models, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(models["target"], folder)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ExportError, match="cannot load"):
+        export(ExportConfig(model=str(folder), draft="ngram", out=tmp_path / "b", cache_dir=tmp_path / "c"))
+    assert not (tmp_path / "b").exists()
