@@ -6,6 +6,7 @@ from pathlib import Path
 import onnxruntime
 
 from edgespec.runtime.bundle import SCHEMA_VERSION, open_bundle
+from edgespec.runtime.device import machine_key
 from edgespec.runtime.errors import InexactRowsError
 from edgespec.runtime.pipeline import Pipeline
 
@@ -47,6 +48,12 @@ def print_bundle(folder: Path) -> None:
         if "draft_agreement" in quality:
             d = quality["draft_agreement"]
             print(f"    draft agrees with the target: {d['fp32']:.1%} in fp32, {d['quantized']:.1%} quantized")
+    recorded = manifest.exactness
+    if recorded:
+        where = "this device" if recorded.get("machine") == machine_key() else "another device"
+        print(f"  exactness: checked at export on {where} (onnxruntime {recorded.get('onnxruntime')}): "
+              f"{recorded.get('rows')} rows, {recorded.get('differ')} differ"
+              + ("" if where == "this device" else "; checked again here on first speculative use"))
     tree = manifest.tree
     print(f"  tree: {tree.size} nodes, depth {tree.max_depth}, parents {list(tree.parents)}")
     print(f"  prefill chunk: {manifest.prefill_chunk} tokens")

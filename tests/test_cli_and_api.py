@@ -33,6 +33,7 @@ def test_inspect_prints_manifest_and_verifies(bundle_factory, capsys):
     assert main(["inspect", str(bundle_factory(draft="draft"))]) == 0
     out = capsys.readouterr().out
     assert "schema version 3" in out and "sha256 verified" in out and "draft:" in out
+    assert "exactness: checked at export on this device" in out and "0 differ" in out
 
 
 def test_inspect_checks_on_this_device_that_rows_keep_their_bits(bundle_factory, monkeypatch, capsys):
