@@ -9,6 +9,7 @@ from pathlib import Path
 
 from edgespec.bench import load_prompts, print_report, run_bench
 from edgespec.defaults import resolve_bundle
+from edgespec.doctor import report as doctor_report
 from edgespec.inspection import check_exact, print_bundle
 from edgespec.runtime import prepacked
 from edgespec.runtime.budget import parse_size, plan_memory
@@ -167,6 +168,13 @@ def cmd_serve(args) -> None:
     serve(args.bundle, config, threads=args.threads, memory_budget=args.memory_budget)
 
 
+def cmd_doctor(args) -> None:
+    text, ok = doctor_report(resolve_bundle(args.bundle) if args.bundle else None, args.strict)
+    print(text)
+    if args.strict and not ok:
+        raise ValueError("a provider the profile names is not in this onnxruntime build (doctor --strict)")
+
+
 def cmd_tune(args) -> None:
     if args.max_nodes < 1 or args.max_nodes > 64:
         raise ValueError("--max-nodes must be between 1 and 64")
@@ -256,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_export, _add_generate, _add_chat, _add_bench, _add_tune, _add_inspect, _add_distill, _add_plan,
-                _add_serve, _add_demo):
+                _add_serve, _add_doctor, _add_demo):
         add(sub)
     return parser
 
@@ -441,6 +449,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--memory-budget", default=None,
                    help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
     p.set_defaults(run=cmd_serve)
+
+
+def _add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="the providers, cores and memory here, and where each profile would run")
+    p.add_argument("bundle", nargs="?", default=None, help="also say where this bundle would run")
+    p.add_argument("--strict", action="store_true", help="exit 2 if a provider the profile names is missing")
+    p.set_defaults(run=cmd_doctor)
 
 
 def _add_demo(sub) -> None:

@@ -24,7 +24,7 @@ from edgespec.runtime.model import ModelRunner
 from edgespec.runtime.pipeline import default_threads
 from edgespec.runtime.sessions import make_session
 from edgespec.runtime.tree import Topology, parse_tree_spec
-from edgespec.targets.profiles import get_profile
+from edgespec.targets.profiles import get_profile, profiles
 
 from .architectures import builder_for
 from .bundle_writer import (
@@ -189,7 +189,14 @@ def export(config: ExportConfig, finish=None) -> Path:
     it is moved into place (the front door tunes its tree there)."""
     started = time.perf_counter()
     plan = plan_export(config)
-    profile = get_profile(config.profile)
+    try:
+        profile = get_profile(config.profile)
+    except ValueError as err:
+        raise ExportError(str(err)) from err
+    if profile.static_shapes:
+        raise ExportError(f"the {profile.name} profile needs static-shape graphs (fixed node counts and KV "
+                          "capacity), which this edgespec does not write yet; export for a dynamic profile "
+                          f"({', '.join(n for n, p in sorted(profiles().items()) if not p.static_shapes)})")
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     target_source = resolve_source(config.model, config.cache_dir)
     training_free = DrafterKind.training_free(config.draft)

@@ -5,8 +5,6 @@ import os
 import warnings
 from pathlib import Path
 
-from edgespec.targets.profiles import get_profile
-
 from . import prepacked
 from .budget import parse_size, plan_memory
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
@@ -68,13 +66,15 @@ class Pipeline:
     """A loaded bundle. `generate` is the whole job; `new_session` keeps a conversation's caches."""
 
     def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
-                 prepared_dir: Path | None = None, evict_page_cache: bool = False):
+                 prepared_dir: Path | None = None, evict_page_cache: bool = False, strict: bool = False):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
         `prepared_dir`: where float stages' packed weights are kept for this machine (default: the
         edgespec cache); written on first use. `evict_page_cache`: a streamed stage's release also drops
         its pages from the OS page cache, so the budget bounds the cache too (a container or device whose
-        memory limit counts the cache); otherwise the OS keeps them cached while memory is free."""
+        memory limit counts the cache); otherwise the OS keeps them cached while memory is free.
+        `strict`: a provider the bundle's profile names but this onnxruntime lacks is an error, not a
+        fallback with a warning."""
         self.evict_page_cache = evict_page_cache
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else default_prepared_dir()
@@ -84,8 +84,9 @@ class Pipeline:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                     or not 1 <= threads <= MAX_THREADS):
             raise InputError(f"threads must be between 1 and {MAX_THREADS} (got {threads!r})")
-        self.threads = threads or default_threads()
-        profile = get_profile(self.manifest.profile.name)
+        self.threads = threads or self.manifest.profile.threads or default_threads()
+        profile = self.manifest.profile  # what the bundle was exported for: the providers per role
+        self.strict = strict
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)
         if self.memory.stage_bytes:  # the single graph does not fit: stages, through a window
@@ -95,12 +96,12 @@ class Pipeline:
             loaded = window_specs(m)
             pinned = self.memory.pinned_stages
             packed = self._packed_stages(loaded)
-            window = StageWindow([self._stage(spec, profile.verify_providers, i in pinned, packed.get(i))
+            window = StageWindow([self._stage(spec, profile.verify, i in pinned, packed.get(i))
                                   for i, spec in enumerate(loaded)], pinned)
             self.target = StagedRunner(window, m.target.facts, m.target.lanes, embedding)
         else:
-            self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify_providers,
-                                                   self.threads), m.target.facts)
+            self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify,
+                                                   self.threads, role="the target", strict=strict), m.target.facts)
         self.tree = m.tree  # the tree drafters fill: the manifest's, unless a caller (tune) tries another
         self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
         self._exactness: Verdict | None = None
@@ -109,8 +110,9 @@ class Pipeline:
         if m.drafter is DrafterKind.MODEL:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
-            self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft_providers,
-                                                  self.threads, spin=not self.memory.streams),
+            self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft,
+                                                  self.threads, spin=not self.memory.streams, role="the draft",
+                                                  strict=strict),
                                      m.draft.facts, read_head_tokens(self.folder, m.draft))
 
     def _packed_stages(self, specs: list[GraphSpec]) -> dict[int, Path]:

@@ -124,7 +124,7 @@ class PrepackedStage:
     large folios, which later fetches map and releases drop far faster than the small pages faults read
     in (measured: 16-19 against 12-13 tokens/s at half the weights, history.md §22)."""
 
-    def __init__(self, prepared: Path, providers: tuple[str, ...], threads: int, evict: bool = False):
+    def __init__(self, prepared: Path, providers: tuple, threads: int, evict: bool = False):
         """`evict`: release also drops the pages from the OS page cache, for a budget that must bound
         the cache too (a container whose limit counts it); otherwise they stay cached while memory is free."""
         self.weights = prepared.parent / WEIGHTS

@@ -10,14 +10,16 @@ from edgespec.targets.profiles import usable_providers
 from .errors import BundleError
 
 
-def make_session(path: Path, providers: tuple[str, ...], threads: int,
+def make_session(path: Path, providers: tuple, threads: int,
                  initializers: dict[str, ort.OrtValue] | None = None, prepack: bool = True,
-                 optimize: bool = True, spin: bool = True) -> ort.InferenceSession:
+                 optimize: bool = True, spin: bool = True, role: str = "", strict: bool = False) -> ort.InferenceSession:
     """`initializers`: weights the caller holds (memory-mapped), used in place of the graph's external
     data; the caller keeps them alive as long as the session. `prepack=False` makes the kernels read
     weights where they lie instead of copying them into packed buffers (which would make them resident).
     `optimize=False` for a graph onnxruntime already optimized for this machine. `spin=False` while
-    another thread needs the cores during a run (a streamed target's stage loader)."""
+    another thread needs the cores during a run (a streamed target's stage loader). `providers`: the
+    profile's for the role (targets/profiles.py: Provider, or names); a missing one falls back with a
+    warning, or with `strict` is an error."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
@@ -35,7 +37,9 @@ def make_session(path: Path, providers: tuple[str, ...], threads: int,
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
     try:
-        return ort.InferenceSession(str(path), options, providers=usable_providers(providers))
+        chosen = usable_providers(tuple(providers), role, strict)
+        return ort.InferenceSession(str(path), options, providers=[name for name, _ in chosen],
+                                    provider_options=[opts for _, opts in chosen])
     except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.NoSuchFile,
             ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as err:

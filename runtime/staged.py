@@ -63,7 +63,7 @@ class LoadedStage:
 
 
 class MappedStage:
-    def __init__(self, folder: Path, spec: GraphSpec, providers: tuple[str, ...], threads: int):
+    def __init__(self, folder: Path, spec: GraphSpec, providers: tuple, threads: int):
         if not spec.tensors or len(spec.weights) != 1:
             raise InputError(f"{spec.file} lists no mappable tensors")
         with open(Path(folder) / spec.weights[0], "rb") as f:

@@ -1,59 +1,138 @@
-"""Device profiles: which processor runs which role, as data.
+"""Device profiles: which processor runs which role, as data (targets/data/NAME.json, one per device kind).
 
-A profile names an ordered list of onnxruntime execution providers for each role (the draft and the
-verifying target), so a device with an NPU or GPU can draft there and verify on the CPU. The runtime
-asks the profile, never the file names.
+A profile names, for each role (the draft and the verifying target), an ordered list of onnxruntime
+execution providers with their options, whether the device needs static shapes, the weight scheme
+it prefers, the largest tree worth verifying and a thread count. The runtime asks the profile, never
+file names. A provider this onnxruntime build lacks is skipped with a warning that names what runs
+instead (strict: an error); the CPU provider is always the last resort.
 """
 from __future__ import annotations
 
+import json
+import warnings
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 
 import onnxruntime as ort
+
+WEIGHT_SCHEMES = ("any", "int4-asymmetric", "int4-symmetric", "int8-symmetric")
+CPU = "CPUExecutionProvider"
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    options: tuple[tuple[str, str], ...] = ()  # provider options, as onnxruntime takes them (strings)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **({"options": dict(self.options)} if self.options else {})}
+
+    @classmethod
+    def from_dict(cls, data) -> "Provider":
+        if isinstance(data, str):  # the manifests of schema 3 before profiles were files: names only
+            return cls(data)
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"].endswith(
+                "ExecutionProvider"):
+            raise ValueError(f"a provider is {{\"name\": \"...ExecutionProvider\", \"options\": {{...}}}} (got {data!r})")
+        options = data.get("options", {})
+        if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in options.items()):
+            raise ValueError(f"{data['name']}: options are strings by name (got {options!r})")
+        return cls(data["name"], tuple(sorted(options.items())))
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
-    draft_providers: tuple[str, ...]
-    verify_providers: tuple[str, ...]
+    draft: tuple[Provider, ...]
+    verify: tuple[Provider, ...]
     static_shapes: bool  # NPUs and the Apple Neural Engine need fixed tensor shapes
-    description: str
+    description: str = ""
+    weights: str = "any"  # the weight scheme the device runs best (NPUs: symmetric)
+    max_tree_nodes: int = 12  # the largest tree worth verifying there
+    threads: int | None = None  # None: every core
+
+    def __post_init__(self):
+        if not self.draft or not self.verify:
+            raise ValueError(f"profile {self.name}: each role needs at least one provider")
+        if self.weights not in WEIGHT_SCHEMES:
+            raise ValueError(f"profile {self.name}: weights {self.weights!r} is not one of {', '.join(WEIGHT_SCHEMES)}")
+        if isinstance(self.max_tree_nodes, bool) or not isinstance(self.max_tree_nodes, int) or \
+                not 1 <= self.max_tree_nodes <= 64:
+            raise ValueError(f"profile {self.name}: max_tree_nodes must be 1..64")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or not 1 <= self.threads <= 256):
+            raise ValueError(f"profile {self.name}: threads must be 1..256 or null")
+
+    @property
+    def draft_providers(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.draft)
+
+    @property
+    def verify_providers(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.verify)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "draft_providers": list(self.draft_providers),
-                "verify_providers": list(self.verify_providers), "static_shapes": self.static_shapes}
+        return {"name": self.name, "draft": [p.to_dict() for p in self.draft],
+                "verify": [p.to_dict() for p in self.verify], "static_shapes": self.static_shapes,
+                "weights": self.weights, "max_tree_nodes": self.max_tree_nodes, "threads": self.threads}
 
     @classmethod
     def from_dict(cls, data: dict) -> "DeviceProfile":
-        """A profile as a manifest records it (the description is the registry's, if it knows the name)."""
-        known = PROFILES.get(data["name"])
-        return cls(name=data["name"], draft_providers=tuple(data["draft_providers"]),
-                   verify_providers=tuple(data["verify_providers"]), static_shapes=bool(data["static_shapes"]),
-                   description=known.description if known is not None else "")
+        """A profile file, or a profile as a manifest records it (older manifests: provider names in
+        `draft_providers` / `verify_providers`)."""
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            raise ValueError(f"a profile is an object with a name (got {type(data).__name__})")
+        draft, verify = data.get("draft", data.get("draft_providers")), data.get("verify", data.get("verify_providers"))
+        if not isinstance(draft, list) or not isinstance(verify, list) or not isinstance(data.get("static_shapes"), bool):
+            raise ValueError(f"profile {data['name']}: draft and verify provider lists and static_shapes are required")
+        known = profiles().get(data["name"]) if data.get("description") is None else None
+        return cls(name=data["name"], draft=tuple(Provider.from_dict(p) for p in draft),
+                   verify=tuple(Provider.from_dict(p) for p in verify), static_shapes=data["static_shapes"],
+                   description=data.get("description") or (known.description if known else ""),
+                   weights=data.get("weights", "any"), max_tree_nodes=data.get("max_tree_nodes", 12),
+                   threads=data.get("threads"))
 
 
-PROFILES: dict[str, DeviceProfile] = {
-    "cpu": DeviceProfile(
-        name="cpu",
-        draft_providers=("CPUExecutionProvider",),
-        verify_providers=("CPUExecutionProvider",),
-        static_shapes=False,
-        description="any x86-64 or arm64 CPU; dynamic KV length",
-    ),
-}
+@cache
+def profiles() -> dict[str, DeviceProfile]:
+    """Every profile edgespec ships (targets/data/*.json), validated."""
+    found = {}
+    for entry in sorted(resources.files("edgespec.targets").joinpath("data").iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".json"):
+            continue
+        try:
+            profile = DeviceProfile.from_dict(json.loads(entry.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"targets/data/{entry.name}: {err}") from err
+        if profile.name != entry.name.removesuffix(".json"):
+            raise ValueError(f"targets/data/{entry.name} names itself {profile.name!r}")
+        found[profile.name] = profile
+    return found
 
 
 def get_profile(name: str) -> DeviceProfile:
     try:
-        return PROFILES[name]
+        return profiles()[name]
     except KeyError:
-        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None
+        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(sorted(profiles()))}") from None
 
 
-def usable_providers(wanted: tuple[str, ...]) -> list[str]:
-    """The wanted providers this onnxruntime build offers, in order; the CPU is always last resort."""
+def usable_providers(wanted: tuple[Provider, ...] | tuple[str, ...], role: str = "",
+                     strict: bool = False) -> list[tuple[str, dict]]:
+    """The wanted providers this onnxruntime build offers, in order, with their options; the CPU is
+    always last resort. A wanted provider that is missing is a warning naming what runs instead, or
+    with `strict` an error."""
+    wanted = tuple(Provider(p) if isinstance(p, str) else p for p in wanted)
     available = set(ort.get_available_providers())
-    chosen = [p for p in wanted if p in available]
-    if "CPUExecutionProvider" not in chosen:
-        chosen.append("CPUExecutionProvider")
+    chosen = [(p.name, dict(p.options)) for p in wanted if p.name in available]
+    missing = sorted({p.name for p in wanted if p.name not in available})
+    if CPU not in [name for name, _ in chosen]:
+        chosen.append((CPU, {}))
+    if missing and chosen[0][0] != wanted[0].name:
+        message = (f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in this onnxruntime build "
+                   f"({ort.__version__}); {role or 'the model'} runs on {chosen[0][0]} instead")
+        if strict:
+            raise ValueError(message + " (--strict)")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
     return chosen
