@@ -48,7 +48,7 @@ def main() -> None:
     lines = resources.files("edgespec").joinpath("data/prompts.jsonl").read_text().splitlines()
     questions = [json.loads(line)["messages"][-1]["content"] for line in lines]
     started = time.time()
-    end, warm = started + 60 * args.minutes, started + 60 * args.warmup_minutes
+    end = started + 60 * args.minutes
     session, drafter, messages = pipeline.new_session(), pipeline.make_drafter(True), []
     counts = {"generate": 0, "chat": 0, "long": 0, "tokens": 0, "slides": 0}
     samples: list[tuple[float, float]] = []
