@@ -165,13 +165,16 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
 
 
 def _max_tokens(body: dict) -> int | None:
-    given = [n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None]
-    if not given:
-        return None
-    value = _typed(body, given[0], int, None)
-    if value <= 0:
-        raise APIError(f"'{given[0]}' must be at least 1 (got {value})", given[0])
-    return value
+    values = {}
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = _typed(body, name, int, None)
+        if value is not None and value <= 0:
+            raise APIError(f"'{name}' must be at least 1 (got {value})", name)
+        if value is not None:
+            values[name] = value
+    if len(set(values.values())) > 1:
+        raise APIError("'max_tokens' and 'max_completion_tokens' disagree: send one", "max_tokens")
+    return next(iter(values.values()), None)
 
 
 def _stop(stop) -> tuple[str, ...]:

@@ -153,8 +153,12 @@ class Routes:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
-        task = asyncio.ensure_future(self.generations.execute(
-            completion, config, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text), cancel))
+        try:
+            task = asyncio.ensure_future(self.generations.execute(
+                completion, config, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text), cancel))
+        except BaseException:
+            self.generations.release()
+            raise
 
         def done(_) -> None:
             self.generations.release()

@@ -228,6 +228,8 @@ def remove_abandoned_exports(out: Path) -> None:
 
 
 def _running(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there: never guess, keep the folder
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -113,7 +113,13 @@ class ModelEntry:
                         or shape[3] != f.head_dim):
                     raise InputError(f"{graph.file}: {name} {shape} is not [1, lanes x {f.num_kv_heads} kv heads, "
                                      f"rows, {f.head_dim}]")
-        width = self.graph.outputs.get("logits", {}).get("shape", [None])[-1]
+        logits = self.graph.outputs.get("logits")
+        shape = logits.get("shape") if isinstance(logits, dict) else None
+        if not isinstance(shape, list) or not shape:
+            raise ValueError(f"{self.graph.file}: the logits output has no shape")
+        width = shape[-1]
+        if self.head_tokens is not None and not isinstance(self.head_tokens, str):
+            raise ValueError(f"head_tokens must name a file (got {self.head_tokens!r})")
         if self.head_tokens is None and isinstance(width, int) and width != f.vocab_size:
             raise InputError(f"{self.graph.file}: logits are {width} wide but the vocabulary has {f.vocab_size} tokens")
 
@@ -168,16 +174,16 @@ class Manifest:
                 dynamic=DynamicTreeConfig(**data["tree"]["dynamic"]) if data["tree"].get("dynamic") else None,
                 lookup=LookupConfig(**data["tree"]["lookup"]) if data["tree"].get("lookup") else None,
                 ngram=_ngram_config(drafter, data["tree"].get("ngram")),
-                prefill_chunk=int(data["steps"]["prefill_chunk"]),
+                prefill_chunk=_prefill_chunk(data["steps"]["prefill_chunk"]),
                 tokenizer=TokenizerSpec.from_dict(data["tokenizer"]),
                 profile=DeviceProfile.from_dict(data["profile"]),
-                files=dict(data["files"]),
+                files=_files(data["files"]),
                 edgespec_version=str(data.get("edgespec_version", "")),
                 created=str(data.get("created", "")),
                 quality=data.get("quality"),
                 exactness=data.get("exactness") if isinstance(data.get("exactness"), dict) else None,
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, LookupError, ArithmeticError) as err:
             raise BundleError(f"the manifest is malformed ({type(err).__name__}: {err}): re-export the bundle") from err
 
     def to_dict(self) -> dict:
@@ -191,6 +197,19 @@ class Manifest:
                 "tokenizer": self.tokenizer.to_dict(), "target": self.target.to_dict(), "draft": draft,
                 **({"quality": self.quality} if self.quality is not None else {}),
                 **({"exactness": self.exactness} if self.exactness is not None else {}), "files": dict(self.files)}
+
+
+def _files(files) -> dict[str, str]:
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and isinstance(digest, str) and len(digest) == 64 for name, digest in files.items()):
+        raise ValueError("files must map each file name to its sha256 (64 hex digits)")
+    return dict(files)
+
+
+def _prefill_chunk(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 1 << 16:
+        raise ValueError(f"steps.prefill_chunk = {value!r}: expected an integer from 2 up")
+    return value
 
 
 def _drafter_kind(draft: dict | None) -> DrafterKind:

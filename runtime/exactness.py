@@ -9,13 +9,15 @@ prove it where they run; `check_exact_rows` proves it for one bundle's target on
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .device import describe, machine_key
+from .device import describe, features_known, machine_key
 from .kvcache import KVCache
 from .model import ModelRunner, Pass, commit, prefill
 from .tree import Tree
@@ -126,23 +128,32 @@ def verdict_here(recorded: dict | None, target_checksum: str, runner, cache_root
     release and CPU), else one cached by an earlier load here, else the check runs now (seconds) and its
     verdict is cached for the next load."""
     here = machine_key()
-    if recorded and recorded.get("machine") == here and isinstance(recorded.get("exact"), bool):
+    # a device whose CPU features cannot be read cannot tell itself from another of its kind: check it
+    if recorded and features_known() and recorded.get("machine") == here and isinstance(recorded.get("exact"), bool):
         return Verdict(recorded["exact"], f"checked at export, {describe()}")
     place = Path(cache_root) / "exactness" / f"{target_checksum[:32]}-{here}.json"
-    try:
-        cached = json.loads(place.read_text(encoding="utf-8"))
-        return Verdict(bool(cached["exact"]), str(cached["reason"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    cached = _cached_verdict(place)
+    if cached is not None:
+        return cached
     compared, differ = check_exact_rows(runner)
     verdict = Verdict(not differ, f"checked on first load, {describe()}: "
                       + (f"{compared} of {compared} rows keep their bits" if not differ else
                          f"{len(differ)} of {compared} rows differ from plain decoding"))
-    place.parent.mkdir(parents=True, exist_ok=True)
-    partial = place.with_suffix(".partial")
-    partial.write_text(json.dumps(verdict.to_dict()), encoding="utf-8")
-    partial.replace(place)
+    with contextlib.suppress(OSError):  # a cache that cannot be written costs the next load a check, nothing more
+        place.parent.mkdir(parents=True, exist_ok=True)
+        partial = place.with_name(f"{place.name}.{os.getpid()}.partial")  # loads in parallel never share it
+        partial.write_text(json.dumps(verdict.to_dict()), encoding="utf-8")
+        partial.replace(place)
     return verdict
+
+
+def _cached_verdict(place: Path) -> Verdict | None:
+    """An earlier load's verdict; None when there is none or it cannot be read (then the check runs)."""
+    try:
+        cached = json.loads(place.read_text(encoding="utf-8"))
+        return Verdict(bool(cached["exact"]), str(cached["reason"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def check_exact_rows(runner: ModelRunner) -> tuple[int, list[RowMismatch]]:

@@ -25,6 +25,10 @@ class TokenizerSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "TokenizerSpec":
+        if not isinstance(data.get("file"), str) or not isinstance(data.get("chat_template") or "", str) \
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in data.get("eos_token_ids", ())):
+            raise InputError("the tokenizer section needs a file name, an optional chat template file name and "
+                             "integer eos ids")
         return cls(file=data["file"], chat_template=data.get("chat_template"), bos_token=data.get("bos_token"),
                    eos_token_ids=tuple(data.get("eos_token_ids", ())), add_bos_token=bool(data.get("add_bos_token")))
 

@@ -53,3 +53,10 @@ def test_a_device_that_rounds_differently_decodes_plainly_and_says_why(elsewhere
         spec = pipeline.generate("a b c a b c", config=config, speculate=True)
     assert spec.token_ids == pipeline.generate("a b c a b c", config=config, speculate=False).token_ids
     assert spec.stats.target_passes == 0 or spec.stats.accepted_drafts == 0
+
+
+def test_a_cache_that_cannot_be_written_costs_a_check_not_the_generation(elsewhere, monkeypatch):
+    monkeypatch.setenv("EDGESPEC_CACHE", "/proc/edgespec-cannot-write-here")
+    pipeline = Pipeline(elsewhere)
+    assert pipeline.exactness.exact
+    assert pipeline.generate("a b c", config=GenerationConfig(max_new_tokens=4)).token_ids

@@ -3,6 +3,7 @@ the outcome is a result or an EdgespecError (a 4xx answer from the server), neve
 
 CI runs a fixed-seed slice; `python benchmarks/fuzz.py` runs the same properties at benchmark scale
 (EDGESPEC_FUZZ_EXAMPLES cases each)."""
+import contextlib
 import copy
 import json
 import os
@@ -55,7 +56,7 @@ def paths_of(value, prefix=()):
 
 @FUZZ
 @given(data=st.data())
-def test_any_manifest_loads_or_is_a_bundle_error(bundle, data):
+def test_any_manifest_loads_or_is_a_bundle_error(bundle, tmp_path_factory, data):
     original = json.loads((bundle / MANIFEST).read_text())
     paths = [p for p in paths_of(original) if p]
     document = copy.deepcopy(original)
@@ -74,7 +75,15 @@ def test_any_manifest_loads_or_is_a_bundle_error(bundle, data):
     try:
         Manifest.from_dict(document)
     except EdgespecError:
-        pass
+        return
+    # it reads: then the runtime must load it or refuse it too
+    import shutil
+
+    folder = tmp_path_factory.mktemp("mutated") / "b"
+    shutil.copytree(bundle, folder)
+    (folder / MANIFEST).write_text(json.dumps(document))
+    with contextlib.suppress(EdgespecError):
+        Pipeline(folder, threads=1).generate("a b", config=GenerationConfig(max_new_tokens=2))
 
 
 @FUZZ

@@ -19,6 +19,9 @@ def module_name(path: Path) -> str:
     return ".".join([FOLDERS[folder], *rest])
 
 
+MODULES = {module_name(p) for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")}
+
+
 def imports() -> list[tuple[str, str, bool]]:
     """(importer, imported edgespec module, at module top?) for every import statement."""
     found = []
@@ -32,9 +35,11 @@ def imports() -> list[tuple[str, str, bool]]:
                     if node.level:
                         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
                         package = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                        targets = [f"{package}.{node.module}" if node.module else package]
+                        base = f"{package}.{node.module}" if node.module else package
                     else:
-                        targets = [node.module or ""]
+                        base = node.module or ""
+                    # `from package import module` depends on the module itself, not only on the package
+                    targets = [base] + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
                 elif isinstance(node, ast.Import):
                     targets = [alias.name for alias in node.names]
                 else:

@@ -142,6 +142,8 @@ def test_a_follow_up_turn_reuses_the_cached_prefix(server):
     ({"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": MODEL, "messages": MESSAGES, "seed": -1}, "seed"),
     ({"model": MODEL, "messages": MESSAGES, "whatever": 1}, "whatever"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": 5}, "max_tokens"),
+    ({"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "a " * 400}]}, "messages"),
 ])
 def test_bad_requests_get_400_with_an_openai_error_body(server, body, param):
