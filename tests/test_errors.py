@@ -18,6 +18,16 @@ def copy_bundle(bundle_factory, tmp_path):
     return dst
 
 
+def replace_signed(bundle, name: str, content: bytes) -> None:
+    """Replaces one of the bundle's files and records its new checksum: damage the checksums cannot see."""
+    from edgespec.runtime.bundle import sha256_file
+
+    (bundle / name).write_bytes(content)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["files"][name] = sha256_file(bundle / name)
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_missing_bundle(tmp_path):
     with pytest.raises(BundleError, match="no bundle"):
         open_bundle(tmp_path / "nowhere")
@@ -188,12 +198,7 @@ def test_bad_prompts_files(bundle_factory, tmp_path, capsys):
 
 def test_a_chat_template_that_refuses_is_a_clear_error(bundle_factory, tmp_path):
     bundle = copy_bundle(bundle_factory, tmp_path)
-    (bundle / "chat_template.jinja").write_text("{{ raise_exception('System role not supported') }}")
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    from edgespec.runtime.bundle import sha256_file
-
-    manifest["files"]["chat_template.jinja"] = sha256_file(bundle / "chat_template.jinja")
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    replace_signed(bundle, "chat_template.jinja", b"{{ raise_exception('System role not supported') }}")
     with pytest.raises(ValueError, match="chat template refused these messages: System role not supported"):
         Pipeline(bundle).generate(messages=[{"role": "system", "content": "x"}])
 
@@ -317,13 +322,8 @@ def test_a_json_generation_that_fills_the_context_still_prints_what_it_made(bund
 
 
 def test_a_graph_onnxruntime_refuses_is_a_bundle_error(bundle_factory, tmp_path):
-    from edgespec.runtime.bundle import sha256_file
-
     bundle = copy_bundle(bundle_factory, tmp_path)
-    (bundle / "target.onnx").write_bytes(b"not a graph at all")
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["files"]["target.onnx"] = sha256_file(bundle / "target.onnx")  # its checksum matches
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    replace_signed(bundle, "target.onnx", b"not a graph at all")  # its checksum matches
     with pytest.raises(BundleError, match="cannot load target.onnx"):
         Pipeline(bundle)
 
@@ -352,13 +352,8 @@ def test_a_hub_id_without_a_network_is_refused_in_seconds(monkeypatch, tmp_path)
 
 
 def test_a_tokenizer_the_library_cannot_parse_is_a_bundle_error(bundle_factory, tmp_path):
-    from edgespec.runtime.bundle import sha256_file
-
     bundle = copy_bundle(bundle_factory, tmp_path)
-    (bundle / "tokenizer.json").write_text('{"model": "nonsense"}')
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["files"]["tokenizer.json"] = sha256_file(bundle / "tokenizer.json")
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    replace_signed(bundle, "tokenizer.json", b'{"model": "nonsense"}')
     with pytest.raises(BundleError, match="tokenizer"):
         Pipeline(bundle)
 
