@@ -11,6 +11,7 @@ from edgespec.bench import load_prompts, print_report, run_bench
 from edgespec.defaults import resolve_bundle
 from edgespec.doctor import report as doctor_report
 from edgespec.inspection import check_exact, print_bundle
+from edgespec.parser import build_parser
 from edgespec.runtime import prepacked
 from edgespec.runtime.budget import parse_size, plan_memory
 from edgespec.runtime.bundle import open_bundle
@@ -259,216 +260,16 @@ def cmd_demo(args) -> None:
             messages=[{"role": "user", "content": DEMO_QUESTION}])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_export, _add_generate, _add_chat, _add_bench, _add_tune, _add_inspect, _add_distill, _add_plan,
-                _add_serve, _add_doctor, _add_demo):
-        add(sub)
-    return parser
-
-
-def _bundle_arg(p, optional=False):
-    if optional:
-        p.add_argument("bundle", nargs="?", default="default", help="bundle folder, or 'default'")
-    else:
-        p.add_argument("bundle", help="bundle folder, or 'default'")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-
-
-def _budget_arg(p):
-    p.add_argument("--memory-budget", default=None,
-                   help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
-    p.add_argument("--evict-page-cache", action="store_true",
-                   help="drop streamed stages from the OS page cache too when they are released, where the "
-                        "memory limit counts the cache (containers, devices without spare memory); slower "
-                        "where memory is free")
-
-
-def _sampling_args(p):
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="the same seed reproduces the same output")
-
-
-def _generation_args(p, max_new=128):
-    p.add_argument("--max-new-tokens", type=int, default=max_new)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--no-speculate", action="store_true", help="plain decoding of the same bundle")
-    p.add_argument("--kv-policy", default="error", choices=("error", "sliding"),
-                   help="when the context fills the cache: stop with an error (default), or keep 4 attention "
-                        "sinks and the most recent tokens (StreamingLLM)")
-    _sampling_args(p)
-
-
-def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a target (+ draft) model to a device bundle")
-    p.add_argument("model", help="Hugging Face folder, GGUF file, hub id, or 'default'")
-    p.add_argument("--draft", required=True,
-                   help="draft model (same forms as MODEL), or a training-free drafter: ngram, recycling, ngram+recycling")
-    p.add_argument("--out", required=True, help="bundle folder to write")
-    p.add_argument("--tree", default=None,
-                   help="chain:K, topk:BxD, parents:-1,0,..., auto (measured on this device, as `tune` does) "
-                        "or dynamic:N (a draft model grows each step's tree within N nodes). Default: chain:4 "
-                        "for a draft model; chain:11 for an n-gram drafter, cut at depth 5 unless the answer "
-                        "quotes its context (with int4 weights every node costs: chain:5 is faster there)")
-    p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")
-    p.add_argument("--profile", default="cpu", help="device profile (targets/)")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill pass")
-    p.add_argument("--quant", default="fp32", help="weights: fp32, fp16, int8 or int4 (block-wise)")
-    p.add_argument("--draft-quant", default=None, help="the draft's scheme (default: as --quant)")
-    p.add_argument("--block", type=int, default=32, help="int4/int8 block size: 16, 32, 64, 128 or 256")
-    p.add_argument("--asymmetric", action="store_true",
-                   help="int4/int8 with an exact float offset per block (reproduces a Q4_1 GGUF; NPUs need symmetric)")
-    p.add_argument("--integer-zero-points", action="store_true",
-                   help="int4/int8 asymmetric with MatMulNBits' own integer zero points (its fast kernels)")
-    p.add_argument("--integer-matmul", action="store_true",
-                   help="int8 computed in integers row by row (MatMulInteger): a one-token step needs no padding row")
-    p.add_argument("--accuracy-level", type=int, default=4,
-                   help="MatMulNBits activations: 4 = int8 (fast), 1 = fp32")
-    p.add_argument("--quant-policy", default=None,
-                   help='JSON {"tensors": {"embed_tokens": "int8", "layers.0.*": "fp32"}} for the target')
-    p.add_argument("--stages", type=int, default=0,
-                   help="also write the target as stages with this many groups of layers, so that a memory budget "
-                        "smaller than its weights streams them (0: single graph only)")
-    p.add_argument("--lookup", type=int, default=0,
-                   help="with a draft model: also draft up to this many tokens by prompt lookup (continuing the "
-                        "context where its suffix occurred before), grafted onto the model's tree (0: off)")
-    p.add_argument("--lanes", type=int, default=None,
-                   help="root-to-leaf paths the target graph verifies in one pass (default: the tree's paths, with "
-                        "the lookup chain's; every lane's attention runs on every pass, trees with more are cut)")
-    p.add_argument("--lookup-quote", type=int, default=0,
-                   help="with a draft model: draft up to this many lookup tokens (more than --lookup, which may be 0) "
-                        "where the context's last 4 tokens occurred before, as when the answer quotes its input "
-                        "(0: as --lookup)")
-    p.add_argument("--force", action="store_true", help="replace an existing bundle")
-    p.set_defaults(run=cmd_export)
-
-
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate text, streamed")
-    _bundle_arg(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    _generation_args(p)
-    _budget_arg(p)
-    p.set_defaults(run=cmd_generate)
-
-
-def _add_chat(sub) -> None:
-    p = sub.add_parser("chat", help="interactive chat")
-    _bundle_arg(p, optional=True)
-    _generation_args(p, max_new=256)
-    _budget_arg(p)
-    p.set_defaults(run=cmd_chat)
-
-
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="plain vs speculative decoding in one run")
-    _bundle_arg(p)
-    p.add_argument("--prompts", help="JSONL file: one object per line with 'messages' or 'prompt'")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the prompts this many times; each round's speedup is printed beside the total's")
-    p.add_argument("--json", action="store_true")
-    _sampling_args(p)
-    _budget_arg(p)
-    p.set_defaults(run=cmd_bench)
-
-
-def _add_tune(sub) -> None:
-    p = sub.add_parser("tune", help="choose the tree for this device from measured acceptance and cost")
-    _bundle_arg(p)
-    p.add_argument("--prompts", help="calibration prompts (JSONL, as for bench)")
-    p.add_argument("--max-nodes", type=int, default=12, help="largest tree considered")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dry-run", action="store_true", help="report, but leave the bundle unchanged")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(run=cmd_tune)
-
-
-def _add_inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="print a bundle's manifest and verify its checksums")
-    p.add_argument("bundle", help="bundle folder, or 'default'")
-    p.add_argument("--check-exact", action="store_true",
-                   help="also check, on this device, that the target gives every token plain decoding's bits in "
-                        "any pass (what makes speculation lossless)")
-    p.set_defaults(run=cmd_inspect)
-
-
-def _add_distill(sub) -> None:
-    p = sub.add_parser("distill", help="train a draft model aligned to a target, on this machine's CPU")
-    p.add_argument("target", help="Hugging Face folder, GGUF file, hub id, or 'default'")
-    p.add_argument("--out", required=True, help="folder for the run and the finished draft (a Hugging Face folder)")
-    p.add_argument("--minutes", type=float, default=60.0, help="time budget for data and training together")
-    p.add_argument("--corpus", action="append",
-                   help="local text or code (file or folder, repeatable) for prompts and teacher forcing; "
-                        "default: this Python's standard library")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--design", default="cut", choices=("cut", "small", "eagle"),
-                   help="cut: the target's first layers plus a trained adapter layer; small: a new narrow decoder; "
-                        "eagle: one layer that also reads the target's final hidden state (the target's graph "
-                        "then returns it)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    p.add_argument("--data", default=None, metavar="DIR",
-                   help="train on the target data (the `data` folder) of an earlier run instead of making new data; "
-                        "--minutes then covers features and training")
-    p.add_argument("--init", default=None, metavar="DRAFT_DIR",
-                   help="start training from a draft that edgespec distill wrote (same design): its weights and "
-                        "its head tokens")
-    p.add_argument("--drafting-steps", type=int, default=1,
-                   help="eagle design: train each row as the runtime drafts it at steps 1..N, reading the draft's "
-                        "own earlier features (deeper chains and trees accept more; each step costs a pass)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the design's)")
-    p.set_defaults(run=cmd_distill)
-
-
-def _add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="how a memory budget is split for a bundle, and the context that fits")
-    p.add_argument("bundle", help="bundle folder, or 'default'")
-    _budget_arg(p)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(run=cmd_plan)
-
-
-def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="a local OpenAI-compatible server (needs the serve extra)")
-    _bundle_arg(p, optional=True)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API requests")
-    p.add_argument("--queue", type=int, default=8, help="requests that may wait while one generates; more get 429")
-    p.add_argument("--model-name", default=None,
-                   help="the model id clients send (default: the bundle folder's name, 'default' for the default)")
-    p.add_argument("--memory-budget", default=None,
-                   help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
-    p.set_defaults(run=cmd_serve)
-
-
-def _add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="the providers, cores and memory here, and where each profile would run")
-    p.add_argument("bundle", nargs="?", default=None, help="also say where this bundle would run")
-    p.add_argument("--strict", action="store_true", help="exit 2 if a provider the profile names is missing")
-    p.set_defaults(run=cmd_doctor)
-
-
-def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="a short chat reply from the default bundle")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.set_defaults(run=cmd_demo)
+# what each command of the grammar (parser.py) does
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune,
+            "inspect": cmd_inspect, "distill": cmd_distill, "plan": cmd_plan, "serve": cmd_serve, "doctor": cmd_doctor,
+            "demo": cmd_demo}
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        COMMANDS[args.command](args)
     except (EdgespecError, ValueError, OSError) as err:
         if args.debug:
             traceback.print_exc()
