@@ -90,6 +90,14 @@ def _add_export(sub) -> None:
                    help="with a draft model: draft up to this many lookup tokens (more than --lookup, which may be 0) "
                         "where the context's last 4 tokens occurred before, as when the answer quotes its input "
                         "(0: as --lookup)")
+    p.add_argument("--format", default="onnx",
+                   help="onnx, or onnx,coreml: also CoreML packages for Apple devices (static shapes, fp16, KV "
+                        "caches as states; needs the [coreml] extra)")
+    p.add_argument("--coreml-kv", default="state,io",
+                   help="CoreML KV caches: state (iOS 18 / macOS 15), io (passed in and out, older systems), or both")
+    p.add_argument("--coreml-compress", default="int8",
+                   help="CoreML weights: fp16, int8 (per channel), int4 (per block of 32; iOS 18) or palette4 "
+                        "(a 16-entry lookup table per tensor)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
 
 

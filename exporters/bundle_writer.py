@@ -21,12 +21,14 @@ from edgespec.quant.calibrate import Calibration, activation_maxima
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.bundle import (
     MANIFEST,
+    bundle_files,
     GraphSpec,
     Manifest,
     ModelEntry,
     sha256_file,
     write_manifest,
 )
+from edgespec.runtime.coreml import CoreMLPackage
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
@@ -157,6 +159,7 @@ class BundleContents:
     draft: ModelEntry | None = None
     quality: dict | None = None
     exactness: dict | None = None  # the exactness check on the exporting device
+    coreml: tuple[CoreMLPackage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,9 +190,9 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
                 target=contents.target, draft=contents.draft, drafter=contents.drafter, tree=tree.topology,
                 dynamic=tree.dynamic, lookup=tree.lookup, ngram=tree.ngram, prefill_chunk=prefill_chunk,
                 tokenizer=contents.tokenizer, profile=profile,
-                files={p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != EXPORT_OWNER},
+                files={name: sha256_file(tmp / name) for name in bundle_files(tmp) if name != EXPORT_OWNER},
                 edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                quality=contents.quality, exactness=contents.exactness)
+                quality=contents.quality, exactness=contents.exactness, coreml=contents.coreml)
             write_manifest(tmp, manifest)
             if finish is not None:
                 finish(tmp)
@@ -279,7 +282,7 @@ def check_output(out: Path, force: bool) -> None:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ExportError(f"{out} is not a bundle this edgespec can verify ({err}); --force replaces bundles "
                           "only: remove it yourself if it is one") from err
-    unlisted = sorted(p.name for p in out.iterdir() if p.name != MANIFEST and p.name not in listed)
+    unlisted = [name for name in bundle_files(out) if name != MANIFEST and name not in listed]
     if unlisted:
         raise ExportError(f"{out} holds files its manifest does not list ({', '.join(unlisted[:5])}); --force "
                           "replaces a bundle only as it was written: move them first")

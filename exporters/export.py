@@ -13,6 +13,7 @@ import onnxruntime
 from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.budget import MAX_LANES, lanes_for
+from edgespec.runtime.coreml import compute_units_for
 from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
@@ -27,6 +28,7 @@ from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile, profiles
 
 from .architectures import builder_for
+from .coreml import CoreMLOptions
 from .bundle_writer import (
     BundleContents,
     TreeSettings,
@@ -64,6 +66,9 @@ class ExportConfig:
     lookup_quote: int = 0  # > lookup: the chain may run this long where the context's last 4 tokens occurred before
     lanes: int | None = None  # root-to-leaf paths the target graph verifies at once; None: the tree's (`graph_lanes`)
     cache_dir: Path = Path.home() / ".cache" / "edgespec"
+    formats: tuple[str, ...] = ("onnx",)  # + "coreml": CoreML packages beside the ONNX graphs
+    coreml_kv: tuple[str, ...] = ("state", "io")
+    coreml_compress: str = "int8"
 
 
 def default_tree(draft: str) -> str:
@@ -137,6 +142,10 @@ class ExportPlan:
     target_scheme: QuantScheme
     draft_scheme: QuantScheme
     target_policy: QuantPolicy
+    coreml: CoreMLOptions | None  # None: no CoreML packages
+
+
+FORMATS = ("onnx", "coreml")
 
 
 def plan_export(config: ExportConfig) -> ExportPlan:
@@ -181,7 +190,25 @@ def plan_export(config: ExportConfig) -> ExportPlan:
         target_policy = QuantPolicy.load(config.quant_policy, target_scheme)
     except ValueError as err:
         raise ExportError(str(err)) from err
-    return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy)
+    return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy,
+                      _coreml_options(config, topology, lookup_tokens))
+
+
+def _coreml_options(config: ExportConfig, topology: Topology, lookup_tokens: int) -> CoreMLOptions | None:
+    unknown = [name for name in config.formats if name not in FORMATS]
+    if unknown or len(set(config.formats)) != len(config.formats):
+        raise ExportError(f"--format takes onnx or onnx,coreml (got {','.join(config.formats)!r})")
+    if "onnx" not in config.formats:
+        raise ExportError("a bundle always holds the ONNX graphs (they run everywhere, and on a Mac before macOS 14): "
+                          "use --format onnx,coreml")
+    if "coreml" not in config.formats:
+        return None
+    if topology.max_width > 1:
+        raise ExportError(f"CoreML packages verify chains (their decode loop accepts a prefix); the tree "
+                          f"{topology.spec()} branches: export with --tree chain:K")
+    if lookup_tokens:
+        raise ExportError("CoreML packages have no prompt-lookup chain: drop --lookup/--lookup-quote with --format coreml")
+    return CoreMLOptions(config.coreml_kv, config.coreml_compress)
 
 
 def export(config: ExportConfig, finish=None) -> Path:
@@ -193,7 +220,7 @@ def export(config: ExportConfig, finish=None) -> Path:
         profile = get_profile(config.profile)
     except ValueError as err:
         raise ExportError(str(err)) from err
-    if profile.static_shapes:
+    if profile.static_shapes and plan.coreml is None:
         raise ExportError(f"the {profile.name} profile needs static-shape graphs (fixed node counts and KV "
                           "capacity), which this edgespec does not write yet; export for a dynamic profile "
                           f"({', '.join(n for n, p in sorted(profiles().items()) if not p.static_shapes)})")
@@ -245,6 +272,9 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
         say("measuring quality against the fp32 export (perplexity, greedy agreement)")
         quality = {"file": "quality.json", **write_quality_report(folder, tokenizer_spec, target_builder, draft_builder)}
+    coreml = ()
+    if plan.coreml is not None:
+        coreml = _write_coreml(folder, config, plan, target_builder, draft_builder, say)
     say("checking that this device keeps plain decoding's bits (as inspect --check-exact does)")
     exactness = check_exactness(folder / target_entry.graph.file, target_builder.facts)
     if not exactness["exact"]:
@@ -252,7 +282,20 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
             "the bundle will decode plainly here")
     say("writing manifest and checksums")
     kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
-    return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness)
+    return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml)
+
+
+def _write_coreml(folder: Path, config: ExportConfig, plan: ExportPlan, target_builder, draft_builder, say) -> tuple:
+    """CoreML packages of the target (and draft), with the compute units the profile asks for per role."""
+    from .coreml import write_coreml
+
+    profile = get_profile(config.profile)
+    packages = write_coreml(folder, "target", target_builder, plan.tree.topology, config.prefill_chunk, plan.coreml,
+                            compute_units_for(profile.verify), say)
+    if draft_builder is not None:
+        packages += write_coreml(folder, "draft", draft_builder, plan.tree.topology, config.prefill_chunk,
+                                 plan.coreml, compute_units_for(profile.draft), say)
+    return tuple(packages)
 
 
 def check_exactness(graph: Path, facts) -> dict:

@@ -14,6 +14,7 @@ import numpy as np
 
 from edgespec.targets.profiles import DeviceProfile
 
+from .coreml import CoreMLPackage, package_files
 from .drafters import LEGACY_NGRAM, DrafterKind, NgramConfig
 from .dynamic_tree import DynamicTreeConfig
 from .errors import BundleError, InputError
@@ -147,6 +148,7 @@ class Manifest:
     quality: dict | None = None  # quality.json's figures, as measured at export
     # the exactness check at export: {"machine": runtime/device.machine_key(), "exact": bool, "onnxruntime": version}
     exactness: dict | None = None
+    coreml: tuple[CoreMLPackage, ...] = ()  # CoreML packages beside the ONNX graphs (runtime/coreml.py)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
@@ -182,6 +184,7 @@ class Manifest:
                 created=str(data.get("created", "")),
                 quality=data.get("quality"),
                 exactness=data.get("exactness") if isinstance(data.get("exactness"), dict) else None,
+                coreml=tuple(CoreMLPackage.from_dict(p) for p in data.get("coreml", {}).get("packages", ())),
             )
         except (KeyError, TypeError, ValueError, AttributeError, LookupError, ArithmeticError) as err:
             raise BundleError(f"the manifest is malformed ({type(err).__name__}: {err}): re-export the bundle") from err
@@ -196,7 +199,9 @@ class Manifest:
                 "profile": self.profile.to_dict(), "tree": tree, "steps": {"prefill_chunk": self.prefill_chunk},
                 "tokenizer": self.tokenizer.to_dict(), "target": self.target.to_dict(), "draft": draft,
                 **({"quality": self.quality} if self.quality is not None else {}),
-                **({"exactness": self.exactness} if self.exactness is not None else {}), "files": dict(self.files)}
+                **({"exactness": self.exactness} if self.exactness is not None else {}),
+                **({"coreml": {"packages": [p.to_dict() for p in self.coreml]}} if self.coreml else {}),
+                "files": dict(self.files)}
 
 
 def _files(files) -> dict[str, str]:
@@ -275,9 +280,19 @@ def read_head_tokens(folder: Path, entry: ModelEntry) -> np.ndarray | None:
     return ids
 
 
+def bundle_files(folder: Path) -> list[str]:
+    """Every file under `folder` (CoreML packages are folders), as the manifest names them: relative, with /."""
+    root = Path(folder)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
 def verify_files(folder: Path, manifest: Manifest) -> None:
     """Checks that every file the runtime uses has a recorded sha256, is present, and matches it."""
     unchecked = [name for name in used_files(manifest) if name not in manifest.files]
+    for package in manifest.coreml:  # a package is a folder: each of its files must be listed
+        unchecked += [name for name in package_files(folder, package) if name not in manifest.files]
+        if not any(name.startswith(package.file + "/") for name in manifest.files):
+            unchecked.append(package.file)
     if unchecked:
         raise BundleError(f"the manifest gives no checksum for {', '.join(unchecked)}: refusing to load it")
     for name, expected in manifest.files.items():

@@ -1,0 +1,218 @@
+"""A bundle's CoreML packages on Apple devices: the manifest's entries for them, and the decode loop that
+runs them through coremltools' prediction API (macOS only) — or, for checks anywhere, through any callable
+with the same contract (exporters/mil_reference.py runs the saved programs in numpy).
+
+The packages' contract is exporters/coreml.py's: static N tokens per call, written at `write_pos`."""
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .accept import accept_greedy
+from .errors import BundleError, InputError
+from .features import draft_inputs
+from .tree import Topology
+
+COMPUTE_UNITS = ("CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE", "ALL")
+KV_FORMS = ("state", "io")
+# onnxruntime's CoreML provider names the same choices; a profile's provider options give the hint
+_PROVIDER_UNITS = {"CPUOnly": "CPU_ONLY", "CPUAndGPU": "CPU_AND_GPU", "CPUAndNeuralEngine": "CPU_AND_NE", "ALL": "ALL"}
+
+
+def compute_units_for(providers) -> str:
+    """The compute units a role's first provider asks for: the CoreML provider's MLComputeUnits, else the CPU."""
+    first = providers[0] if providers else None
+    if first is not None and first.name == "CoreMLExecutionProvider":
+        return _PROVIDER_UNITS.get(dict(first.options).get("MLComputeUnits", "ALL"), "ALL")
+    return "CPU_ONLY"
+
+
+@dataclass(frozen=True)
+class CoreMLPackage:
+    """One .mlpackage of a bundle: which model it holds, its functions and their static token counts."""
+    role: str  # target or draft
+    file: str  # a folder, relative to the bundle (its files are in the manifest's checksums)
+    kv: str  # "state" (iOS 18 / macOS 15) or "io" (the cache passed in, new rows passed out)
+    functions: dict[str, int]  # function name -> tokens per call
+    compression: str
+    compute_units: str
+    capacity: int  # KV rows
+    parents: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a verify function's static tree
+
+    def __post_init__(self):
+        if self.role not in ("target", "draft") or self.kv not in KV_FORMS or self.compute_units not in COMPUTE_UNITS:
+            raise ValueError(f"CoreML package {self.file!r}: role {self.role!r}, kv {self.kv!r}, "
+                             f"compute units {self.compute_units!r} are not all known")
+        if not self.functions or not all(isinstance(n, int) and n >= 1 for n in self.functions.values()):
+            raise ValueError(f"CoreML package {self.file!r}: functions must map names to token counts")
+        for name, parents in self.parents.items():
+            Topology(tuple(parents))  # validates
+            if self.functions.get(name) != len(parents):
+                raise ValueError(f"CoreML package {self.file!r}: {name}'s tree has {len(parents)} nodes, "
+                                 f"the function takes {self.functions.get(name)}")
+
+    def to_dict(self) -> dict:
+        return {"role": self.role, "file": self.file, "kv": self.kv, "functions": dict(self.functions),
+                "compression": self.compression, "compute_units": self.compute_units, "capacity": self.capacity,
+                **({"parents": {k: list(v) for k, v in self.parents.items()}} if self.parents else {})}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CoreMLPackage":
+        return cls(role=data["role"], file=str(data["file"]), kv=data["kv"], functions=dict(data["functions"]),
+                   compression=str(data["compression"]), compute_units=data["compute_units"],
+                   capacity=int(data["capacity"]),
+                   parents={k: tuple(int(p) for p in v) for k, v in data.get("parents", {}).items()})
+
+
+def package_files(folder: Path, package: CoreMLPackage) -> list[str]:
+    """The files inside a package folder, as the manifest names them."""
+    root = Path(folder)
+    return sorted(p.relative_to(root).as_posix() for p in (root / package.file).rglob("*") if p.is_file())
+
+
+def coreml_refusal() -> str | None:
+    """Why CoreML packages cannot run here, or None on macOS with coremltools' runtime."""
+    if platform.system() != "Darwin":
+        return (f"CoreML packages run only on macOS (this is {platform.system() or 'an unknown system'}); here the "
+                "bundle's ONNX graphs run on onnxruntime instead: leave out --backend coreml")
+    try:
+        from coremltools import libcoremlpython  # noqa: F401
+    except ImportError:
+        return "CoreML needs coremltools with its macOS runtime: pip install 'edgespec[coreml]'"
+    return None
+
+
+# predict(function name, feed, cache) -> outputs; the cache is whatever make_cache returned
+Predict = Callable[[str, dict, object], dict]
+
+
+def coreml_predictor(folder: Path, package: CoreMLPackage) -> tuple[Predict, Callable[[], object]]:
+    """coremltools' prediction API over one package: (predict, make_cache). macOS only."""
+    reason = coreml_refusal()
+    if reason is not None:
+        raise InputError(reason)
+    import coremltools as ct
+
+    units = getattr(ct.ComputeUnit, package.compute_units)
+    path = str(Path(folder) / package.file)
+    models = {name: ct.models.MLModel(path, compute_units=units,
+                                      **({"function_name": name} if package.kv == "state" else {}))
+              for name in package.functions}
+    first = next(iter(models.values()))
+    if package.kv == "state":
+        return (lambda name, feed, state: models[name].predict(feed, state=state)), first.make_state
+    raise BundleError(f"{package.file}: one io package holds one function; open each with coreml_predictor")
+
+
+@dataclass
+class IOCache:
+    """The KV cache of an "io" package, kept here: the function returns each call's new rows."""
+    keys: np.ndarray  # [layers, kv_heads, capacity, head_dim] fp16
+    values: np.ndarray
+
+
+class CoreMLModel:
+    """One model's functions: run N static tokens at `write_pos`, keep the rows the caller accepts."""
+
+    def __init__(self, predict: Predict, package: CoreMLPackage, hidden_size: int, reads_features: bool = False):
+        self.predict = predict
+        self.functions = package.functions
+        self.kv = package.kv
+        self.capacity = package.capacity
+        self.hidden_size = hidden_size
+        self.reads_features = reads_features
+
+    def run(self, name: str, cache, tokens, positions, write_pos: int, features=None) -> dict:
+        """Tokens beyond the function's N are an error; fewer are padded (their rows land after the real
+        ones and are overwritten later)."""
+        nodes = self.functions[name]
+        if len(tokens) > nodes:
+            raise InputError(f"{name} takes {nodes} tokens per call, got {len(tokens)}")
+        if write_pos + nodes > self.capacity:
+            raise InputError(f"the context is full: {write_pos} rows and {nodes} more exceed the cache's {self.capacity}")
+        feed = {"input_ids": _padded(tokens, nodes, np.int32)[None],
+                "position_ids": _padded(positions, nodes, np.int32),
+                "write_pos": np.array([write_pos], np.int32)}
+        if self.reads_features:
+            rows = np.zeros((nodes, self.hidden_size), np.float16)
+            if features is not None:
+                rows[: len(features)] = features
+            feed["features"] = rows[None]
+        if self.kv == "io":
+            feed["key_cache"], feed["value_cache"] = cache.keys, cache.values
+        outputs = self.predict(name, feed, cache)
+        if self.kv == "io":
+            cache.keys[:, :, write_pos: write_pos + nodes] = outputs["new_keys"]
+            cache.values[:, :, write_pos: write_pos + nodes] = outputs["new_values"]
+        return outputs
+
+
+def _padded(values, size: int, dtype) -> np.ndarray:
+    out = np.zeros(size, dtype)
+    out[: len(values)] = values
+    return out
+
+
+def greedy_generate(target: CoreMLModel, target_cache, draft: CoreMLModel | None, draft_cache, prompt: list[int],
+                    max_new_tokens: int, tree: Topology, prefill_chunk: int, eos_ids=()) -> tuple[list[int], int]:
+    """Greedy speculative decoding on CoreML packages whose static tree is a chain; without a draft, plain
+    decoding through the same verify function (one real token per call), which speculative output is
+    compared with. Returns (tokens, target calls). A feature-reading draft gets the target's feature at
+    i - 1 with token i, and its own prediction of it while drafting deeper (runtime/features.py)."""
+    if tree.max_width > 1:
+        raise InputError("the CoreML loop verifies chains; this bundle's tree branches")
+    if not prompt:
+        raise InputError("the prompt is empty")
+    features = _prefill(target, target_cache, prompt[:-1], prefill_chunk)  # target features per committed row
+    if draft is not None:
+        _prefill(draft, draft_cache, prompt[:-1], prefill_chunk, features)
+    out, calls, length, last = [], 0, len(prompt) - 1, prompt[-1]  # length: rows in both caches
+    while True:
+        chain = [last] + (_draft_chain(draft, draft_cache, last, length, tree.size - 1, features) if draft else [])
+        verified = target.run("verify", target_cache, chain, range(length, length + len(chain)), length)
+        calls += 1
+        choices = np.argmax(verified["logits"][0, : len(chain)], axis=-1)
+        path, bonus = accept_greedy(np.array(chain), Topology(tuple(range(-1, len(chain) - 1))).children, choices)
+        if "features_out" in verified:
+            features = np.concatenate([features, verified["features_out"][0, : len(path)].astype(np.float32)])
+        if draft is not None and len(path) == len(chain) > 1:  # the draft never ran the chain's last token
+            _draft_step(draft, draft_cache, chain[-1], length + len(chain) - 1, features)
+        length += len(path)
+        for token in [chain[node] for node in path[1:]] + [bonus]:
+            out.append(int(token))
+            if token in eos_ids or len(out) >= max_new_tokens:
+                return out, calls
+        last = bonus
+
+
+def _draft_step(draft: CoreMLModel, cache, token: int, position: int, features, own_feature=None) -> dict:
+    feature = None
+    if draft.reads_features:
+        feature = own_feature if own_feature is not None or not position else features[position - 1: position]
+    return draft.run("step", cache, [token], [position], position, feature)
+
+
+def _draft_chain(draft: CoreMLModel, cache, last: int, length: int, count: int, features) -> list[int]:
+    drafted, token, own = [], last, None
+    for depth in range(count):
+        step = _draft_step(draft, cache, token, length + depth, features, own)
+        token = int(np.argmax(step["logits"][0, 0]))
+        own = step["features_out"][0, :1].astype(np.float32) if "features_out" in step else None
+        drafted.append(token)
+    return drafted
+
+
+def _prefill(model: CoreMLModel, cache, tokens: list[int], chunk: int, target_features=None) -> np.ndarray | None:
+    """Runs `tokens` chunk by chunk from row 0; returns the features of every row, for a target that gives them."""
+    out = []
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start: start + chunk]
+        fed = draft_inputs(target_features, start, start + len(part)) if model.reads_features else None
+        result = model.run("prefill", cache, part, range(start, start + len(part)), start, fed)
+        if "features_out" in result:
+            out.append(result["features_out"][0, : len(part)].astype(np.float32))
+    return np.concatenate(out) if out else np.zeros((0, model.hidden_size), np.float32)
