@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -15,11 +16,13 @@ from edgespec.parser import build_parser
 from edgespec.runtime import prepacked
 from edgespec.runtime.budget import parse_size, plan_memory
 from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.coreml import coreml_refusal, open_coreml
 from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import ContextOverflowError, EdgespecError
+from edgespec.runtime.errors import ContextOverflowError, EdgespecError, InputError
 from edgespec.runtime.paths import cache_dir
 from edgespec.runtime.pipeline import Pipeline, default_prepared_dir, packed_copies
 from edgespec.runtime.sampling import SamplingConfig
+from edgespec.runtime.tokenizer import TextCodec
 from edgespec.tune import export_tuned, tune
 
 DEMO_QUESTION = "What are three good habits for writing clear code? Answer briefly."
@@ -101,6 +104,9 @@ def _result_json(result) -> dict:
 
 def cmd_generate(args) -> None:
     config = _generation_config(args)  # before minutes of loading
+    if args.backend == "coreml":
+        _generate_coreml(args, config)
+        return
     pipeline = _pipeline(args)
     ask = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.json:
@@ -115,6 +121,27 @@ def cmd_generate(args) -> None:
         print(json.dumps(_result_json(result)))
     else:
         _stream(pipeline, config, not args.no_speculate, **ask)
+
+
+def _generate_coreml(args, config) -> None:
+    """The bundle's CoreML packages through coremltools (macOS); refused elsewhere before anything loads."""
+    reason = coreml_refusal()
+    if reason is not None:
+        raise InputError(reason)
+    if config.sampling.temperature > 0 or config.stop_strings or args.json:
+        raise InputError("--backend coreml decodes greedily and prints the text: leave out --temperature, --stop "
+                         "and --json")
+    folder = resolve_bundle(args.bundle)
+    manifest = open_bundle(folder)
+    codec = TextCodec(folder, manifest.tokenizer)
+    ids = codec.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else codec.encode(args.prompt)
+    started = time.perf_counter()
+    tokens, calls = open_coreml(folder, manifest).generate(ids, config.max_new_tokens, manifest.tokenizer.eos_token_ids,
+                                                           speculate=not args.no_speculate)
+    seconds = time.perf_counter() - started
+    print(codec.decode(tokens))
+    print(f"{len(tokens)} tokens in {seconds:.2f} s ({len(tokens) / seconds:.1f} tokens/s), "
+          f"{len(tokens) / max(calls, 1):.2f} tokens per target call (CoreML)", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:

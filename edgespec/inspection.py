@@ -60,10 +60,22 @@ def print_bundle(folder: Path) -> None:
     tok = manifest.tokenizer
     print(f"  tokenizer: {tok.file}, chat template: {tok.chat_template or 'none'}, eos ids {list(tok.eos_token_ids)}, "
           f"add BOS: {tok.add_bos_token}")
+    in_packages = {package.file: [n for n in manifest.files if n.startswith(package.file + "/")]
+                   for package in manifest.coreml}
+    if manifest.coreml:
+        print("  CoreML packages (run on macOS through coremltools; verified here by checksum):")
+    for package in manifest.coreml:
+        names = in_packages[package.file]
+        size = sum((folder / name).stat().st_size for name in names)
+        functions = ", ".join(f"{name} {nodes} tokens" for name, nodes in package.functions.items())
+        print(f"    {package.file}: {package.role}, KV as {package.kv}, {functions}; {package.compression} weights, "
+              f"compute units {package.compute_units}, {package.capacity} KV rows; {size / 1e6:.2f} MB in {len(names)} files")
+    packed = {name for names in in_packages.values() for name in names}
     total = sum((folder / name).stat().st_size for name in manifest.files)
     print(f"  files ({total / 1e6:.1f} MB), sha256 verified:")
     for name, digest in manifest.files.items():
-        print(f"    {name:24s} {(folder / name).stat().st_size / 1e6:10.2f} MB  {digest[:16]}")
+        if name not in packed:
+            print(f"    {name:24s} {(folder / name).stat().st_size / 1e6:10.2f} MB  {digest[:16]}")
 
 
 def check_exact(folder: Path) -> None:

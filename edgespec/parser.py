@@ -107,6 +107,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--backend", default="onnx", choices=("onnx", "coreml"),
+                   help="coreml: the bundle's CoreML packages on macOS (greedy; exported with --format onnx,coreml)")
     _generation_args(p)
     _budget_arg(p)
 

@@ -21,10 +21,10 @@ from edgespec.quant.calibrate import Calibration, activation_maxima
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.bundle import (
     MANIFEST,
-    bundle_files,
     GraphSpec,
     Manifest,
     ModelEntry,
+    bundle_files,
     sha256_file,
     write_manifest,
 )

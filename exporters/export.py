@@ -28,7 +28,6 @@ from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import get_profile, profiles
 
 from .architectures import builder_for
-from .coreml import CoreMLOptions
 from .bundle_writer import (
     BundleContents,
     TreeSettings,
@@ -39,6 +38,7 @@ from .bundle_writer import (
     write_model,
     write_tokenizer,
 )
+from .coreml import CoreMLOptions
 from .quality import write_quality_report
 from .sources import resolve_source
 

@@ -14,15 +14,18 @@ import numpy as np
 
 from edgespec.runtime.errors import ExportError
 
+from .coreml import quiet_coremltools
+
 
 def load_program(package: Path):
     """The MIL program a saved package holds, and its spec (inputs, outputs, states per function)."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load
+    with quiet_coremltools():
+        import coremltools as ct
+        from coremltools.converters.mil.frontend.milproto.load import load
 
-    mlmodel = ct.models.MLModel(str(package), skip_model_load=True)
-    spec = mlmodel.get_spec()
-    program = load(spec, specification_version=spec.specificationVersion, file_weights_dir=mlmodel.weights_dir)
+        mlmodel = ct.models.MLModel(str(package), skip_model_load=True)
+        spec = mlmodel.get_spec()
+        program = load(spec, specification_version=spec.specificationVersion, file_weights_dir=mlmodel.weights_dir)
     return program, spec
 
 
@@ -85,11 +88,12 @@ OPS = {
 class ProgramRunner:
     """Calls one function of a loaded program: inputs and states in, outputs (and states) out."""
 
-    def __init__(self, program, function: str):
+    def __init__(self, program, function: str, activations=np.float16):
         from coremltools.converters.mil.mil import types
 
         self.function = program.functions[function]
         self.types = types
+        self.activations = activations
         self.weights: dict[str, np.ndarray] = {}  # const and constexpr values, expanded once
 
     def _value(self, var, env):
@@ -100,7 +104,8 @@ class ProgramRunner:
         raise ExportError(f"the program reads {var.name}, which nothing computed")
 
     def _dtype(self, var):
-        return self.types.nptype_from_builtin(var.dtype)
+        dtype = self.types.nptype_from_builtin(var.dtype)
+        return self.activations if dtype == np.float16 else dtype
 
     def __call__(self, feed: dict, states: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`states` (a stateful function's) are updated in place: after the call they hold what the
@@ -142,24 +147,22 @@ class ProgramRunner:
         return value.astype(np.float32) if value.dtype == np.float16 else value
 
 
-def reference_predictor(folder: Path, packages) -> tuple:
-    """A predict callable (runtime/coreml.Predict) over the saved packages of one role and KV form, and
-    a make_cache: the runtime's decode loop runs on it here as it would on coremltools' API on a Mac."""
-    from edgespec.runtime.coreml import IOCache
+def reference_predictor(folder: Path, packages, facts, activations=np.float16) -> tuple:
+    """runtime/coreml.coreml_predictor's counterpart: (predict, make_cache) over one role's saved packages of
+    one KV form, run by this reference, so the runtime's CoreML decode loop runs here as on a Mac.
+    `activations` float32 keeps every intermediate in fp32 (the program's semantics apart from fp16 storage)."""
+    from edgespec.runtime.coreml import io_cache
 
-    runners, shapes, kv = {}, None, packages[0].kv
+    runners = {}
     for package in packages:
-        program, spec = load_program(Path(folder) / package.file)
+        program, _ = load_program(Path(folder) / package.file)
         for name in package.functions:
-            function = name if name in program.functions else "main"
-            runners[name] = ProgramRunner(program, function)
-            shapes = {v.name: tuple(v.shape) for v in program.functions[function].inputs.values()
-                      if v.name in ("key_cache", "value_cache")}
+            runners[name] = ProgramRunner(program, name if name in program.functions else "main", activations)
+    capacity, kv = packages[0].capacity, packages[0].kv
 
     def make_cache():
-        if kv == "io":
-            return IOCache(np.zeros(shapes["key_cache"], np.float16), np.zeros(shapes["value_cache"], np.float16))
-        return {name: np.zeros(shape, np.float16) for name, shape in shapes.items()}
+        cache = io_cache(facts, capacity)
+        return cache if kv == "io" else {"key_cache": cache.keys, "value_cache": cache.values}
 
     def predict(name, feed, cache):
         return runners[name](feed, cache if kv == "state" else {})

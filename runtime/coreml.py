@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from .accept import accept_greedy
-from .errors import BundleError, InputError
+from .errors import InputError
 from .features import draft_inputs
 from .tree import Topology
 
@@ -86,26 +86,8 @@ def coreml_refusal() -> str | None:
     return None
 
 
-# predict(function name, feed, cache) -> outputs; the cache is whatever make_cache returned
+# predict(function name, feed, cache) -> outputs; the cache is what make_cache returned
 Predict = Callable[[str, dict, object], dict]
-
-
-def coreml_predictor(folder: Path, package: CoreMLPackage) -> tuple[Predict, Callable[[], object]]:
-    """coremltools' prediction API over one package: (predict, make_cache). macOS only."""
-    reason = coreml_refusal()
-    if reason is not None:
-        raise InputError(reason)
-    import coremltools as ct
-
-    units = getattr(ct.ComputeUnit, package.compute_units)
-    path = str(Path(folder) / package.file)
-    models = {name: ct.models.MLModel(path, compute_units=units,
-                                      **({"function_name": name} if package.kv == "state" else {}))
-              for name in package.functions}
-    first = next(iter(models.values()))
-    if package.kv == "state":
-        return (lambda name, feed, state: models[name].predict(feed, state=state)), first.make_state
-    raise BundleError(f"{package.file}: one io package holds one function; open each with coreml_predictor")
 
 
 @dataclass
@@ -113,6 +95,80 @@ class IOCache:
     """The KV cache of an "io" package, kept here: the function returns each call's new rows."""
     keys: np.ndarray  # [layers, kv_heads, capacity, head_dim] fp16
     values: np.ndarray
+
+
+def io_cache(facts, capacity: int) -> IOCache:
+    shape = (facts.num_layers, facts.num_kv_heads, capacity, facts.head_dim)
+    return IOCache(np.zeros(shape, np.float16), np.zeros(shape, np.float16))
+
+
+def coreml_predictor(folder: Path, packages: list[CoreMLPackage], facts) -> tuple[Predict, Callable[[], object]]:
+    """coremltools' prediction API over one role's packages of one KV form: (predict, make_cache). macOS only."""
+    reason = coreml_refusal()
+    if reason is not None:
+        raise InputError(reason)
+    import coremltools as ct
+
+    models = {}
+    for package in packages:
+        units = getattr(ct.ComputeUnit, package.compute_units)
+        for name in package.functions:
+            models[name] = ct.models.MLModel(str(Path(folder) / package.file), compute_units=units,
+                                             **({"function_name": name} if package.kv == "state" else {}))
+    if packages[0].kv == "state":
+        return (lambda name, feed, state: models[name].predict(feed, state=state)), next(iter(models.values())).make_state
+    return (lambda name, feed, cache: models[name].predict(feed)), lambda: io_cache(facts, packages[0].capacity)
+
+
+def preferred_kv() -> str:
+    """KV caches as states from macOS 15 on; passed in and out before."""
+    release = platform.mac_ver()[0]
+    return "state" if release and int(release.split(".")[0]) >= 15 else "io"
+
+
+@dataclass
+class CoreMLBundle:
+    """A bundle's CoreML packages opened for decoding: target (+ draft) with their caches."""
+    target: "CoreMLModel"
+    target_cache: object
+    draft: "CoreMLModel | None"
+    draft_cache: object
+    tree: Topology
+    prefill_chunk: int
+
+    def generate(self, prompt: list[int], max_new_tokens: int, eos_ids=(), speculate: bool = True):
+        return greedy_generate(self.target, self.target_cache, self.draft if speculate else None, self.draft_cache,
+                               prompt, max_new_tokens, self.tree if speculate else Topology((-1,)),
+                               self.prefill_chunk, eos_ids)
+
+
+def open_coreml(folder: Path, manifest, kv: str | None = None, predictor=coreml_predictor) -> CoreMLBundle:
+    """Opens the bundle's CoreML packages of KV form `kv` (default: what this macOS runs) through
+    `predictor(folder, packages, facts)`; exporters/mil_reference.reference_predictor runs them anywhere."""
+    kv = kv or preferred_kv()
+    chosen = {role: [p for p in manifest.coreml if p.role == role and p.kv == kv] for role in ("target", "draft")}
+    if not chosen["target"]:
+        forms = sorted({p.kv for p in manifest.coreml})
+        raise InputError(f"the bundle has no CoreML target packages with KV as {kv}"
+                         + (f" (it has {', '.join(forms)})" if forms else "; export it with --format onnx,coreml"))
+    target_facts = manifest.target.facts
+    predict, make_cache = predictor(folder, chosen["target"], target_facts)
+    gives_features = manifest.draft is not None and manifest.draft.graph.inputs.get("features") is not None
+    target = CoreMLModel(predict, _merged(chosen["target"]), target_facts.hidden_size)
+    tree = Topology(next(p.parents["verify"] for p in chosen["target"] if "verify" in p.parents))
+    draft, draft_cache = None, None
+    if chosen["draft"]:
+        draft_predict, make_draft_cache = predictor(folder, chosen["draft"], manifest.draft.facts)
+        draft = CoreMLModel(draft_predict, _merged(chosen["draft"]), manifest.draft.facts.hidden_size,
+                            reads_features=gives_features)
+        draft_cache = make_draft_cache()
+    return CoreMLBundle(target, make_cache(), draft, draft_cache, tree, manifest.prefill_chunk)
+
+
+def _merged(packages: list[CoreMLPackage]) -> CoreMLPackage:
+    """One role's io packages (one function each) seen as one."""
+    functions = {name: nodes for p in packages for name, nodes in p.functions.items()}
+    return CoreMLPackage(**{**packages[0].__dict__, "functions": functions})
 
 
 class CoreMLModel:

@@ -243,11 +243,10 @@ def test_an_eagle_draft_exports_packs_and_generates_losslessly(eagle, models, tm
         assert spec.token_ids == plain.token_ids
     # What the draft learned survives export: fed the target's features by the runtime, it predicts the
     # target's answers it was trained on far above chance (1/96 here); misaligned features would not.
-    from edgespec.quant.report import agreement
-
     # a shard training used: on a busy machine the features phase may not reach every shard, and a
     # shard without features is left out of training (distill/run.py)
     from edgespec.distill.data import feature_file
+    from edgespec.quant.report import agreement
 
     used = [s for s in shard_paths(eagle.data_from / "chat")[:-1] if feature_file(eagle.out / "data" / "features", s).is_file()]
     assert used, "the features phase reached no training shard"

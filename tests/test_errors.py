@@ -8,7 +8,12 @@ from edgespec.cli import main
 from edgespec.exporters.export import ExportConfig, export
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import BundleError, ContextOverflowError, ExportError, UnsupportedArchitectureError
+from edgespec.runtime.errors import (
+    BundleError,
+    ContextOverflowError,
+    ExportError,
+    UnsupportedArchitectureError,
+)
 from edgespec.runtime.pipeline import Pipeline
 
 
@@ -144,7 +149,8 @@ def test_draft_with_another_vocabulary_is_refused(models, tmp_path):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1)).save_pretrained(other)
-    from tokenizers import Tokenizer, models as tmodels
+    from tokenizers import Tokenizer
+    from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
 
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tmodels.WordLevel({"a": 0, "b": 1}, unk_token="a"))).save_pretrained(other)

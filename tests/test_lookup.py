@@ -4,10 +4,16 @@ import json
 import numpy as np
 import pytest
 
-from edgespec.runtime.drafters import LEGACY_NGRAM, NgramConfig, NgramDrafter, RecyclingDrafter, new_recycling_table
-from edgespec.runtime.lookup import LookupConfig, WithLookup, graft_chain
+from edgespec.runtime.drafters import (
+    LEGACY_NGRAM,
+    NgramConfig,
+    NgramDrafter,
+    RecyclingDrafter,
+    new_recycling_table,
+)
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BundleError
+from edgespec.runtime.lookup import LookupConfig, WithLookup, graft_chain
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.sampling import SamplingConfig
 from edgespec.runtime.tree import Topology, Tree

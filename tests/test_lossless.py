@@ -1,11 +1,11 @@
 """Greedy speculative output equals plain greedy output of the same bundle, token for token."""
 import numpy as np
 import pytest
+from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
 
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.exactness import check_exact_rows
 from edgespec.runtime.pipeline import Pipeline
-from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens", "{\"name\": \"edge"]
 CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
@@ -173,8 +173,12 @@ def both_with(pipeline, config, **ask):
 def test_dynamic_tree_skips_only_expansions_that_cannot_reach_the_budget(budget, bundle_factory):
     """Against the unpruned construction: expand the `width` most confident new nodes at every level
     down to max_depth, then keep the budget's most confident nodes. Same tree, fewer draft calls."""
-    from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig, top_candidates
     from edgespec.runtime.drafters import catch_up
+    from edgespec.runtime.dynamic_tree import (
+        DynamicDrafter,
+        DynamicTreeConfig,
+        top_candidates,
+    )
 
     pipeline = Pipeline(bundle_factory(draft="draft", tree="dynamic:8"))
     config = DynamicTreeConfig(budget=budget, width=3, max_depth=4, min_confidence=0.0)

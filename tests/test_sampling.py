@@ -8,8 +8,13 @@ import pytest
 from scipy.stats import chisquare
 
 from edgespec.runtime.accept import _residual, accept_sampled
-from edgespec.runtime.sampling import SamplingConfig, probabilities, sample, sample_without_replacement
 from edgespec.runtime.lookup import graft_chain
+from edgespec.runtime.sampling import (
+    SamplingConfig,
+    probabilities,
+    sample,
+    sample_without_replacement,
+)
 from edgespec.runtime.tree import Tree, parse_tree_spec
 
 ALPHA = 1e-3

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
 from edgespec.runtime import prepacked
+from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BudgetError

@@ -1,0 +1,204 @@
+"""CoreML packages: what can be checked without a Mac. The saved packages are read back (their functions,
+inputs, outputs, states and compression against the manifest), their MIL programs run in numpy
+(exporters/mil_reference.py) against the fp32 model, and the runtime's CoreML decode loop runs on that
+reference: speculative output must equal plain decoding through the same verify function."""
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from edgespec.exporters.export import ExportConfig, export
+from edgespec.exporters.mil_reference import load_program, reference_predictor
+from edgespec.runtime.bundle import open_bundle, read_manifest, verify_files
+from edgespec.runtime.coreml import CoreMLModel, open_coreml
+from edgespec.runtime.errors import BundleError, ExportError
+
+PROMPT = [5, 17, 33, 2, 90, 41, 7, 12, 100, 3, 64, 9, 150, 21]
+
+
+@pytest.fixture(scope="module")
+def coreml_bundles(models, tmp_path_factory):
+    """(a) target + an unrelated draft, both KV forms, int8 (drafts get rejected);
+    (b) target drafting for itself, KV as states, fp16 (every draft accepted; semantics checked in fp32)."""
+    root = tmp_path_factory.mktemp("coreml")
+    made = {}
+    for key, draft, kv, compress in (("int8", models["draft"], ("state", "io"), "int8"),
+                                     ("self", models["target"], ("state",), "fp16")):
+        made[key] = export(ExportConfig(model=str(models["target"]), draft=str(draft), out=root / key, tree="chain:3",
+                                        context=96, prefill_chunk=8, formats=("onnx", "coreml"), coreml_kv=kv,
+                                        coreml_compress=compress, cache_dir=root / "cache"))
+    return made
+
+
+def _hf_logits(model_folder, ids, round_to_fp16=False) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=torch.float32).eval()
+    if round_to_fp16:  # what the package stores: fp16 weights and rotary tables
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.half().float())
+        rotary = model.model.rotary_emb.forward
+        model.model.rotary_emb.forward = lambda *a, **k: tuple(t.half().float() for t in rotary(*a, **k))
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _reference_logits(folder, manifest, kv, ids, activations=np.float16) -> np.ndarray:
+    """Logits of every token of `ids`: a prefill chunk, then the verify function on the rest."""
+    packages = [p for p in manifest.coreml if p.role == "target" and p.kv == kv]
+    predict, make_cache = reference_predictor(folder, packages, manifest.target.facts, activations)
+    merged = {name: n for p in packages for name, n in p.functions.items()}
+    model = CoreMLModel(predict, packages[0].__class__(**{**packages[0].__dict__, "functions": merged}),
+                        manifest.target.facts.hidden_size)
+    cache = make_cache()
+    chunk, verify = merged["prefill"], merged["verify"]
+    rows = [model.run("prefill", cache, ids[:chunk], range(chunk), 0)["logits"][0]]
+    for start in range(chunk, len(ids), verify):
+        part = ids[start: start + verify]
+        rows.append(model.run("verify", cache, part, range(start, start + len(part)), start)["logits"][0, : len(part)])
+    return np.concatenate(rows).astype(np.float32)
+
+
+def test_packages_hold_what_the_manifest_says(coreml_bundles):
+    folder = coreml_bundles["int8"]
+    manifest = open_bundle(folder)
+    facts = manifest.target.facts
+    assert {(p.role, p.kv) for p in manifest.coreml} == {("target", "state"), ("target", "io"), ("draft", "state"),
+                                                         ("draft", "io")}
+    for package in manifest.coreml:
+        program, spec = load_program(folder / package.file)
+        model_facts = manifest.target.facts if package.role == "target" else manifest.draft.facts
+        cache_shape = (model_facts.num_layers, model_facts.num_kv_heads, package.capacity, model_facts.head_dim)
+        assert set(package.functions) <= set(program.functions) or (package.kv == "io" and set(program.functions) == {"main"})
+        described = spec.description.functions if package.kv == "state" else [spec.description]
+        assert len(described) == len(package.functions)
+        for name, nodes in package.functions.items():
+            function = program.functions[name if package.kv == "state" else "main"]
+            shapes = {v.name: tuple(v.shape) for v in function.inputs.values()}
+            assert shapes["input_ids"] == (1, nodes) and shapes["position_ids"] == (nodes,)
+            assert shapes["key_cache"] == shapes["value_cache"] == cache_shape
+            outputs = {v.name: tuple(v.shape) for v in function.outputs}
+            assert outputs["logits"] == (1, nodes, model_facts.vocab_size)
+            if package.kv == "io":
+                assert outputs["new_keys"] == (cache_shape[0], cache_shape[1], nodes, cache_shape[3])
+            ops = {op.op_type for op in function.operations}
+            # int8 weights, expanded on the device: iOS 18's op for stateful packages, iOS 16's for the fallback
+            assert ("constexpr_blockwise_shift_scale" if package.kv == "state" else "constexpr_affine_dequantize") in ops
+            assert ("read_state" in ops) == (package.kv == "state")
+        states = [s.name for f in described for s in f.state] if package.kv == "state" else []
+        assert set(states) == ({"key_cache", "value_cache"} if package.kv == "state" else set())
+    assert manifest.coreml[0].parents == {"verify": (-1, 0, 1, 2)}
+    assert manifest.coreml[0].compute_units == "CPU_ONLY"  # the cpu profile verifies on the CPU
+
+
+def test_program_semantics_match_the_model(coreml_bundles, models):
+    """In fp32 activations the program computes what the model computes with fp16 weights: the prefill
+    rows to float precision; verify rows read the fp16 KV cache, so they differ by its rounding only."""
+    folder = coreml_bundles["self"]
+    manifest = open_bundle(folder)
+    expected = _hf_logits(models["target"], PROMPT, round_to_fp16=True)
+    got = _reference_logits(folder, manifest, "state", PROMPT, activations=np.float32)
+    scale = np.abs(expected).max()
+    assert np.abs(got[:8] - expected[:8]).max() < 1e-5 * scale
+    assert np.abs(got - expected).max() < 2e-3 * scale
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("kv", ["state", "io"])
+def test_fp16_int8_packages_against_the_fp32_model(coreml_bundles, models, kv):
+    folder = coreml_bundles["int8"]
+    manifest = open_bundle(folder)
+    expected = _hf_logits(models["target"], PROMPT)
+    got = _reference_logits(folder, manifest, kv, PROMPT)
+    # a random model's weights (std 0.3) make int8 per channel a rough fit: measured mean error 0.048 of the
+    # logits' spread, argmax agreement 0.86; a wrong weight layout or mask scores near 1 and 0.0x
+    assert np.abs(got - expected).mean() < 0.1 * expected.std()
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize("key,kv", [("int8", "state"), ("int8", "io"), ("self", "state")])
+def test_speculative_equals_plain_on_the_coreml_loop(coreml_bundles, key, kv):
+    folder = coreml_bundles[key]
+    manifest = open_bundle(folder)
+    plain, plain_calls = open_coreml(folder, manifest, kv, reference_predictor).generate(PROMPT, 20, speculate=False)
+    spec, spec_calls = open_coreml(folder, manifest, kv, reference_predictor).generate(PROMPT, 20)
+    assert spec == plain and len(plain) == 20 and plain_calls == 20
+    if key == "self":  # the draft is the target: every drafted token is accepted
+        assert spec_calls == 5
+    else:
+        assert spec_calls <= plain_calls
+
+
+def test_package_files_are_checksummed(coreml_bundles, tmp_path):
+    import shutil
+
+    folder = tmp_path / "b"
+    shutil.copytree(coreml_bundles["int8"], folder)
+    manifest = read_manifest(folder)
+    assert all(name in manifest.files for name in (f"{p.file}/Manifest.json" for p in manifest.coreml))
+    stray = folder / manifest.coreml[0].file / "Data" / "extra.bin"
+    stray.write_bytes(b"x")
+    with pytest.raises(BundleError, match="no checksum"):
+        verify_files(folder, manifest)
+    stray.unlink()
+    weights = next((folder / manifest.coreml[0].file).rglob("weight.bin"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        verify_files(folder, manifest)
+
+
+def test_packages_are_written_with_the_umask(coreml_bundles):
+    for path in (coreml_bundles["int8"] / "coreml").rglob("*"):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert mode == (0o777 if path.is_dir() else 0o666) & ~umask, path
+
+
+def test_inspect_lists_the_packages(coreml_bundles):
+    out = subprocess.run([sys.executable, "-m", "edgespec.cli", "inspect", str(coreml_bundles["int8"])],
+                         capture_output=True, text=True, check=True).stdout
+    assert "coreml/target.mlpackage: target, KV as state, prefill 8 tokens, verify 4 tokens; int8 weights" in out
+    assert "coreml/draft-step-io.mlpackage: draft, KV as io, step 1 tokens" in out
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the CoreML backend runs")
+def test_coreml_backend_is_refused_off_macos(coreml_bundles):
+    run = subprocess.run([sys.executable, "-m", "edgespec.cli", "generate", str(coreml_bundles["int8"]),
+                          "--prompt", "hi", "--backend", "coreml"], capture_output=True, text=True)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "CoreML packages run only on macOS" in run.stderr and "onnxruntime" in run.stderr
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(formats=("coreml",)), "always holds the ONNX graphs"),
+    (dict(formats=("onnx", "tflite")), "--format takes"),
+    (dict(tree="topk:2x2"), "verify chains"),
+    (dict(coreml_compress="int3"), "--coreml-compress takes"),
+    (dict(coreml_compress="int4"), "'io' fallback"),
+    (dict(coreml_kv=("disk",)), "--coreml-kv takes"),
+    (dict(lookup=2), "no prompt-lookup chain"),
+])
+def test_bad_coreml_settings_fail_before_work(models, tmp_path, settings, message):
+    config = dict(model=str(models["target"]), draft=str(models["draft"]), out=tmp_path / "b", context=96,
+                  formats=("onnx", "coreml"), cache_dir=tmp_path / "cache")
+    with pytest.raises(ExportError, match=message):
+        export(ExportConfig(**{**config, **settings}))
+    assert not (tmp_path / "b").exists()
+
+
+def test_manifest_round_trip_keeps_the_packages(coreml_bundles):
+    from edgespec.runtime.bundle import Manifest
+
+    data = json.loads((coreml_bundles["int8"] / "manifest.json").read_text())
+    assert Manifest.from_dict(data).to_dict() == data
+    data["coreml"]["packages"][0]["kv"] = "disk"
+    with pytest.raises(BundleError, match="malformed"):
+        Manifest.from_dict(data)
