@@ -41,7 +41,7 @@ from .llama import LlamaBuilder
 KV_FORMS = ("state", "io")
 COMPRESSIONS = ("fp16", "int8", "int4", "palette4")
 NEEDS_IOS18 = {"int4"}  # 4-bit linear quantization is an iOS 18 / macOS 15 op
-MASKED = -65504.0  # fp16's lowest: a masked score adds it (−inf would make an all-masked padding row NaN)
+MASKED = -1e4  # added to a masked score: exp() of it is 0, and score + MASKED stays inside fp16 (−65504 would overflow)
 
 
 @dataclass(frozen=True)

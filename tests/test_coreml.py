@@ -68,7 +68,6 @@ def _reference_logits(folder, manifest, kv, ids, activations=np.float16) -> np.n
 def test_packages_hold_what_the_manifest_says(coreml_bundles):
     folder = coreml_bundles["int8"]
     manifest = open_bundle(folder)
-    facts = manifest.target.facts
     assert {(p.role, p.kv) for p in manifest.coreml} == {("target", "state"), ("target", "io"), ("draft", "state"),
                                                          ("draft", "io")}
     for package in manifest.coreml:
