@@ -20,11 +20,17 @@ from pathlib import Path
 
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import resolve_bundle
-from edgespec.runtime.drafters import (ModelDrafter, NgramConfig, NgramDrafter, NoDrafter, RecyclingDrafter,
-                                       new_recycling_table)
-from edgespec.runtime.lookup import LookupConfig, WithLookup
+from edgespec.runtime.drafters import (
+    ModelDrafter,
+    NgramConfig,
+    NgramDrafter,
+    NoDrafter,
+    RecyclingDrafter,
+    new_recycling_table,
+)
 from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
 from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.lookup import LookupConfig, WithLookup
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.sampling import SamplingConfig
 from edgespec.runtime.tree import parse_tree_spec

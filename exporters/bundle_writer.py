@@ -28,7 +28,7 @@ from edgespec.runtime.bundle import (
     sha256_file,
     write_manifest,
 )
-from edgespec.runtime.coreml import CoreMLPackage
+from edgespec.runtime.coreml_package import CoreMLPackage
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.runtime.coreml import COMPUTE_UNITS, CoreMLPackage
+from edgespec.runtime.coreml_package import COMPUTE_UNITS, CoreMLPackage
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.tree import Topology
 
@@ -88,8 +88,15 @@ class MILProgramBuilder:
         self.model = model
         self.facts = model.facts
         self.capacity = capacity
+        self.weight_names: set[str] = set()  # coremltools spells a const's name with _ for .
         cos, sin = model.rope_tables()  # the context's positions (padding rows take position 0)
         self.rope = (cos.astype(np.float16), sin.astype(np.float16))
+
+    def weight(self, mb, name: str, value: np.ndarray):
+        """A weight the compression may touch, by name (the rotary tables and masks are left as they are:
+        a row of zeros, as sin's at position 0, has no scale)."""
+        self.weight_names.add(name)
+        return mb.const(val=np.asarray(value, dtype=np.float16), name=name)
 
     def function(self, plan: FunctionPlan, kv_form: str):
         import coremltools as ct
@@ -113,11 +120,12 @@ class MILProgramBuilder:
     def _body(self, mb, x_in: dict, plan: FunctionPlan, kv_form: str) -> list:
         f, model = self.facts, self.model
         w16 = lambda a: np.asarray(a, dtype=np.float16)  # noqa: E731
-        table = w16(model.state["model.embed_tokens.weight"])
+        table = self.weight(mb, "embed_tokens", model.state["model.embed_tokens.weight"])
         x = mb.gather(x=table, indices=x_in["input_ids"], axis=0)  # [1, N, H]
         if model.feature_fc is not None:
             weight, bias = model.feature_fc
-            x = mb.linear(x=mb.concat(values=[x, x_in["features"]], axis=-1), weight=w16(weight), bias=w16(bias))
+            x = mb.linear(x=mb.concat(values=[x, x_in["features"]], axis=-1), weight=self.weight(mb, "feature_fc", weight),
+                          bias=w16(bias))
         cos = mb.reshape(x=mb.gather(x=self.rope[0], indices=x_in["position_ids"], axis=0), shape=[1, 1, plan.nodes, -1])
         sin = mb.reshape(x=mb.gather(x=self.rope[1], indices=x_in["position_ids"], axis=0), shape=[1, 1, plan.nodes, -1])
         mask = self._mask(mb, x_in["write_pos"], plan, kv_form)
@@ -129,11 +137,14 @@ class MILProgramBuilder:
             h = self._rms_norm(mb, x, w["input_norm"])
             attn = self._attention(mb, h, w, layer, (cos, sin), mask, caches, new_rows, x_in, plan.nodes, kv_form)
             x = mb.add(x=x, y=attn)
-            x = mb.add(x=x, y=self._mlp(mb, self._rms_norm(mb, x, w["post_norm"]), w))
+            x = mb.add(x=x, y=self._mlp(mb, self._rms_norm(mb, x, w["post_norm"]), w, layer))
         x = self._rms_norm(mb, x, model.state["model.norm.weight"])
-        full = model.state["model.embed_tokens.weight" if f.tie_word_embeddings else "lm_head.weight"]
-        head = full if model.head_tokens is None else full[model.head_tokens]
-        outputs = [mb.linear(x=x, weight=w16(head), name="logits")]
+        if f.tie_word_embeddings and model.head_tokens is None:
+            head = table
+        else:
+            full = model.state["model.embed_tokens.weight" if f.tie_word_embeddings else "lm_head.weight"]
+            head = self.weight(mb, "lm_head", full if model.head_tokens is None else full[model.head_tokens])
+        outputs = [mb.linear(x=x, weight=head, name="logits")]
         if model.features_out:
             outputs.append(mb.identity(x=x, name="features_out"))
         if kv_form == "io":
@@ -176,7 +187,7 @@ class MILProgramBuilder:
     def _attention(self, mb, h, w, layer, rope, mask, caches, new_rows, x_in, nodes, kv_form):
         f = self.facts
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
-        qkv = mb.linear(x=h, weight=np.asarray(w["qkv"].T, dtype=np.float16),
+        qkv = mb.linear(x=h, weight=self.weight(mb, f"layers_{layer}_qkv", w["qkv"].T),
                         bias=np.asarray(w["qkv_bias"], dtype=np.float16) if "qkv_bias" in w else None)
         q, k, v = mb.split(x=qkv, split_sizes=[heads * d, kv_heads * d, kv_heads * d], axis=-1)
         q = self._rotate(mb, mb.transpose(x=mb.reshape(x=q, shape=[1, nodes, heads, d]), perm=[0, 2, 1, 3]), *rope)
@@ -206,31 +217,30 @@ class MILProgramBuilder:
         probs = mb.reshape(x=mb.softmax(x=scores, axis=-1), shape=[1, kv_heads, group * nodes, columns])
         out = mb.reshape(x=mb.matmul(x=probs, y=seen["value_cache"]), shape=[1, heads, nodes, d])
         out = mb.reshape(x=mb.transpose(x=out, perm=[0, 2, 1, 3]), shape=[1, nodes, heads * d])
-        return mb.linear(x=out, weight=np.asarray(w["o"].T, dtype=np.float16))
+        return mb.linear(x=out, weight=self.weight(mb, f"layers_{layer}_o", w["o"].T))
 
-    def _mlp(self, mb, h, w):
+    def _mlp(self, mb, h, w, layer: int):
         size = self.facts.intermediate_size
-        gate_up = mb.linear(x=h, weight=np.asarray(w["gate_up"].T, dtype=np.float16))
+        gate_up = mb.linear(x=h, weight=self.weight(mb, f"layers_{layer}_gate_up", w["gate_up"].T))
         gate, up = mb.split(x=gate_up, split_sizes=[size, size], axis=-1)
-        return mb.linear(x=mb.mul(x=mb.silu(x=gate), y=up), weight=np.asarray(w["down"].T, dtype=np.float16))
+        return mb.linear(x=mb.mul(x=mb.silu(x=gate), y=up), weight=self.weight(mb, f"layers_{layer}_down", w["down"].T))
 
 
-def compress(mlmodel, compression: str):
-    """Weight compression with coremltools' optimization tools; fp16 leaves the model as it is."""
+def compress(mlmodel, compression: str, weights: set[str]):
+    """Compresses the named weights with coremltools' optimization tools; fp16 leaves the model as it is."""
     if compression == "fp16":
         return mlmodel
     import coremltools.optimize.coreml as cto
 
     if compression == "palette4":
-        op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=4, granularity="per_tensor", weight_threshold=2048)
-        return cto.palettize_weights(mlmodel, cto.OptimizationConfig(global_config=op_config))
+        op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=4, granularity="per_tensor", weight_threshold=0)
+        return cto.palettize_weights(mlmodel, cto.OptimizationConfig(op_name_configs={n: op_config for n in weights}))
     granularity = dict(granularity="per_block", block_size=32) if compression == "int4" else dict(granularity="per_channel")
-    op_config = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype=compression, weight_threshold=2048,
-                                            **granularity)
-    return cto.linear_quantize_weights(mlmodel, cto.OptimizationConfig(global_config=op_config))
+    op_config = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype=compression, weight_threshold=0, **granularity)
+    return cto.linear_quantize_weights(mlmodel, cto.OptimizationConfig(op_name_configs={n: op_config for n in weights}))
 
 
-def convert_function(function, name: str, kv_form: str, compression: str, path: Path) -> None:
+def convert_function(function, name: str, kv_form: str, compression: str, weights: set[str], path: Path) -> None:
     import coremltools as ct
     from coremltools.converters.mil.mil import Program
 
@@ -239,7 +249,7 @@ def convert_function(function, name: str, kv_form: str, compression: str, path: 
     target = ct.target.iOS18 if kv_form == "state" or compression in NEEDS_IOS18 else ct.target.iOS17
     mlmodel = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=target,
                          compute_precision=ct.precision.FLOAT16)
-    mlmodel = compress(mlmodel, compression)
+    mlmodel = compress(mlmodel, compression, weights)
     mlmodel.short_description = f"edgespec {name}"
     mlmodel.save(str(path))
 
@@ -270,7 +280,7 @@ def write_coreml(folder: Path, role: str, model: LlamaBuilder, tree: Topology, p
             for plan in plans:
                 with quiet_coremltools():
                     convert_function(builder.function(plan, kv_form), f"{role} {plan.name}", kv_form,
-                                     options.compression, parts[plan.name])
+                                     options.compression, builder.weight_names, parts[plan.name])
             with quiet_coremltools():
                 entries += _place(out, role, kv_form, plans, parts, options.compression, compute_units, capacity)
     finally:

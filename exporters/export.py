@@ -13,7 +13,7 @@ import onnxruntime
 from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.budget import MAX_LANES, lanes_for
-from edgespec.runtime.coreml import compute_units_for
+from edgespec.runtime.coreml_package import compute_units_for
 from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
@@ -191,10 +191,11 @@ def plan_export(config: ExportConfig) -> ExportPlan:
     except ValueError as err:
         raise ExportError(str(err)) from err
     return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy,
-                      _coreml_options(config, topology, lookup_tokens))
+                      _coreml_options(config, topology))
 
 
-def _coreml_options(config: ExportConfig, topology: Topology, lookup_tokens: int) -> CoreMLOptions | None:
+def _coreml_options(config: ExportConfig, topology: Topology) -> CoreMLOptions | None:
+    """The CoreML packages' settings; they draft with the draft model alone (prompt lookup is the ONNX path's)."""
     unknown = [name for name in config.formats if name not in FORMATS]
     if unknown or len(set(config.formats)) != len(config.formats):
         raise ExportError(f"--format takes onnx or onnx,coreml (got {','.join(config.formats)!r})")
@@ -206,8 +207,6 @@ def _coreml_options(config: ExportConfig, topology: Topology, lookup_tokens: int
     if topology.max_width > 1:
         raise ExportError(f"CoreML packages verify chains (their decode loop accepts a prefix); the tree "
                           f"{topology.spec()} branches: export with --tree chain:K")
-    if lookup_tokens:
-        raise ExportError("CoreML packages have no prompt-lookup chain: drop --lookup/--lookup-quote with --format coreml")
     return CoreMLOptions(config.coreml_kv, config.coreml_compress)
 
 

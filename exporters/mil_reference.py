@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.runtime.coreml import io_cache
 from edgespec.runtime.errors import ExportError
 
 from .coreml import quiet_coremltools
@@ -151,8 +152,6 @@ def reference_predictor(folder: Path, packages, facts, activations=np.float16) -
     """runtime/coreml.coreml_predictor's counterpart: (predict, make_cache) over one role's saved packages of
     one KV form, run by this reference, so the runtime's CoreML decode loop runs here as on a Mac.
     `activations` float32 keeps every intermediate in fp32 (the program's semantics apart from fp16 storage)."""
-    from edgespec.runtime.coreml import io_cache
-
     runners = {}
     for package in packages:
         program, _ = load_program(Path(folder) / package.file)

@@ -14,7 +14,7 @@ import numpy as np
 
 from edgespec.targets.profiles import DeviceProfile
 
-from .coreml import CoreMLPackage, package_files
+from .coreml_package import CoreMLPackage, package_files
 from .drafters import LEGACY_NGRAM, DrafterKind, NgramConfig
 from .dynamic_tree import DynamicTreeConfig
 from .errors import BundleError, InputError

@@ -6,72 +6,18 @@ The packages' contract is exporters/coreml.py's: static N tokens per call, writt
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from .accept import accept_greedy
+from .bundle import read_head_tokens
+from .coreml_package import CoreMLPackage
 from .errors import InputError
 from .features import draft_inputs
 from .tree import Topology
-
-COMPUTE_UNITS = ("CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE", "ALL")
-KV_FORMS = ("state", "io")
-# onnxruntime's CoreML provider names the same choices; a profile's provider options give the hint
-_PROVIDER_UNITS = {"CPUOnly": "CPU_ONLY", "CPUAndGPU": "CPU_AND_GPU", "CPUAndNeuralEngine": "CPU_AND_NE", "ALL": "ALL"}
-
-
-def compute_units_for(providers) -> str:
-    """The compute units a role's first provider asks for: the CoreML provider's MLComputeUnits, else the CPU."""
-    first = providers[0] if providers else None
-    if first is not None and first.name == "CoreMLExecutionProvider":
-        return _PROVIDER_UNITS.get(dict(first.options).get("MLComputeUnits", "ALL"), "ALL")
-    return "CPU_ONLY"
-
-
-@dataclass(frozen=True)
-class CoreMLPackage:
-    """One .mlpackage of a bundle: which model it holds, its functions and their static token counts."""
-    role: str  # target or draft
-    file: str  # a folder, relative to the bundle (its files are in the manifest's checksums)
-    kv: str  # "state" (iOS 18 / macOS 15) or "io" (the cache passed in, new rows passed out)
-    functions: dict[str, int]  # function name -> tokens per call
-    compression: str
-    compute_units: str
-    capacity: int  # KV rows
-    parents: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a verify function's static tree
-
-    def __post_init__(self):
-        if self.role not in ("target", "draft") or self.kv not in KV_FORMS or self.compute_units not in COMPUTE_UNITS:
-            raise ValueError(f"CoreML package {self.file!r}: role {self.role!r}, kv {self.kv!r}, "
-                             f"compute units {self.compute_units!r} are not all known")
-        if not self.functions or not all(isinstance(n, int) and n >= 1 for n in self.functions.values()):
-            raise ValueError(f"CoreML package {self.file!r}: functions must map names to token counts")
-        for name, parents in self.parents.items():
-            Topology(tuple(parents))  # validates
-            if self.functions.get(name) != len(parents):
-                raise ValueError(f"CoreML package {self.file!r}: {name}'s tree has {len(parents)} nodes, "
-                                 f"the function takes {self.functions.get(name)}")
-
-    def to_dict(self) -> dict:
-        return {"role": self.role, "file": self.file, "kv": self.kv, "functions": dict(self.functions),
-                "compression": self.compression, "compute_units": self.compute_units, "capacity": self.capacity,
-                **({"parents": {k: list(v) for k, v in self.parents.items()}} if self.parents else {})}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "CoreMLPackage":
-        return cls(role=data["role"], file=str(data["file"]), kv=data["kv"], functions=dict(data["functions"]),
-                   compression=str(data["compression"]), compute_units=data["compute_units"],
-                   capacity=int(data["capacity"]),
-                   parents={k: tuple(int(p) for p in v) for k, v in data.get("parents", {}).items()})
-
-
-def package_files(folder: Path, package: CoreMLPackage) -> list[str]:
-    """The files inside a package folder, as the manifest names them."""
-    root = Path(folder)
-    return sorted(p.relative_to(root).as_posix() for p in (root / package.file).rglob("*") if p.is_file())
 
 
 def coreml_refusal() -> str | None:
@@ -143,7 +89,7 @@ class CoreMLBundle:
 
 
 def open_coreml(folder: Path, manifest, kv: str | None = None, predictor=coreml_predictor) -> CoreMLBundle:
-    """Opens the bundle's CoreML packages of KV form `kv` (default: what this macOS runs) through
+    """Needs a verified manifest (runtime/bundle.open_bundle). Opens the bundle's CoreML packages of KV form `kv` (default: what this macOS runs) through
     `predictor(folder, packages, facts)`; exporters/mil_reference.reference_predictor runs them anywhere."""
     kv = kv or preferred_kv()
     chosen = {role: [p for p in manifest.coreml if p.role == role and p.kv == kv] for role in ("target", "draft")}
@@ -160,7 +106,7 @@ def open_coreml(folder: Path, manifest, kv: str | None = None, predictor=coreml_
     if chosen["draft"]:
         draft_predict, make_draft_cache = predictor(folder, chosen["draft"], manifest.draft.facts)
         draft = CoreMLModel(draft_predict, _merged(chosen["draft"]), manifest.draft.facts.hidden_size,
-                            reads_features=gives_features)
+                            reads_features=gives_features, head_tokens=read_head_tokens(folder, manifest.draft))
         draft_cache = make_draft_cache()
     return CoreMLBundle(target, make_cache(), draft, draft_cache, tree, manifest.prefill_chunk)
 
@@ -174,13 +120,20 @@ def _merged(packages: list[CoreMLPackage]) -> CoreMLPackage:
 class CoreMLModel:
     """One model's functions: run N static tokens at `write_pos`, keep the rows the caller accepts."""
 
-    def __init__(self, predict: Predict, package: CoreMLPackage, hidden_size: int, reads_features: bool = False):
+    def __init__(self, predict: Predict, package: CoreMLPackage, hidden_size: int, reads_features: bool = False,
+                 head_tokens: np.ndarray | None = None):
+        """`head_tokens`: the vocabulary ids a trimmed head's logits cover (a draft's), in order."""
         self.predict = predict
+        self.head_tokens = head_tokens
         self.functions = package.functions
         self.kv = package.kv
         self.capacity = package.capacity
         self.hidden_size = hidden_size
         self.reads_features = reads_features
+
+    def greedy_token(self, logits_row: np.ndarray) -> int:
+        best = int(np.argmax(logits_row))
+        return best if self.head_tokens is None else int(self.head_tokens[best])
 
     def run(self, name: str, cache, tokens, positions, write_pos: int, features=None) -> dict:
         """Tokens beyond the function's N are an error; fewer are padded (their rows land after the real
@@ -256,7 +209,7 @@ def _draft_chain(draft: CoreMLModel, cache, last: int, length: int, count: int, 
     drafted, token, own = [], last, None
     for depth in range(count):
         step = _draft_step(draft, cache, token, length + depth, features, own)
-        token = int(np.argmax(step["logits"][0, 0]))
+        token = draft.greedy_token(step["logits"][0, 0])
         own = step["features_out"][0, :1].astype(np.float32) if "features_out" in step else None
         drafted.append(token)
     return drafted

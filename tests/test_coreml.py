@@ -183,7 +183,6 @@ def test_coreml_backend_is_refused_off_macos(coreml_bundles):
     (dict(coreml_compress="int3"), "--coreml-compress takes"),
     (dict(coreml_compress="int4"), "'io' fallback"),
     (dict(coreml_kv=("disk",)), "--coreml-kv takes"),
-    (dict(lookup=2), "no prompt-lookup chain"),
 ])
 def test_bad_coreml_settings_fail_before_work(models, tmp_path, settings, message):
     config = dict(model=str(models["target"]), draft=str(models["draft"]), out=tmp_path / "b", context=96,
@@ -201,3 +200,25 @@ def test_manifest_round_trip_keeps_the_packages(coreml_bundles):
     data["coreml"]["packages"][0]["kv"] = "disk"
     with pytest.raises(BundleError, match="malformed"):
         Manifest.from_dict(data)
+
+
+@pytest.mark.reference
+def test_reference_model_with_its_shipped_draft_converts_and_decodes(tmp_path):
+    """SmolLM2 and the shipped draft (which reads the target's features) as CoreML packages: they hold what
+    the manifest says, and the CoreML loop, run on the saved programs, gives plain decoding's tokens."""
+    from edgespec.defaults import _default_draft_folder
+
+    folder = export(ExportConfig(model="default", draft=str(_default_draft_folder()), out=tmp_path / "b", tree="chain:1",
+                                 context=256, formats=("onnx", "coreml"), coreml_kv=("state",), coreml_compress="int8"))
+    manifest = open_bundle(folder)
+    assert [(p.role, p.functions) for p in manifest.coreml] == [("target", {"prefill": 64, "verify": 2}),
+                                                               ("draft", {"prefill": 64, "step": 1})]
+    _, spec = load_program(folder / manifest.coreml[1].file)
+    inputs = {i.name for f in spec.description.functions for i in f.input}
+    assert "features" in inputs  # the eagle draft reads the target's features
+    from edgespec.runtime.tokenizer import TextCodec
+
+    prompt = TextCodec(folder, manifest.tokenizer).encode_chat([{"role": "user", "content": "Name three colors."}])
+    plain, _ = open_coreml(folder, manifest, "state", reference_predictor).generate(prompt, 12, speculate=False)
+    spec, calls = open_coreml(folder, manifest, "state", reference_predictor).generate(prompt, 12)
+    assert spec == plain and calls < 12
