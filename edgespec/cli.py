@@ -104,7 +104,7 @@ def _result_json(result) -> dict:
 
 def cmd_generate(args) -> None:
     config = _generation_config(args)  # before minutes of loading
-    if args.backend == "coreml":
+    if args.backend == "coreml" or (args.backend == "auto" and _profile_runs_coreml(args)):
         _generate_coreml(args, config)
         return
     pipeline = _pipeline(args)
@@ -121,6 +121,14 @@ def cmd_generate(args) -> None:
         print(json.dumps(_result_json(result)))
     else:
         _stream(pipeline, config, not args.no_speculate, **ask)
+
+
+def _profile_runs_coreml(args) -> bool:
+    """The apple profile's bundles decode on their CoreML packages where CoreML runs (macOS)."""
+    if coreml_refusal() is not None:
+        return False
+    manifest = open_bundle(resolve_bundle(args.bundle))
+    return manifest.profile.name == "apple" and bool(manifest.coreml)
 
 
 def _generate_coreml(args, config) -> None:

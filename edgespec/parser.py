@@ -96,8 +96,8 @@ def _add_export(sub) -> None:
     p.add_argument("--coreml-kv", default="state,io",
                    help="CoreML KV caches: state (iOS 18 / macOS 15), io (passed in and out, older systems), or both")
     p.add_argument("--coreml-compress", default="int8",
-                   help="CoreML weights: fp16, int8 (per channel), int4 (per block of 32; iOS 18) or palette4 "
-                        "(a 16-entry lookup table per tensor)")
+                   help="CoreML weights: fp16, int8 (affine, per block of 32; per channel in the io fallback), int4 "
+                        "(affine, per block of 32; iOS 18) or palette4 (16 values per 16 channels; iOS 18)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
 
 
@@ -107,8 +107,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.add_argument("--backend", default="onnx", choices=("onnx", "coreml"),
-                   help="coreml: the bundle's CoreML packages on macOS (greedy; exported with --format onnx,coreml)")
+    p.add_argument("--backend", default="auto", choices=("auto", "onnx", "coreml"),
+                   help="coreml: the bundle's CoreML packages on macOS (greedy; exported with --format onnx,coreml); "
+                        "auto (default): coreml for a bundle of the apple profile where CoreML runs, else onnx")
     _generation_args(p)
     _budget_arg(p)
 

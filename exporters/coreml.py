@@ -40,7 +40,7 @@ from .llama import LlamaBuilder
 
 KV_FORMS = ("state", "io")
 COMPRESSIONS = ("fp16", "int8", "int4", "palette4")
-NEEDS_IOS18 = {"int4"}  # 4-bit linear quantization is an iOS 18 / macOS 15 op
+NEEDS_IOS18 = {"int4", "palette4"}  # 4-bit linear quantization and grouped lookup tables are iOS 18 / macOS 15 ops
 MASKED = -1e4  # added to a masked score: exp() of it is 0, and score + MASKED stays inside fp16 (−65504 would overflow)
 
 
@@ -57,8 +57,7 @@ class CoreMLOptions:
             raise ExportError(f"--coreml-compress takes {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.compression in NEEDS_IOS18 and "io" in self.kv_forms:
             raise ExportError(f"--coreml-compress {self.compression} runs on iOS 18 / macOS 15, where KV caches are "
-                              "states: the 'io' fallback for older systems takes int8, palette4 or fp16 "
-                              "(or pass --coreml-kv state)")
+                              "states: the 'io' fallback for older systems takes int8 or fp16 (or pass --coreml-kv state)")
 
 
 @dataclass(frozen=True)
@@ -226,17 +225,24 @@ class MILProgramBuilder:
         return mb.linear(x=mb.mul(x=mb.silu(x=gate), y=up), weight=self.weight(mb, f"layers_{layer}_down", w["down"].T))
 
 
-def compress(mlmodel, compression: str, weights: set[str]):
-    """Compresses the named weights with coremltools' optimization tools; fp16 leaves the model as it is."""
+def compress(mlmodel, compression: str, weights: set[str], blockwise: bool):
+    """Compresses the named weights with coremltools' optimization tools; fp16 leaves the model as it is.
+
+    Linear quantization is affine (a zero point beside each scale): the reference model's weights come
+    from a Q4_1 GGUF, whose blocks have offsets, and symmetric grids lose them (on SmolLM2, symmetric int4
+    per block kept 0.63 of greedy tokens, benchmarks/history.md §46). Blocks of 32 where the target
+    allows them (iOS 18), per output channel before. Palettization keeps 16 values per group of 16
+    output channels (one table for a whole tensor kept none)."""
     if compression == "fp16":
         return mlmodel
     import coremltools.optimize.coreml as cto
 
     if compression == "palette4":
-        op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=4, granularity="per_tensor", weight_threshold=0)
+        op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=4, granularity="per_grouped_channel", group_size=16,
+                                           weight_threshold=0)
         return cto.palettize_weights(mlmodel, cto.OptimizationConfig(op_name_configs={n: op_config for n in weights}))
-    granularity = dict(granularity="per_block", block_size=32) if compression == "int4" else dict(granularity="per_channel")
-    op_config = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype=compression, weight_threshold=0, **granularity)
+    granularity = dict(granularity="per_block", block_size=32) if blockwise else dict(granularity="per_channel")
+    op_config = cto.OpLinearQuantizerConfig(mode="linear", dtype=compression, weight_threshold=0, **granularity)
     return cto.linear_quantize_weights(mlmodel, cto.OptimizationConfig(op_name_configs={n: op_config for n in weights}))
 
 
@@ -249,7 +255,7 @@ def convert_function(function, name: str, kv_form: str, compression: str, weight
     target = ct.target.iOS18 if kv_form == "state" or compression in NEEDS_IOS18 else ct.target.iOS17
     mlmodel = ct.convert(program, convert_to="mlprogram", minimum_deployment_target=target,
                          compute_precision=ct.precision.FLOAT16)
-    mlmodel = compress(mlmodel, compression, weights)
+    mlmodel = compress(mlmodel, compression, weights, blockwise=target >= ct.target.iOS18)
     mlmodel.short_description = f"edgespec {name}"
     mlmodel.save(str(path))
 

@@ -24,14 +24,15 @@ PROMPT = [5, 17, 33, 2, 90, 41, 7, 12, 100, 3, 64, 9, 150, 21]
 @pytest.fixture(scope="module")
 def coreml_bundles(models, tmp_path_factory):
     """(a) target + an unrelated draft, both KV forms, int8 (drafts get rejected);
-    (b) target drafting for itself, KV as states, fp16 (every draft accepted; semantics checked in fp32)."""
+    (b) target drafting for itself, KV as states, fp16, the apple profile (every draft accepted; semantics
+    checked in fp32)."""
     root = tmp_path_factory.mktemp("coreml")
     made = {}
-    for key, draft, kv, compress in (("int8", models["draft"], ("state", "io"), "int8"),
-                                     ("self", models["target"], ("state",), "fp16")):
+    for key, draft, kv, compress, profile in (("int8", models["draft"], ("state", "io"), "int8", "cpu"),
+                                              ("self", models["target"], ("state",), "fp16", "apple")):
         made[key] = export(ExportConfig(model=str(models["target"]), draft=str(draft), out=root / key, tree="chain:3",
                                         context=96, prefill_chunk=8, formats=("onnx", "coreml"), coreml_kv=kv,
-                                        coreml_compress=compress, cache_dir=root / "cache"))
+                                        coreml_compress=compress, profile=profile, cache_dir=root / "cache"))
     return made
 
 
@@ -93,7 +94,9 @@ def test_packages_hold_what_the_manifest_says(coreml_bundles):
         states = [s.name for f in described for s in f.state] if package.kv == "state" else []
         assert set(states) == ({"key_cache", "value_cache"} if package.kv == "state" else set())
     assert manifest.coreml[0].parents == {"verify": (-1, 0, 1, 2)}
-    assert manifest.coreml[0].compute_units == "CPU_ONLY"  # the cpu profile verifies on the CPU
+    assert {p.compute_units for p in manifest.coreml} == {"CPU_ONLY"}  # the cpu profile runs both on the CPU
+    apple = open_bundle(coreml_bundles["self"])  # the apple profile: the draft on the Neural Engine
+    assert {(p.role, p.compute_units) for p in apple.coreml} == {("target", "CPU_ONLY"), ("draft", "CPU_AND_NE")}
 
 
 def test_program_semantics_match_the_model(coreml_bundles, models):
@@ -174,6 +177,10 @@ def test_coreml_backend_is_refused_off_macos(coreml_bundles):
                           "--prompt", "hi", "--backend", "coreml"], capture_output=True, text=True)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "CoreML packages run only on macOS" in run.stderr and "onnxruntime" in run.stderr
+    # an apple bundle decodes on its ONNX graphs here unless CoreML is asked for
+    run = subprocess.run([sys.executable, "-m", "edgespec.cli", "generate", str(coreml_bundles["self"]),
+                          "--prompt", "hi", "--max-new-tokens", "4"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
 
 
 @pytest.mark.parametrize("settings,message", [

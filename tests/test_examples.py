@@ -1,4 +1,5 @@
 """The examples run as written (on a tiny bundle instead of the default one)."""
+import hashlib
 import os
 import subprocess
 import sys
@@ -25,5 +26,28 @@ def test_ci_export_script(models, tmp_path):
     result = subprocess.run(["bash", str(ROOT / "examples" / "ci_export.sh"), str(models["target"]), "ngram", str(out), "256"],
                             capture_output=True, text=True, env=env_with_cli(), timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "sha256 verified" in result.stdout and "exact rows: 48 of 48" in result.stdout
-    assert (out / "bundle-cpu" / "manifest.json").is_file() and (out / "bundle-cpu.smoke.json").is_file()
+    assert "sha256 verified" in result.stdout and result.stdout.count("exact rows: 48 of 48") == 2
+    for profile in ("cpu", "apple"):
+        bundle = out / f"bundle-{profile}"
+        assert (bundle / "manifest.json").is_file() and (out / f"bundle-{profile}.smoke.json").is_file()
+        digest, name = (out / f"bundle-{profile}.tar.gz.sha256").read_text().split()
+        assert name == f"bundle-{profile}.tar.gz" and hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    assert (out / "bundle-apple" / "coreml" / "target.mlpackage").is_dir()
+    assert not (out / "bundle-cpu" / "coreml").exists()
+
+
+def test_github_workflow_runs_the_script_per_profile():
+    import yaml
+
+    workflow = yaml.safe_load((ROOT / "examples" / "github-workflow.yml").read_text())
+    job = workflow["jobs"]["export"]
+    profiles = [entry["profile"] for entry in job["strategy"]["matrix"]["include"]]
+    assert set(profiles) <= set(_profile_names()) and len(profiles) >= 3
+    steps = " ".join(str(step.get("run", "")) for step in job["steps"])
+    assert "examples/ci_export.sh" in steps and "torch==2.13.0" in steps
+
+
+def _profile_names():
+    from edgespec.targets.profiles import profiles
+
+    return profiles()
