@@ -21,6 +21,7 @@ from .dynamic_tree import DynamicDrafter
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError, InputError
 from .exactness import RowMismatch, Verdict, check_exact_rows, verdict_here
+from .heap import heap_trimmer
 from .kvcache import KVCache
 from .lookup import WithLookup
 from .model import ModelRunner
@@ -76,6 +77,7 @@ class Pipeline:
         `strict`: a provider the bundle's profile names but this onnxruntime lacks is an error, not a
         fallback with a warning."""
         self.evict_page_cache = evict_page_cache
+        self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else default_prepared_dir()
         self.manifest: Manifest = open_bundle(self.folder)
@@ -196,10 +198,16 @@ class Pipeline:
                  session: Session | None = None, drafter: Drafter | None = None, on_text=None,
                  should_stop=None) -> Result:
         ids = self.encode(prompt, messages)
+        owned = session is None  # the request's own caches: freed when it ends
         session = session or self.new_session()
         drafter = drafter or self.make_drafter(speculate)
-        return generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk, on_text,
-                        should_stop)
+        try:
+            return generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk,
+                            on_text, should_stop)
+        finally:
+            if owned:
+                del session, drafter
+            self.trim_heap()
 
 
 def load(folder, threads: int | None = None, memory_budget: int | str | None = None) -> Pipeline:
