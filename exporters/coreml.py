@@ -23,6 +23,7 @@ package only on macOS (exporters/mil_reference.py runs the saved programs here, 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import os
@@ -55,6 +56,9 @@ class CoreMLOptions:
             raise ExportError(f"--coreml-kv takes {', '.join(KV_FORMS)} (comma-separated), got {','.join(self.kv_forms)!r}")
         if self.compression not in COMPRESSIONS:
             raise ExportError(f"--coreml-compress takes {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.compression == "palette4" and importlib.util.find_spec("sklearn") is None:
+            raise ExportError("--coreml-compress palette4 clusters weights with coremltools' k-means, which needs "
+                              "scikit-learn: pip install scikit-learn (or use int8 or int4)")
         if self.compression in NEEDS_IOS18 and "io" in self.kv_forms:
             raise ExportError(f"--coreml-compress {self.compression} runs on iOS 18 / macOS 15, where KV caches are "
                               "states: the 'io' fallback for older systems takes int8 or fp16 (or pass --coreml-kv state)")
