@@ -22,9 +22,8 @@ import torch
 
 from edgespec.exporters.architectures import builder_for
 from edgespec.exporters.coreml import NEEDS_IOS18, CoreMLOptions, write_coreml
-from edgespec.exporters.mil_reference import reference_predictor
+from edgespec.exporters.mil_reference import reference_logits
 from edgespec.exporters.sources import resolve_source
-from edgespec.runtime.coreml import CoreMLModel
 from edgespec.runtime.paths import cache_dir
 from edgespec.runtime.tree import parse_tree_spec
 
@@ -36,18 +35,6 @@ TEXT = ("The Neural Engine runs fixed shapes in half precision, so a language mo
 
 def size_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
-
-
-def reference_logits(folder: Path, package, facts, ids: list[int]) -> np.ndarray:
-    predict, make_cache = reference_predictor(folder, [package], facts)
-    model = CoreMLModel(predict, package, facts.hidden_size)
-    cache = make_cache()
-    chunk, verify = package.functions["prefill"], package.functions["verify"]
-    rows = [model.run("prefill", cache, ids[:chunk], range(chunk), 0)["logits"][0]]
-    for start in range(chunk, len(ids), verify):
-        part = ids[start: start + verify]
-        rows.append(model.run("verify", cache, part, range(start, start + len(part)), start)["logits"][0, : len(part)])
-    return np.concatenate(rows).astype(np.float32)
 
 
 def main() -> None:
@@ -74,7 +61,7 @@ def main() -> None:
                 row = {"compression": compression, "kv": kv, "export_s": round(seconds, 1),
                        "size_mb": round(sum(size_mb(folder / p.file) for p in packages), 1)}
                 if kv == "state":
-                    got = reference_logits(folder, packages[0], builder.facts, ids)
+                    got = reference_logits(folder, packages[:1], builder.facts, ids)
                     diff = np.abs(got - expected[: len(got)])
                     row.update(max_logit_diff=round(float(diff.max()), 3), mean_logit_diff=round(float(diff.mean()), 4),
                                argmax_agreement=round(float((got.argmax(-1) == expected[: len(got)].argmax(-1)).mean()), 3),

@@ -9,14 +9,15 @@ import traceback
 from pathlib import Path
 
 from edgespec.bench import load_prompts, print_report, run_bench
+from edgespec.coreml_backend import coreml_predictor, coreml_refusal, preferred_kv
 from edgespec.defaults import resolve_bundle
 from edgespec.doctor import report as doctor_report
 from edgespec.inspection import check_exact, print_bundle
 from edgespec.parser import build_parser
 from edgespec.runtime import prepacked
 from edgespec.runtime.budget import parse_size, plan_memory
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.coreml import coreml_refusal, open_coreml
+from edgespec.runtime.bundle import open_bundle, read_manifest
+from edgespec.runtime.coreml import open_coreml
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ContextOverflowError, EdgespecError, InputError
 from edgespec.runtime.paths import cache_dir
@@ -127,7 +128,7 @@ def _profile_runs_coreml(args) -> bool:
     """The apple profile's bundles decode on their CoreML packages where CoreML runs (macOS)."""
     if coreml_refusal() is not None:
         return False
-    manifest = open_bundle(resolve_bundle(args.bundle))
+    manifest = read_manifest(resolve_bundle(args.bundle))  # the checksums are verified by whatever loads it
     return manifest.profile.name == "apple" and bool(manifest.coreml)
 
 
@@ -144,7 +145,7 @@ def _generate_coreml(args, config) -> None:
     codec = TextCodec(folder, manifest.tokenizer)
     ids = codec.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else codec.encode(args.prompt)
     started = time.perf_counter()
-    tokens, calls = open_coreml(folder, manifest).generate(ids, config.max_new_tokens, manifest.tokenizer.eos_token_ids,
+    tokens, calls = open_coreml(folder, manifest, preferred_kv(), coreml_predictor).generate(ids, config.max_new_tokens, manifest.tokenizer.eos_token_ids,
                                                            speculate=not args.no_speculate)
     seconds = time.perf_counter() - started
     print(codec.decode(tokens))

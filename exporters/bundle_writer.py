@@ -198,7 +198,11 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
                 finish(tmp)
             check_output(out, force)  # again: the export took a while
             (tmp / EXPORT_OWNER).unlink()
-            tmp.chmod(0o777 & ~_umask())  # mkdtemp made it private; a bundle is written like any other folder
+            # mkdtemp made the folder private, and coremltools writes some package files 0600: a bundle is
+            # written like any other folder, by the user's umask
+            mask = _umask()
+            for path in [tmp, *tmp.rglob("*")]:
+                path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
             old = out.with_name(f".{out.name}.replaced") if out.exists() else None
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)

@@ -26,7 +26,6 @@ import contextlib
 import importlib.util
 import io
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,7 +294,6 @@ def write_coreml(folder: Path, role: str, model: LlamaBuilder, tree: Topology, p
                 entries += _place(out, role, kv_form, plans, parts, options.compression, compute_units, capacity)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    _as_umask_allows(out)
     return entries
 
 
@@ -311,14 +309,6 @@ def quiet_coremltools():
             yield
     finally:
         logger.setLevel(level)
-
-
-def _as_umask_allows(root: Path) -> None:
-    """coremltools writes some package files private (0600); a bundle is written like any other folder."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for path in [root, *root.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _place(out: Path, role: str, kv_form: str, plans, parts: dict[str, Path], compression: str,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.runtime.coreml import io_cache
+from edgespec.runtime.coreml import CoreMLModel, io_cache, merged_package
 from edgespec.runtime.errors import ExportError
 
 from .coreml import quiet_coremltools
@@ -167,3 +167,18 @@ def reference_predictor(folder: Path, packages, facts, activations=np.float16) -
         return runners[name](feed, cache if kv == "state" else {})
 
     return predict, make_cache
+
+
+def reference_logits(folder: Path, packages, facts, ids: list[int], activations=np.float16) -> np.ndarray:
+    """The logits of every token of `ids` from a target's saved packages of one KV form, run here: one
+    prefill chunk, then verify calls on the rest."""
+    predict, make_cache = reference_predictor(folder, packages, facts, activations)
+    package = merged_package(packages)
+    model = CoreMLModel(predict, package, facts.hidden_size)
+    cache = make_cache()
+    chunk, verify = package.functions["prefill"], package.functions["verify"]
+    rows = [model.run("prefill", cache, ids[:chunk], range(chunk), 0)["logits"][0]]
+    for start in range(chunk, len(ids), verify):
+        part = ids[start: start + verify]
+        rows.append(model.run("verify", cache, part, range(start, start + len(part)), start)["logits"][0, : len(part)])
+    return np.concatenate(rows).astype(np.float32)

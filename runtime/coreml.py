@@ -1,11 +1,10 @@
-"""A bundle's CoreML packages on Apple devices: the manifest's entries for them, and the decode loop that
-runs them through coremltools' prediction API (macOS only) — or, for checks anywhere, through any callable
-with the same contract (exporters/mil_reference.py runs the saved programs in numpy).
+"""A bundle's CoreML packages on Apple devices: the decode loop that runs them through a predictor — on
+macOS CoreML's prediction API (edgespec/coreml_backend.py, behind the [coreml] extra), for checks anywhere
+the saved programs run in numpy (exporters/mil_reference.py). The runtime itself needs neither.
 
 The packages' contract is exporters/coreml.py's: static N tokens per call, written at `write_pos`."""
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,19 +17,6 @@ from .coreml_package import CoreMLPackage
 from .errors import InputError
 from .features import draft_inputs
 from .tree import Topology
-
-
-def coreml_refusal() -> str | None:
-    """Why CoreML packages cannot run here, or None on macOS with coremltools' runtime."""
-    if platform.system() != "Darwin":
-        return (f"CoreML packages run only on macOS (this is {platform.system() or 'an unknown system'}); here the "
-                "bundle's ONNX graphs run on onnxruntime instead: leave out --backend coreml")
-    try:
-        from coremltools import libcoremlpython  # noqa: F401
-    except ImportError:
-        return "CoreML needs coremltools with its macOS runtime: pip install 'edgespec[coreml]'"
-    return None
-
 
 # predict(function name, feed, cache) -> outputs; the cache is what make_cache returned
 Predict = Callable[[str, dict, object], dict]
@@ -46,30 +32,6 @@ class IOCache:
 def io_cache(facts, capacity: int) -> IOCache:
     shape = (facts.num_layers, facts.num_kv_heads, capacity, facts.head_dim)
     return IOCache(np.zeros(shape, np.float16), np.zeros(shape, np.float16))
-
-
-def coreml_predictor(folder: Path, packages: list[CoreMLPackage], facts) -> tuple[Predict, Callable[[], object]]:
-    """coremltools' prediction API over one role's packages of one KV form: (predict, make_cache). macOS only."""
-    reason = coreml_refusal()
-    if reason is not None:
-        raise InputError(reason)
-    import coremltools as ct
-
-    models = {}
-    for package in packages:
-        units = getattr(ct.ComputeUnit, package.compute_units)
-        for name in package.functions:
-            models[name] = ct.models.MLModel(str(Path(folder) / package.file), compute_units=units,
-                                             **({"function_name": name} if package.kv == "state" else {}))
-    if packages[0].kv == "state":
-        return (lambda name, feed, state: models[name].predict(feed, state=state)), next(iter(models.values())).make_state
-    return (lambda name, feed, cache: models[name].predict(feed)), lambda: io_cache(facts, packages[0].capacity)
-
-
-def preferred_kv() -> str:
-    """KV caches as states from macOS 15 on; passed in and out before."""
-    release = platform.mac_ver()[0]
-    return "state" if release and int(release.split(".")[0]) >= 15 else "io"
 
 
 @dataclass
@@ -88,10 +50,9 @@ class CoreMLBundle:
                                self.prefill_chunk, eos_ids)
 
 
-def open_coreml(folder: Path, manifest, kv: str | None = None, predictor=coreml_predictor) -> CoreMLBundle:
-    """Needs a verified manifest (runtime/bundle.open_bundle). Opens the bundle's CoreML packages of KV form `kv` (default: what this macOS runs) through
-    `predictor(folder, packages, facts)`; exporters/mil_reference.reference_predictor runs them anywhere."""
-    kv = kv or preferred_kv()
+def open_coreml(folder: Path, manifest, kv: str, predictor) -> CoreMLBundle:
+    """Opens the bundle's CoreML packages of KV form `kv` through `predictor(folder, packages, facts)`, which
+    returns (predict, make_cache). Needs a verified manifest (runtime/bundle.open_bundle)."""
     chosen = {role: [p for p in manifest.coreml if p.role == role and p.kv == kv] for role in ("target", "draft")}
     if not chosen["target"]:
         forms = sorted({p.kv for p in manifest.coreml})
@@ -100,18 +61,18 @@ def open_coreml(folder: Path, manifest, kv: str | None = None, predictor=coreml_
     target_facts = manifest.target.facts
     predict, make_cache = predictor(folder, chosen["target"], target_facts)
     gives_features = manifest.draft is not None and manifest.draft.graph.inputs.get("features") is not None
-    target = CoreMLModel(predict, _merged(chosen["target"]), target_facts.hidden_size)
+    target = CoreMLModel(predict, merged_package(chosen["target"]), target_facts.hidden_size)
     tree = Topology(next(p.parents["verify"] for p in chosen["target"] if "verify" in p.parents))
     draft, draft_cache = None, None
     if chosen["draft"]:
         draft_predict, make_draft_cache = predictor(folder, chosen["draft"], manifest.draft.facts)
-        draft = CoreMLModel(draft_predict, _merged(chosen["draft"]), manifest.draft.facts.hidden_size,
+        draft = CoreMLModel(draft_predict, merged_package(chosen["draft"]), manifest.draft.facts.hidden_size,
                             reads_features=gives_features, head_tokens=read_head_tokens(folder, manifest.draft))
         draft_cache = make_draft_cache()
     return CoreMLBundle(target, make_cache(), draft, draft_cache, tree, manifest.prefill_chunk)
 
 
-def _merged(packages: list[CoreMLPackage]) -> CoreMLPackage:
+def merged_package(packages: list[CoreMLPackage]) -> CoreMLPackage:
     """One role's io packages (one function each) seen as one."""
     functions = {name: nodes for p in packages for name, nodes in p.functions.items()}
     return CoreMLPackage(**{**packages[0].__dict__, "functions": functions})
@@ -176,7 +137,9 @@ def greedy_generate(target: CoreMLModel, target_cache, draft: CoreMLModel | None
         raise InputError("the CoreML loop verifies chains; this bundle's tree branches")
     if not prompt:
         raise InputError("the prompt is empty")
-    features = _prefill(target, target_cache, prompt[:-1], prefill_chunk)  # target features per committed row
+    # the target's feature at every committed row, for a draft that reads them: written in place, never regrown
+    features = np.zeros((target.capacity, target.hidden_size), np.float32) if draft and draft.reads_features else None
+    _prefill(target, target_cache, prompt[:-1], prefill_chunk, keep=features)
     if draft is not None:
         _prefill(draft, draft_cache, prompt[:-1], prefill_chunk, features)
     out, calls, length, last = [], 0, len(prompt) - 1, prompt[-1]  # length: rows in both caches
@@ -186,8 +149,8 @@ def greedy_generate(target: CoreMLModel, target_cache, draft: CoreMLModel | None
         calls += 1
         choices = np.argmax(verified["logits"][0, : len(chain)], axis=-1)
         path, bonus = accept_greedy(np.array(chain), Topology(tuple(range(-1, len(chain) - 1))).children, choices)
-        if "features_out" in verified:
-            features = np.concatenate([features, verified["features_out"][0, : len(path)].astype(np.float32)])
+        if features is not None:
+            features[length: length + len(path)] = verified["features_out"][0, : len(path)]
         if draft is not None and len(path) == len(chain) > 1:  # the draft never ran the chain's last token
             _draft_step(draft, draft_cache, chain[-1], length + len(chain) - 1, features)
         length += len(path)
@@ -215,13 +178,12 @@ def _draft_chain(draft: CoreMLModel, cache, last: int, length: int, count: int, 
     return drafted
 
 
-def _prefill(model: CoreMLModel, cache, tokens: list[int], chunk: int, target_features=None) -> np.ndarray | None:
-    """Runs `tokens` chunk by chunk from row 0; returns the features of every row, for a target that gives them."""
-    out = []
+def _prefill(model: CoreMLModel, cache, tokens: list[int], chunk: int, target_features=None, keep=None) -> None:
+    """Runs `tokens` chunk by chunk from row 0. A draft that reads features gets `target_features`;
+    `keep` (if given) receives the features the model returns for every row."""
     for start in range(0, len(tokens), chunk):
         part = tokens[start: start + chunk]
         fed = draft_inputs(target_features, start, start + len(part)) if model.reads_features else None
         result = model.run("prefill", cache, part, range(start, start + len(part)), start, fed)
-        if "features_out" in result:
-            out.append(result["features_out"][0, : len(part)].astype(np.float32))
-    return np.concatenate(out) if out else np.zeros((0, model.hidden_size), np.float32)
+        if keep is not None:
+            keep[start: start + len(part)] = result["features_out"][0, : len(part)]

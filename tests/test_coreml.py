@@ -13,9 +13,13 @@ import pytest
 import torch
 
 from edgespec.exporters.export import ExportConfig, export
-from edgespec.exporters.mil_reference import load_program, reference_predictor
+from edgespec.exporters.mil_reference import (
+    load_program,
+    reference_logits,
+    reference_predictor,
+)
 from edgespec.runtime.bundle import open_bundle, read_manifest, verify_files
-from edgespec.runtime.coreml import CoreMLModel, open_coreml
+from edgespec.runtime.coreml import open_coreml
 from edgespec.runtime.errors import BundleError, ExportError
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 12, 100, 3, 64, 9, 150, 21]
@@ -53,17 +57,7 @@ def _hf_logits(model_folder, ids, round_to_fp16=False) -> np.ndarray:
 def _reference_logits(folder, manifest, kv, ids, activations=np.float16) -> np.ndarray:
     """Logits of every token of `ids`: a prefill chunk, then the verify function on the rest."""
     packages = [p for p in manifest.coreml if p.role == "target" and p.kv == kv]
-    predict, make_cache = reference_predictor(folder, packages, manifest.target.facts, activations)
-    merged = {name: n for p in packages for name, n in p.functions.items()}
-    model = CoreMLModel(predict, packages[0].__class__(**{**packages[0].__dict__, "functions": merged}),
-                        manifest.target.facts.hidden_size)
-    cache = make_cache()
-    chunk, verify = merged["prefill"], merged["verify"]
-    rows = [model.run("prefill", cache, ids[:chunk], range(chunk), 0)["logits"][0]]
-    for start in range(chunk, len(ids), verify):
-        part = ids[start: start + verify]
-        rows.append(model.run("verify", cache, part, range(start, start + len(part)), start)["logits"][0, : len(part)])
-    return np.concatenate(rows).astype(np.float32)
+    return reference_logits(folder, packages, manifest.target.facts, ids, activations)
 
 
 def test_packages_hold_what_the_manifest_says(coreml_bundles):
