@@ -53,6 +53,7 @@ def print_bundle(folder: Path) -> None:
         where = "this device" if recorded.get("machine") == machine_key() else "another device"
         print(f"  exactness: checked at export on {where} (onnxruntime {recorded.get('onnxruntime')}): "
               f"{recorded.get('rows')} rows, {recorded.get('differ')} differ"
+              + (f", one-token steps run {recorded['min_rows']} row(s)" if "min_rows" in recorded else "")
               + ("" if where == "this device" else "; checked again here on first speculative use"))
     tree = manifest.tree
     print(f"  tree: {tree.size} nodes, depth {tree.max_depth}, parents {list(tree.parents)}")
@@ -80,7 +81,8 @@ def print_bundle(folder: Path) -> None:
 
 def check_exact(folder: Path) -> None:
     """Runs runtime/exactness.py's checks on the bundle's target here; raises InexactRowsError if a row differs."""
-    compared, differ = Pipeline(folder).check_exact()
+    pipeline = Pipeline(folder)
+    compared, differ = pipeline.check_exact()
     where = f"onnxruntime {onnxruntime.__version__} on this CPU"
     if differ:
         worst = max(m.max_abs_diff for m in differ)
@@ -88,5 +90,7 @@ def check_exact(folder: Path) -> None:
         raise InexactRowsError(f"{len(differ)} of {compared} rows differ from plain decoding's bits ({kinds}; largest "
                                f"difference {worst:.3g}) with {where}: greedy speculative output may differ from "
                                "plain decoding here; decode with --no-speculate, and report it with your CPU model")
+    rows = pipeline.target.min_rows
     print(f"  exact rows: {compared} of {compared} tokens have plain decoding's bits in prefill chunks, one-token "
-          f"steps and a verified tree, with {where}")
+          f"steps and a verified tree, with {where}; a one-token step runs "
+          + ("one row" if rows == 1 else f"{rows} rows (one alone would round differently here)"))

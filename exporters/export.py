@@ -18,7 +18,7 @@ from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
-from edgespec.runtime.exactness import check_exact_rows
+from edgespec.runtime.exactness import fewest_exact_rows
 from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.model import ModelRunner
@@ -300,9 +300,9 @@ def _write_coreml(folder: Path, config: ExportConfig, plan: ExportPlan, target_b
 def check_exactness(graph: Path, facts) -> dict:
     """runtime/exactness.py's check on the written target graph, as the manifest records it."""
     runner = ModelRunner(make_session(graph, ("CPUExecutionProvider",), default_threads()), facts)
-    compared, differ = check_exact_rows(runner)
+    min_rows, compared, differ = fewest_exact_rows(runner)
     return {"machine": machine_key(), "onnxruntime": onnxruntime.__version__, "exact": not differ,
-            "rows": compared, "differ": len(differ)}
+            "rows": compared, "differ": len(differ), "min_rows": min_rows}
 
 
 def _draft_builder(source, info: DraftInfo, tokenizer, target_builder, context: int):

@@ -146,7 +146,8 @@ class Manifest:
     edgespec_version: str = ""
     created: str = ""  # UTC, ISO 8601
     quality: dict | None = None  # quality.json's figures, as measured at export
-    # the exactness check at export: {"machine": runtime/device.machine_key(), "exact": bool, "onnxruntime": version}
+    # the exactness check at export: {"machine": runtime/device.machine_key(), "exact": bool, "onnxruntime": version,
+    # "rows", "differ", "min_rows": the rows a one-token step runs on that machine (runtime/exactness.py)}
     exactness: dict | None = None
     coreml: tuple[CoreMLPackage, ...] = ()  # CoreML packages beside the ONNX graphs (runtime/coreml.py)
 

@@ -6,6 +6,12 @@ tree (runtime/model.py says how the graph arranges that). What it rests on is ho
 kernels round, and those differ by instruction set (AVX2, AVX-512, NEON, SME) and by release. The tests
 prove it where they run; `check_exact_rows` proves it for one bundle's target on the device at hand
 (`edgespec inspect BUNDLE --check-exact`), and returns every row that differs rather than stopping at one.
+
+How many rows a one-token step needs is measured here too (`fewest_exact_rows`). Where the device's
+one-row kernels round as its multi-row ones (history.md §49: MatMulNBits at accuracy level 4 with
+AVX-512 VNNI), a step runs one row, as onnxruntime-genai's does; where they do not (§40: the same op on
+AVX2 without VNNI), a padding row keeps every matmul on its multi-row kernel. Plain and speculative
+decoding on one device always run the same count, so they compare the same bits.
 """
 from __future__ import annotations
 
@@ -118,9 +124,10 @@ class Verdict:
 
     exact: bool
     reason: str
+    min_rows: int  # the rows a one-token step runs here: 1 where one row keeps the bits, else the graph's
 
     def to_dict(self) -> dict:
-        return {"exact": self.exact, "reason": self.reason}
+        return {"exact": self.exact, "reason": self.reason, "min_rows": self.min_rows}
 
 
 def verdict_here(recorded: dict | None, target_checksum: str, runner, cache_root: Path) -> Verdict:
@@ -129,16 +136,19 @@ def verdict_here(recorded: dict | None, target_checksum: str, runner, cache_root
     verdict is cached for the next load."""
     here = machine_key()
     # a device whose CPU features cannot be read cannot tell itself from another of its kind: check it
-    if recorded and features_known() and recorded.get("machine") == here and isinstance(recorded.get("exact"), bool):
-        return Verdict(recorded["exact"], f"checked at export, {describe()}")
-    place = Path(cache_root) / "exactness" / f"{target_checksum[:32]}-{here}.json"
+    if recorded and features_known() and recorded.get("machine") == here and isinstance(recorded.get("exact"), bool) \
+            and _valid_rows(recorded.get("min_rows")):
+        return Verdict(recorded["exact"], f"checked at export, {describe()}", recorded["min_rows"])
+    # "rows": verdicts from before the one-row trial (they name no min_rows) are checked again
+    place = Path(cache_root) / "exactness" / f"{target_checksum[:32]}-{here}-rows.json"
     cached = _cached_verdict(place)
     if cached is not None:
         return cached
-    compared, differ = check_exact_rows(runner)
+    min_rows, compared, differ = fewest_exact_rows(runner)
     verdict = Verdict(not differ, f"checked on first load, {describe()}: "
                       + (f"{compared} of {compared} rows keep their bits" if not differ else
-                         f"{len(differ)} of {compared} rows differ from plain decoding"))
+                         f"{len(differ)} of {compared} rows differ from plain decoding")
+                      + f"; one-token steps run {min_rows} row{'s' if min_rows > 1 else ''}", min_rows)
     with contextlib.suppress(OSError):  # a cache that cannot be written costs the next load a check, nothing more
         place.parent.mkdir(parents=True, exist_ok=True)
         partial = place.with_name(f"{place.name}.{os.getpid()}.partial")  # loads in parallel never share it
@@ -151,9 +161,31 @@ def _cached_verdict(place: Path) -> Verdict | None:
     """An earlier load's verdict; None when there is none or it cannot be read (then the check runs)."""
     try:
         cached = json.loads(place.read_text(encoding="utf-8"))
-        return Verdict(bool(cached["exact"]), str(cached["reason"]))
+        if not _valid_rows(cached["min_rows"]):
+            return None
+        return Verdict(bool(cached["exact"]), str(cached["reason"]), cached["min_rows"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _valid_rows(value) -> bool:
+    return type(value) is int and value in (1, 2)
+
+
+def fewest_exact_rows(runner, check=None) -> tuple[int, int, list[RowMismatch]]:
+    """Sets `runner.min_rows` to the fewest rows a one-token step needs on this device for every row to
+    keep its bits: one where the check passes at one row, else the graph's own minimum (a padding row).
+    Returns (min_rows, rows compared, the rows that differ at that count). `check`: check_exact_rows."""
+    check = check or check_exact_rows
+    graph_rows = runner.graph_min_rows
+    if graph_rows > 1:
+        runner.min_rows = 1
+        compared, differ = check(runner)
+        if not differ:
+            return 1, compared, differ
+    runner.min_rows = graph_rows
+    compared, differ = check(runner)
+    return graph_rows, compared, differ
 
 
 def check_exact_rows(runner: ModelRunner) -> tuple[int, list[RowMismatch]]:

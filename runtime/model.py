@@ -21,7 +21,9 @@ from .tree import Topology
 # A draft's passes need no such care: their rows need not match anything, and one row is the fastest.
 # A graph whose matmuls all accumulate in integers (quant/integer.py) has the same bits at one row; the
 # exporter records that in the graph's metadata under EXACT_ROWS_KEY. (Its attention still takes two
-# slots: pass_feed.)
+# slots: pass_feed.) Which kernels a CPU takes differs by instruction set: where the device's one-row
+# kernels round as its multi-row ones, runtime/exactness.py's check proves it and the runner's
+# `min_rows` drops to 1 for plain and speculative decoding alike (history.md §49).
 MIN_ROWS = 2
 EXACT_ROWS_KEY = "edgespec.exact_min_rows"
 
@@ -72,7 +74,8 @@ class ModelRunner:
         self.gives_features = FEATURES_OUT in {o.name for o in session.get_outputs()}
         self.head_size = facts.vocab_size if head_tokens is None else len(head_tokens)
         self.lanes = graph_lanes(session, facts)
-        self.min_rows = exact_min_rows(session)
+        self.graph_min_rows = exact_min_rows(session)  # what the graph guarantees on any device
+        self.min_rows = self.graph_min_rows  # what a one-token step runs: set by the device's check
         self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from . import prepacked
 from .budget import parse_size, plan_memory
+from .device import describe
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
 from .drafters import (
     Drafter,
@@ -20,7 +21,7 @@ from .drafters import (
 from .dynamic_tree import DynamicDrafter
 from .engine import GenerationConfig, Result, Session, generate
 from .errors import BundleError, InputError
-from .exactness import RowMismatch, Verdict, check_exact_rows, verdict_here
+from .exactness import RowMismatch, Verdict, fewest_exact_rows, verdict_here
 from .heap import heap_trimmer
 from .kvcache import KVCache
 from .lookup import WithLookup
@@ -154,11 +155,13 @@ class Pipeline:
 
     @property
     def exactness(self) -> Verdict:
-        """Whether speculation keeps plain decoding's bits here: recorded at export for the device that
-        exported it; elsewhere checked once on first use and cached per device (runtime/exactness.py)."""
+        """Whether speculation keeps plain decoding's bits here, and at how many rows a one-token step does:
+        recorded at export for the device that exported it; elsewhere checked once on first use and cached
+        per device (runtime/exactness.py). The target runs that many rows from then on, plain or not."""
         if self._exactness is None:
             m = self.manifest
             self._exactness = verdict_here(m.exactness, m.files.get(m.target.graph.file, ""), self.target, cache_dir())
+            self.target.min_rows = self._exactness.min_rows
         return self._exactness
 
     def make_drafter(self, speculate: bool) -> Drafter:
@@ -185,8 +188,11 @@ class Pipeline:
 
     def check_exact(self) -> tuple[int, list[RowMismatch]]:
         """Whether this device gives every token of the target plain decoding's bits in any pass, which
-        greedy speculation's exactness rests on: (tokens compared, those that differ). Takes seconds."""
-        return check_exact_rows(self.target)
+        greedy speculation's exactness rests on: (tokens compared, those that differ), at the fewest rows
+        per one-token step that keep them (then `target.min_rows`). Takes seconds."""
+        min_rows, compared, differ = fewest_exact_rows(self.target)
+        self._exactness = Verdict(not differ, f"checked now, {describe()}", min_rows)
+        return compared, differ
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
@@ -198,6 +204,7 @@ class Pipeline:
                  session: Session | None = None, drafter: Drafter | None = None, on_text=None,
                  should_stop=None) -> Result:
         ids = self.encode(prompt, messages)
+        _ = self.exactness  # plain decoding too: it sets how many rows a one-token step runs here
         owned = session is None  # the request's own caches: freed when it ends
         session = session or self.new_session()
         drafter = drafter or self.make_drafter(speculate)

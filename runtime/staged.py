@@ -37,7 +37,7 @@ from .errors import InputError
 from .facts import ModelFacts
 from .features import FEATURES_OUT
 from .kvcache import KVCache
-from .model import Pass, pass_feed, run_bound
+from .model import MIN_ROWS, Pass, pass_feed, run_bound
 from .sessions import make_session
 
 
@@ -155,6 +155,8 @@ class StagedRunner:
         `lanes`: the root-to-leaf paths the stages' graphs attend in (the manifest's)."""
         self.window, self.facts, self.embedding = window, facts, embedding
         self.lanes = lanes
+        self.graph_min_rows = MIN_ROWS
+        self.min_rows = MIN_ROWS  # what a one-token step runs: set by the device's check (runtime/exactness.py)
         self.run_seconds = 0.0  # time inside onnxruntime (and waiting for stages), all passes so far
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
@@ -163,7 +165,7 @@ class StagedRunner:
         if features is not None:
             raise InputError("a staged target reads no features; only a draft does")
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
-                           logit_rows, past_mask, exact_rows)
+                           logit_rows, past_mask, exact_rows, self.min_rows)
         feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]
         widths = {"hidden_out": self.facts.hidden_size, "branch_out": self.facts.hidden_size,
                   FEATURES_OUT: self.facts.hidden_size, "logits": self.facts.vocab_size}
