@@ -18,8 +18,9 @@ args = parser.parse_args()
 
 pipeline = Pipeline(resolve_bundle(args.bundle), args.threads)
 chunk = pipeline.manifest.prefill_chunk
+rows = pipeline.exactness.min_rows  # a one-node pass runs what this device's one-token steps run
 seconds = pass_seconds(pipeline.target, chunk, (1, 2, 3, 4, 5, 6, 8, 10, 12, 16), args.past, args.repeats)
-print(f"past {args.past} tokens, {pipeline.threads} threads")
+print(f"past {args.past} tokens, {pipeline.threads} threads, one-token steps of {rows} row(s)")
 for n, s in seconds.items():
     print(f"target N={n:3d}  {s * 1000:7.2f} ms per pass  ({s / seconds[1]:.2f}x of N=1)")
 if pipeline.draft is not None:

@@ -206,6 +206,7 @@ def _measure_costs(pipeline: Pipeline, most_nodes: int) -> tuple[dict[int, float
     in a lane of its own: measured on stars, whose n nodes need n - 1 lanes)."""
     past = min(256, pipeline.context // 2)
     chunk = pipeline.manifest.prefill_chunk
+    _ = pipeline.exactness  # one-node passes cost what this device's one-token steps do: one row or two
     verify = pass_seconds(pipeline.target, chunk, range(1, most_nodes + 1), past, repeats=15)
     stars = range(3, min(most_nodes, pipeline.target.lanes + 1) + 1)
     star = pass_seconds(pipeline.target, chunk, stars, past, repeats=15, star=True) if len(stars) else {}
