@@ -18,9 +18,10 @@ SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instru
 # int4 weights, the one int4 scheme within +2% perplexity of fp32 here: exact per-block float offsets
 # (the reference GGUF's Q4_1 grid, reproduced) with the head in int8, +0.07% (history.md §40); the
 # tree `edgespec tune` chose for this draft (§13), with prompt lookup while the answer quotes its context
-# only: on int4 every node costs a row of compute, and shorter matches do not pay for theirs (§32)
+# only: on int4 every node costs a row of compute, and shorter matches do not pay for theirs (§32). A
+# quote's chain stands alone (runtime/lookup.py), so every tree is one path and the graph one lane (§49)
 DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 0,
-                  "lookup_quote": 10, "quant": "int4", "symmetric": False}
+                  "lookup_quote": 10, "quant": "int4", "symmetric": False, "lanes": 1}
 
 
 def _shipped_draft_digest() -> str:

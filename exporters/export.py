@@ -80,11 +80,12 @@ def default_tree(draft: str) -> str:
     return "chain:11" if kind is not None and kind.looks_up_ngrams else "chain:4"
 
 
-def graph_lanes(topology: Topology, dynamic: DynamicTreeConfig | None, lookup_tokens: int) -> int:
-    """The lanes of the target graph: the tree's root-to-leaf paths with the lookup chain beside them, up to
-    MAX_LANES. Every lane's attention runs on every pass, so a tree of chains gets one."""
+def graph_lanes(topology: Topology, dynamic: DynamicTreeConfig | None, grafted_lookup: bool) -> int:
+    """The lanes of the target graph: the tree's root-to-leaf paths, with the lookup chain beside them when
+    it is grafted onto the model's tree (a lookup that drafts only while quoting stands alone: WithLookup),
+    up to MAX_LANES. Every lane's attention runs on every pass, so a tree of chains gets one."""
     paths = dynamic.budget - 1 if dynamic is not None else topology.leaves
-    return lanes_for(paths + (1 if lookup_tokens else 0))
+    return lanes_for(paths + (1 if grafted_lookup else 0))
 
 
 def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
@@ -163,7 +164,7 @@ def plan_export(config: ExportConfig) -> ExportPlan:
     if config.context < topology.size + lookup_tokens + 2:
         raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes"
                           + (f" and {lookup_tokens} lookup tokens" if lookup_tokens else ""))
-    lanes = config.lanes if config.lanes is not None else graph_lanes(topology, dynamic, lookup_tokens)
+    lanes = config.lanes if config.lanes is not None else graph_lanes(topology, dynamic, config.lookup > 0)
     if not 1 <= lanes <= MAX_LANES:
         raise ExportError(f"--lanes must be between 1 and {MAX_LANES} (got {lanes})")
     if config.prefill_chunk < 2:

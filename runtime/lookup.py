@@ -18,7 +18,8 @@ class LookupConfig:
     way it continued after an earlier occurrence of its suffix (n = min_n..max_n tokens), and up to
     `quote_tokens` when all max_n of the suffix's tokens occurred before (0: no longer than `tokens`).
     `tokens` = 0 drafts by lookup only while quoting: where each node costs (int4 weights), a shorter
-    match does not pay for its nodes (benchmarks/history.md §32)."""
+    match does not pay for its nodes (benchmarks/history.md §32); a quote's chain then stands alone
+    (WithLookup)."""
     tokens: int = 4
     min_n: int = 1
     max_n: int = 4
@@ -42,13 +43,18 @@ class LookupConfig:
 
 
 class WithLookup:
-    """A draft model's tree with a prompt-lookup chain grafted on at the root.
+    """A draft model's tree with a prompt-lookup chain grafted on at the root; or, when the lookup drafts
+    only while quoting (`config.tokens == 0`), one or the other.
 
     Where the answer quotes its context (code edits, rewrites, summaries) the lookup chain runs long and
     is accepted whole; elsewhere the draft model's candidates do the work. Nodes are shared where the
     chain starts with the model's own candidates, so the tree grows by at most `config.longest` nodes. Under
     sampling the lookup tokens are point masses beside the model's drawn siblings (tree.drawn), which
     the acceptance rule handles exactly (runtime/accept.py).
+
+    A quote's chain alone, without the model's tree beside it, is one path: the target graph needs no
+    lane for it (every lane's attention runs on every pass, and keeps its own copy of the context), and the
+    draft model does not run while the answer quotes (it catches up on the quote in one pass afterwards).
     """
 
     def __init__(self, inner: Drafter, config: LookupConfig):
@@ -57,6 +63,9 @@ class WithLookup:
 
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
+        if self.config.tokens == 0:  # lookup only while quoting: the quote's chain, else the model's tree
+            chain = self.ngram.propose(committed, min(max_nodes, 1 + self.config.longest), None)
+            return chain if chain.size > 1 else self.inner.propose(committed, max_nodes, sampler, target_features)
         tree = self.inner.propose(committed, max_nodes, sampler, target_features)
         if tree.size >= max_nodes:
             return tree

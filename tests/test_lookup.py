@@ -151,6 +151,40 @@ def test_lookup_quote_tokens_lengthen_the_chain_only_on_a_full_match():
             LookupConfig(**bad)
 
 
+class CountingDrafter(FixedDrafter):
+    def __init__(self, tree):
+        super().__init__(tree)
+        self.calls = 0
+
+    def propose(self, committed, max_nodes, sampler, target_features=None):
+        self.calls += 1
+        return self.tree
+
+
+def test_a_lookup_only_while_quoting_stands_alone_and_the_model_rests_meanwhile():
+    """A quote's chain is the whole tree (one path: no lane beside the model's tree) and the draft model is
+    not run; off the quote the model's tree is proposed as it is."""
+    model_tree = Tree.from_parents((-1, 0), [6, 30])
+    model = CountingDrafter(model_tree)
+    drafter = WithLookup(model, LookupConfig(tokens=0, min_n=1, max_n=2, quote_tokens=5))
+    quoting = drafter.propose([5, 6, 7, 8, 9, 10, 11, 5, 6], 16, None)
+    assert quoting.parents == (-1, 0, 1, 2, 3, 4) and list(quoting.tokens[1:]) == [7, 8, 9, 10, 11]
+    assert model.calls == 0 and quoting.q_draft is None
+    assert drafter.propose([5, 6, 7, 8, 9, 10, 11, 5, 6], 3, None).size == 3  # within what fits
+    assert model.calls == 0
+    drafter = WithLookup(model, LookupConfig(tokens=0, min_n=1, max_n=2, quote_tokens=5))  # a new context
+    elsewhere = drafter.propose([5, 6, 7, 8, 9, 10, 11, 4, 6], 16, None)
+    assert elsewhere is model_tree and model.calls == 1
+
+
+def test_the_target_graph_gets_a_lane_for_the_lookup_only_where_it_is_grafted():
+    from edgespec.exporters.export import graph_lanes
+    chain = Topology((-1, 0))
+    assert graph_lanes(chain, None, grafted_lookup=True) == 2
+    assert graph_lanes(chain, None, grafted_lookup=False) == 1
+    assert graph_lanes(Topology((-1, 0, 0)), None, grafted_lookup=False) == 2
+
+
 @pytest.mark.parametrize("tree,quote", [("chain:1", 0), ("dynamic:4", 0), ("chain:1", 9)])
 def test_lookup_is_lossless(tree, quote, bundle_factory):
     """The verified trees do carry grafted chains (the prompts repeat), and the output stays exact.
@@ -233,3 +267,27 @@ def test_tune_costs_the_lookup_nodes_and_writes_the_length_it_chose(quote, bundl
         assert (written.min_n, written.max_n) == (1, 4)
     assert sorted(map(int, result["pass_ms"])) == list(range(1, 4 + 4 + 1))
     assert result["tree"]["size"] <= 4 and result["measured_tokens_per_pass"] >= 1
+
+
+@pytest.mark.parametrize("draft", ["draft", "target"])
+def test_a_quote_standing_alone_is_lossless_with_one_lane(draft, bundle_factory):
+    """Lookup only while quoting: the graph has one lane, quotes and the model's trees take turns, the draft
+    model catches up on what it did not see, and the output is plain decoding's."""
+    pipeline = Pipeline(bundle_factory(draft=draft, tree="chain:2", lookup=0, lookup_quote=6))
+    assert pipeline.manifest.target.lanes == 1
+    # a random model seldom repeats 4 tokens of its context; one repeated token makes a full match here
+    pipeline.lookup = LookupConfig(tokens=0, min_n=1, max_n=1, quote_tokens=6)
+    kinds = set()
+    for prompt in REPEATING:
+        drafter = pipeline.make_drafter(True)
+        propose = drafter.propose
+
+        def recording(*args, **kwargs):
+            tree = propose(*args, **kwargs)
+            kinds.add("quote" if tree.q_draft is None and tree.size > 3 else "model")
+            return tree
+
+        drafter.propose = recording
+        plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
+        assert pipeline.generate(prompt, config=CONFIG, drafter=drafter).token_ids == plain.token_ids
+    assert kinds == {"quote", "model"}
