@@ -98,6 +98,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         lookup=pipeline.lookup.tokens if pipeline.lookup else 0,
         lookup_quote=pipeline.lookup.quote_tokens if pipeline.lookup else 0,
         ngram=pipeline.manifest.ngram.to_dict() if pipeline.manifest.ngram else None,
+        step_rows=pipeline.target.min_rows,  # 1, or 2 where this device's one-row kernels round differently
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     )
     return report
@@ -119,7 +120,9 @@ def print_report(report: dict, out=None) -> None:
           + (f" ({report['lookup_quote']} when quoting)" if report.get("lookup_quote") else "")
           + (_ngram_text(report["ngram"]) if report.get("ngram") else ""), file=out)
     print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms   "
-          f"{100 * p['python_share']:.1f}% outside onnxruntime", file=out)
+          f"{100 * p['python_share']:.1f}% outside onnxruntime"
+          + (f"   one-token steps of {report['step_rows']} rows (docs/exactness.md)" if report.get("step_rows", 1) > 1
+             else ""), file=out)
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{100 * s['python_share']:.1f}% outside onnxruntime   {s['mean_accepted_per_pass']:.2f} tokens per target pass",
           file=out)

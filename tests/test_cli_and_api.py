@@ -64,6 +64,8 @@ def test_bench_json_keys(bundle_factory, tmp_path, capsys):
     assert all(0 < report[mode]["python_share"] < 1 for mode in ("plain", "speculative"))
     assert report["speedup"] > 0 and report["peak_rss_mb"] > 0
     assert report["tree"] == "chain:4" and report["ngram"] == {"min_n": 1, "max_n": 4, "partial_match_depth": 5}
+    recorded = json.loads((bundle_factory() / "manifest.json").read_text())["exactness"]
+    assert report["step_rows"] == recorded["min_rows"]  # the rows this device's check chose at export
     assert main(["bench", str(bundle_factory()), "--prompts", str(prompts), "--max-new-tokens", "8"]) == 0
     assert "tree: chain:4, n-grams of 1..4 tokens, depth 5 unless quoting" in capsys.readouterr().out
 
