@@ -104,3 +104,19 @@ def test_cli_sampling_options(bundle_factory, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["identical_greedy"] is None and report["temperature"] == 0.7
     assert report["speculative"]["mean_accepted_per_pass"] >= 1
+
+
+def test_a_quote_standing_alone_under_sampling_has_the_plain_distribution(bundle_factory):
+    """Lookup only while quoting: steps alternate between a quote's point-mass chain (the model resting)
+    and the model's sampled tree (after catching up on the quote)."""
+    from edgespec.runtime.lookup import LookupConfig
+
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="chain:2", lookup=0, lookup_quote=6), threads=1)
+    # one repeated token makes a full match on a tiny random model (test_lookup.py)
+    pipeline.lookup = LookupConfig(tokens=0, min_n=1, max_n=1, quote_tokens=6)
+    prompt = "one two three one two three one two three one"
+    plain = first_tokens(pipeline, False, TRIALS, prompt)
+    spec = first_tokens(pipeline, True, TRIALS, prompt)
+    cells = sorted(set(plain) | set(spec))
+    table = np.array([[plain[c] for c in cells], [spec[c] for c in cells]])
+    assert chi2_contingency(table).pvalue > 1e-3
