@@ -54,7 +54,7 @@ def print_bundle(folder: Path) -> None:
         print(f"  exactness: checked at export on {where} (onnxruntime {recorded.get('onnxruntime')}): "
               f"{recorded.get('rows')} rows, {recorded.get('differ')} differ"
               + (f", one-token steps run {recorded['min_rows']} row(s)" if "min_rows" in recorded else "")
-              + ("" if where == "this device" else "; checked again here on first speculative use"))
+              + ("" if where == "this device" else "; checked again here on first use"))
     tree = manifest.tree
     print(f"  tree: {tree.size} nodes, depth {tree.max_depth}, parents {list(tree.parents)}")
     print(f"  prefill chunk: {manifest.prefill_chunk} tokens")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from . import prepacked
 from .budget import parse_size, plan_memory
-from .device import describe
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
+from .device import describe
 from .drafters import (
     Drafter,
     DrafterKind,

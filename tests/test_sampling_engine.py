@@ -40,6 +40,13 @@ def first_tokens(pipeline, speculate, trials, prompt, point_mass=False, **sampli
     return counts
 
 
+def assert_same_distribution(plain: Counter, spec: Counter) -> None:
+    """Chi-square test of two samples of outcomes (alpha = 0.001)."""
+    cells = sorted(set(plain) | set(spec))
+    table = np.array([[plain[c] for c in cells], [spec[c] for c in cells]])
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
 @pytest.mark.parametrize("draft,tree,point_mass,penalty", [
     ("draft", "topk:2x2", False, 1.0),
     ("draft", "topk:2x2", False, 1.5),  # history-dependent processing: path tokens count as seen
@@ -52,9 +59,7 @@ def test_speculative_sampling_has_the_plain_distribution(draft, tree, point_mass
     pipeline = Pipeline(bundle_factory(draft=draft, tree=tree), threads=1)
     plain = first_tokens(pipeline, False, TRIALS, "The quick", repetition_penalty=penalty)
     spec = first_tokens(pipeline, True, TRIALS, "The quick", point_mass, repetition_penalty=penalty)
-    cells = sorted(set(plain) | set(spec))
-    table = np.array([[plain[c] for c in cells], [spec[c] for c in cells]])
-    assert chi2_contingency(table).pvalue > 1e-3
+    assert_same_distribution(plain, spec)
 
 
 @pytest.mark.parametrize("draft,tree", [("draft", "chain:1"), ("draft", "topk:2x1")])
@@ -65,9 +70,7 @@ def test_lookup_beside_a_sampled_draft_has_the_plain_distribution(draft, tree, b
     prompt = "one two three one two three one two three one"
     plain = first_tokens(pipeline, False, TRIALS, prompt)
     spec = first_tokens(pipeline, True, TRIALS, prompt)
-    cells = sorted(set(plain) | set(spec))
-    table = np.array([[plain[c] for c in cells], [spec[c] for c in cells]])
-    assert chi2_contingency(table).pvalue > 1e-3
+    assert_same_distribution(plain, spec)
 
 
 def test_the_same_seed_reproduces_the_same_output(bundle_factory):
@@ -117,6 +120,4 @@ def test_a_quote_standing_alone_under_sampling_has_the_plain_distribution(bundle
     prompt = "one two three one two three one two three one"
     plain = first_tokens(pipeline, False, TRIALS, prompt)
     spec = first_tokens(pipeline, True, TRIALS, prompt)
-    cells = sorted(set(plain) | set(spec))
-    table = np.array([[plain[c] for c in cells], [spec[c] for c in cells]])
-    assert chi2_contingency(table).pvalue > 1e-3
+    assert_same_distribution(plain, spec)
