@@ -48,6 +48,9 @@ class TrainConfig:
     # steps taken even past the deadline, the schedule spread over them when time runs short: a result
     # that does not depend on how busy the machine is (tests)
     min_steps: int = 0
+    # > 0: training stops after this many steps even before the deadline, its schedule spread over them;
+    # with min_steps equal, a run whose draft does not depend on the machine's speed
+    max_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,10 +273,12 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
         f"{sum(p.numel() for p in parameters) / 1e6:.1f}M trained parameters, resuming at step {step}")
     started, last_checkpoint, last_eval = time.time(), time.time(), time.time()
     draft.train()
-    while time.time() < deadline or step < config.min_steps:
+    while (time.time() < deadline or step < config.min_steps) and not (config.max_steps and step >= config.max_steps):
         progress = (used_s + time.time() - started) / max(total_s, 1.0)
         if config.min_steps:
             progress = min(progress, step / config.min_steps)
+        if config.max_steps:
+            progress = step / config.max_steps
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, progress)
         picks = rng.integers(0, len(sequences), config.batch)
@@ -321,6 +326,8 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
 def _check(config: TrainConfig, features_dir: Path | None) -> None:
     if config.design in FEATURE_DESIGNS and features_dir is None:
         raise ValueError(f"the {config.design} design learns from the target's features: give features_dir")
+    if config.max_steps and config.min_steps > config.max_steps:
+        raise ValueError(f"min_steps ({config.min_steps}) is above max_steps ({config.max_steps})")
     if config.drafting_steps < 1:
         raise ValueError(f"drafting_steps must be at least 1, got {config.drafting_steps}")
     if config.drafting_steps > 1 and config.design not in FEATURE_DESIGNS:
