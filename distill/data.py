@@ -53,67 +53,104 @@ def _write_shard(path: Path, sequences: list[tuple[np.ndarray, int, np.ndarray, 
     partial.replace(path)
 
 
+class TorchTarget:
+    """data's target operations on the transformers model with torch, on `device` (a GPU where one is
+    lent): batches of `batch` prompts through `generate`, left-padded; the whole model's float weights."""
+
+    def __init__(self, model, device: str = "cpu", batch: int = 32, pad_id: int = 0):
+        self.model, self.device, self.batch, self.pad_id = model.to(device), device, batch, pad_id
+
+    def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int]) -> list:
+        """Greedy continuations of `prompts` with the top-k at every generated token (engine.py's contract)."""
+        return [s for at in range(0, len(prompts), self.batch)
+                for s in self._answer_batch(prompts[at:at + self.batch], max_new_tokens, top_k, eos_ids)]
+
+    def _answer_batch(self, prompt_ids: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int]):
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):  # left padding keeps every prompt's last token at the same column
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                                      do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                                      eos_token_id=sorted(eos_ids), output_logits=True, return_dict_in_generate=True)
+        logits = torch.stack(out.logits, dim=1)  # [B, steps, V]: step j predicts generated token j
+        ids, logp = _topk(logits, top_k)
+        generated = out.sequences[:, width:].cpu().numpy()
+        sequences = []
+        for row, prompt in enumerate(prompt_ids):
+            length = len(generated[row])
+            for j, token in enumerate(generated[row]):
+                if int(token) in eos_ids:
+                    length = j + 1  # the end of turn is a prediction the draft must make too
+                    break
+            tokens = np.concatenate([np.array(prompt), generated[row, :length]])
+            sequences.append((tokens, len(prompt), ids[row, :length], logp[row, :length]))
+        return sequences
+
+    def teacher_forced(self, rows: list[np.ndarray], top_k: int, batch: int = 8) -> list:
+        """The target's top-k at every position of each (equally long) row but the last."""
+        out = []
+        for at in range(0, len(rows), batch):
+            chunk = torch.tensor(np.stack(rows[at:at + batch]), dtype=torch.long)
+            with torch.inference_mode():
+                logits = self.model(input_ids=chunk.to(self.device)).logits[:, :-1]  # position j predicts j + 1
+            ids, logp = _topk(logits, top_k)
+            out += [(row.numpy(), 1, ids[i], logp[i]) for i, row in enumerate(chunk)]
+        return out
+
+    def features(self, rows: list[np.ndarray], batch: int = 8) -> list[np.ndarray]:
+        """The final hidden state [len, H] at every token of each row."""
+        out = []
+        for at in range(0, len(rows), batch):
+            chunk = rows[at:at + batch]
+            width = max(len(r) for r in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, row in enumerate(chunk):  # right padding: causal rows never see it
+                ids[r, :len(row)] = torch.from_numpy(np.asarray(row, np.int64))
+                mask[r, :len(row)] = 1
+            with torch.inference_mode():
+                hidden = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+            hidden = hidden.last_hidden_state.float().cpu().numpy()
+            out += [hidden[r, :len(row)] for r, row in enumerate(chunk)]
+        return out
+
+
 def _topk(logits, k: int):
     logp = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logp, k, dim=-1)
-    return ids.numpy(), values.numpy()
+    return ids.cpu().numpy(), values.cpu().numpy()
 
 
-def _generate_batch(model, prompt_ids: list[list[int]], config: DataConfig, eos_ids: set[int], pad_id: int):
-    """Greedy continuations of a batch of prompts: the contexts the draft meets when the target decodes."""
-
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for row, ids in enumerate(prompt_ids):  # left padding keeps every prompt's last token at the same column
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention[row, width - len(ids):] = 1
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
-                             max_new_tokens=config.max_new_tokens, pad_token_id=pad_id,
-                             eos_token_id=sorted(eos_ids), output_logits=True, return_dict_in_generate=True)
-    logits = torch.stack(out.logits, dim=1)  # [B, steps, V]: step j predicts generated token j
-    ids, logp = _topk(logits, config.top_k)
-    generated = out.sequences[:, width:].numpy()
-    sequences = []
-    for row, prompt in enumerate(prompt_ids):
-        length = len(generated[row])
-        for j, token in enumerate(generated[row]):
-            if int(token) in eos_ids:
-                length = j + 1  # the end of turn is a prediction the draft must make too
-                break
-        tokens = np.concatenate([np.array(prompt), generated[row, :length]])
-        sequences.append((tokens, len(prompt), ids[row, :length], logp[row, :length]))
-    return sequences
-
-
-def _fill_shards(folder: Path, items: list, per_shard: int, batch: int, deadline: float, run_batch,
-                 progress=None) -> int:
+def _fill_shards(folder: Path, items: list, per_shard: int, deadline: float, run_shard, progress=None) -> int:
     """Writes shards of `per_shard` items each, after those already in `folder`, until the items or the
-    time run out; `run_batch(items)` returns their sequences. Returns how many shards were written."""
+    time run out; `run_shard(items)` returns their sequences. Returns how many shards were written."""
     folder.mkdir(parents=True, exist_ok=True)
     written = 0
     for shard_index in range(len(shard_paths(folder)), len(items) // per_shard):
         if time.time() >= deadline:
             break
-        chunk = items[shard_index * per_shard:(shard_index + 1) * per_shard]
-        sequences = []
-        for start in range(0, len(chunk), batch):
-            made = run_batch(chunk[start:start + batch])
-            sequences.extend(made)
-            if progress is not None:
-                progress(sum(len(s[2]) for s in made))
+        sequences = run_shard(items[shard_index * per_shard:(shard_index + 1) * per_shard])
+        if progress is not None:
+            progress(sum(len(s[2]) for s in sequences))
         _write_shard(folder / f"shard-{shard_index:05d}.npz", sequences)
         written += 1
     return written
 
 
-def generate_shards(model, tokenizer, prompts: list[str], folder: Path, config: DataConfig,
+def end_of_turn_ids(tokenizer) -> set[int]:
+    return {int(tokenizer.eos_token_id)} | {int(i) for i in tokenizer.convert_tokens_to_ids(["<|im_end|>"])
+                                           if i is not None and i >= 0}
+
+
+def generate_shards(target, tokenizer, prompts: list[str], folder: Path, config: DataConfig,
                     deadline: float, progress=None) -> int:
-    """Greedy target continuations of `prompts`, shard after shard; returns shards written."""
-    eos_ids = {int(tokenizer.eos_token_id)} | {int(i) for i in tokenizer.convert_tokens_to_ids(["<|im_end|>"])
-                                               if i is not None and i >= 0}
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    """Greedy answers of `target` (TorchTarget or engine.OnnxTarget) to `prompts`, shard after shard;
+    returns shards written."""
+    eos_ids = end_of_turn_ids(tokenizer)
     # one shard's prompts, sorted by length: similar lengths in a batch waste less on padding
     per_shard = config.prompts_per_shard
     encoded = []
@@ -123,8 +160,8 @@ def generate_shards(model, tokenizer, prompts: list[str], folder: Path, config: 
         # the template supplies every special token itself (no extra BOS)
         encoded += sorted((tokenizer.encode(t, add_special_tokens=False)[-config.max_prompt_tokens:] for t in texts),
                           key=len)
-    return _fill_shards(folder, encoded, per_shard, config.batch, deadline,
-                        lambda batch: _generate_batch(model, batch, config, eos_ids, pad_id), progress)
+    return _fill_shards(folder, encoded, per_shard, deadline,
+                        lambda shard: target.answers(shard, config.max_new_tokens, config.top_k, eos_ids), progress)
 
 
 def corpus_windows(tokenizer, files: list[Path], window: int, limit: int, seed: int) -> list[np.ndarray]:
@@ -143,18 +180,11 @@ def corpus_windows(tokenizer, files: list[Path], window: int, limit: int, seed: 
     return windows[:limit]
 
 
-def teacher_forced_shards(model, windows: list[np.ndarray], folder: Path, config: DataConfig, deadline: float,
-                          progress=None, batch: int = 8) -> int:
-    """The target's top-k at every position of each window (one forward pass per batch, no generation)."""
-
-    def run_batch(chunk):
-        rows = torch.tensor(np.stack(chunk), dtype=torch.long)
-        with torch.inference_mode():
-            logits = model(input_ids=rows).logits[:, :-1]  # position j predicts token j + 1
-        ids, logp = _topk(logits, config.top_k)
-        return [(row.numpy(), 1, ids[i], logp[i]) for i, row in enumerate(rows)]
-
-    return _fill_shards(folder, windows, config.prompts_per_shard, batch, deadline, run_batch, progress)
+def teacher_forced_shards(target, windows: list[np.ndarray], folder: Path, config: DataConfig, deadline: float,
+                          progress=None) -> int:
+    """The target's top-k at every position of each window (a prefill, no generation)."""
+    return _fill_shards(folder, windows, config.prompts_per_shard, deadline,
+                        lambda shard: target.teacher_forced(shard, config.top_k), progress)
 
 
 def feature_file(features_dir: Path, shard: Path) -> Path:
@@ -162,11 +192,10 @@ def feature_file(features_dir: Path, shard: Path) -> Path:
     return features_dir / shard.parent.name / f"{shard.stem}.npy"
 
 
-def feature_shards(model, shards: list[Path], features_dir: Path, deadline: float, progress=None,
-                   batch: int = 8) -> int:
+def feature_shards(target, shards: list[Path], features_dir: Path, deadline: float, progress=None) -> int:
     """The target's final hidden state at every token of each shard (teacher-forced), for drafts that
     read the target's features: one float16 [tokens, H] array per shard, written after the shard's
-    last batch, so an interrupted run resumes with the next shard. Returns how many were written."""
+    last sequence, so an interrupted run resumes with the next shard. Returns how many were written."""
 
     written = 0
     for shard_path in shards:
@@ -177,22 +206,13 @@ def feature_shards(model, shards: list[Path], features_dir: Path, deadline: floa
             break
         shard = load_shard(shard_path)
         bounds = list(zip(shard["starts"][:-1], shard["starts"][1:]))
-        features = np.zeros((len(shard["tokens"]), model.config.hidden_size), np.float16)
         by_length = sorted(range(len(bounds)), key=lambda i: bounds[i][1] - bounds[i][0])
-        for at in range(0, len(by_length), batch):
-            rows = [bounds[i] for i in by_length[at:at + batch]]
-            width = max(stop - start for start, stop in rows)
-            ids = torch.zeros((len(rows), width), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, (start, stop) in enumerate(rows):  # right padding: causal rows never see it
-                ids[r, :stop - start] = torch.from_numpy(shard["tokens"][start:stop].astype(np.int64))
-                mask[r, :stop - start] = 1
-            with torch.inference_mode():
-                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.float().numpy()
-            for r, (start, stop) in enumerate(rows):
-                features[start:stop] = hidden[r, :stop - start]
-            if progress is not None:
-                progress(int(mask.sum()))
+        hidden = target.features([shard["tokens"][bounds[i][0]:bounds[i][1]] for i in by_length])
+        features = np.zeros((len(shard["tokens"]), hidden[0].shape[1]), np.float16)
+        for i, rows in zip(by_length, hidden):
+            features[bounds[i][0]:bounds[i][1]] = rows
+        if progress is not None:
+            progress(len(shard["tokens"]))
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(out.stem + ".partial.npy")
         np.save(partial, features)

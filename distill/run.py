@@ -3,6 +3,7 @@
 Owns the output folder:
     state.json          the run's settings and the seconds each phase has used (resumption reads it)
     log.txt             one line per event, appended across resumptions
+    engine/             the target's quantized graph that makes the data (engine.py; the onnx engine only)
     data/chat/          target continuations of training prompts (shards, see data.py)
     data/corpus/        target top-k over local text, teacher-forced
     checkpoints/        training checkpoints (the newest one resumes training)
@@ -11,6 +12,7 @@ Owns the output folder:
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,10 +23,15 @@ from tqdm import tqdm
 from edgespec.distill import data, prompts
 from edgespec.distill.data import DataConfig, feature_file
 from edgespec.distill.draft_model import FEATURE_DESIGNS
+from edgespec.distill.engine import DATA_QUANTS, OnnxTarget, write_engine_graph
 from edgespec.distill.train import TrainConfig, train
+from edgespec.exporters.architectures import builder_for
 from edgespec.exporters.export import DRAFT_INFO
 from edgespec.exporters.sources import resolve_source
 from edgespec.runtime.errors import ExportError
+from edgespec.runtime.pipeline import default_threads
+
+DATA_ENGINES = ("onnx", "torch")
 
 # Shares of the time budget. Chat continuations are the draft's real workload, so they get the most;
 # teacher forcing over local text is 7x cheaper per token and widens coverage. A feature design first
@@ -46,6 +53,12 @@ class DistillConfig:
     data_from: Path | None = None  # an earlier run's data folder: train on its shards instead of making new ones
     init: Path | None = None  # an earlier draft of the same design: training starts from its weights and head
     prompts: int = 6000
+    # what answers the prompts and gives features: "onnx" (engine.py: the target's graph quantized as
+    # `data_quant`, on onnxruntime's CPU provider) or "torch" (data.TorchTarget: transformers on `device`);
+    # None: onnx on the CPU, torch on a GPU
+    engine: str | None = None
+    data_quant: str = "int4"
+    device: str = "cpu"  # where torch runs: training, and the data with the torch engine
     cache_dir: Path = Path(".")
     data: DataConfig = DataConfig()
     training: TrainConfig = TrainConfig()
@@ -56,7 +69,12 @@ class DistillConfig:
                 "design": self.design, "prompts": self.prompts,
                 "data_from": None if self.data_from is None else str(self.data_from),
                 "init": None if self.init is None else str(self.init),
-                "drafting_steps": self.training.drafting_steps, "lr": self.training.lr}
+                "drafting_steps": self.training.drafting_steps, "lr": self.training.lr,
+                "engine": self.data_engine, "data_quant": self.data_quant if self.data_engine == "onnx" else None}
+
+    @property
+    def data_engine(self) -> str:
+        return self.engine or ("onnx" if self.device == "cpu" else "torch")
 
     @property
     def shares(self) -> dict[str, float]:
@@ -136,6 +154,7 @@ def distill(config: DistillConfig) -> Path:
         return config.out
     if config.threads:
         torch.set_num_threads(config.threads)
+    config = replace(config, training=replace(config.training, device=config.device))
     torch.manual_seed(config.seed)
     source = resolve_source(config.target, config.cache_dir)
     model, tokenizer = source.load()
@@ -157,6 +176,16 @@ def _checked_corpus(config: DistillConfig) -> list[Path]:
     """The corpus paths, after every check that can fail before minutes of work."""
     if config.minutes <= 0:
         raise ExportError(f"--minutes must be positive, got {config.minutes}")
+    if config.data_engine not in DATA_ENGINES:
+        raise ExportError(f"--data-engine takes {' or '.join(DATA_ENGINES)} (got {config.data_engine!r})")
+    if config.data_quant not in DATA_QUANTS:
+        raise ExportError(f"--data-quant takes {', '.join(DATA_QUANTS)} (got {config.data_quant!r})")
+    if config.data.batch < 1:
+        raise ExportError(f"--slots must be at least 1 (got {config.data.batch})")
+    if config.device not in ("cpu", "cuda"):
+        raise ExportError(f"--device takes cpu or cuda (got {config.device!r})")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ExportError("--device cuda: this torch sees no CUDA GPU (torch.cuda.is_available() is False)")
     corpus = [Path(p) for p in config.corpus] or prompts.default_corpus()
     missing = [str(p) for p in corpus if not p.exists()]
     if missing:
@@ -183,6 +212,33 @@ class Phases:
         self.config, self.model, self.tokenizer, self.corpus, self.log = config, model, tokenizer, corpus, log
         self.data_dir = config.out / "data" if config.data_from is None else config.data_from
         self.features_dir = config.out / "data" / "features"
+        self._target = None
+
+    @property
+    def target(self):
+        """What makes the data (see DistillConfig.engine), built on first use: a phase that does not run
+        needs none."""
+        if self._target is None:
+            config = self.config
+            if config.data_engine == "torch":
+                pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+                self._target = data.TorchTarget(self.model, config.device, config.data.batch, int(pad))
+            else:
+                graph, facts = self._engine_graph()
+                self._target = OnnxTarget(graph, facts, config.data.batch, config.threads or default_threads())
+        return self._target
+
+    def _engine_graph(self):
+        """The quantized graph, written once per run (a resumed run reuses it)."""
+        folder = self.config.out / "engine"
+        context = min(getattr(self.model.config, "max_position_embeddings", None) or 8192, 8192)
+        if not (folder / "target.onnx").is_file():
+            self.log(f"engine: writing the target's {self.config.data_quant} graph for the data")
+            partial = folder.with_name("engine.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            write_engine_graph(self.model, partial, self.config.data_quant, context)
+            partial.replace(folder)
+        return folder / "target.onnx", builder_for(self.model, context).facts
 
     def all_shards(self) -> list[Path]:
         """The held-out shard first: training cannot measure itself without it."""
@@ -192,7 +248,7 @@ class Phases:
     def chat(self, deadline: float) -> None:
         texts = prompts.training_prompts(self.config.prompts, self.config.seed, self.corpus)
         with tqdm(desc="target continuations", unit="tok") as bar:
-            written = data.generate_shards(self.model, self.tokenizer, texts, self.data_dir / "chat", self.config.data,
+            written = data.generate_shards(self.target, self.tokenizer, texts, self.data_dir / "chat", self.config.data,
                                            deadline, progress=bar.update)
         self.log(f"chat: {written} new shards, {len(data.shard_paths(self.data_dir / 'chat'))} in all")
 
@@ -201,13 +257,13 @@ class Phases:
         # in file order from a seeded shuffle: a longer phase takes more of the same sequence
         windows = data.corpus_windows(self.tokenizer, files, window=256, limit=4000, seed=self.config.seed)
         with tqdm(desc="target over local text", unit="tok") as bar:
-            written = data.teacher_forced_shards(self.model, windows, self.data_dir / "corpus", self.config.data,
+            written = data.teacher_forced_shards(self.target, windows, self.data_dir / "corpus", self.config.data,
                                                  deadline, progress=bar.update)
         self.log(f"corpus: {written} new shards")
 
     def features(self, deadline: float) -> None:
         with tqdm(desc="target features", unit="tok") as bar:
-            written = data.feature_shards(self.model, self.all_shards(), self.features_dir, deadline,
+            written = data.feature_shards(self.target, self.all_shards(), self.features_dir, deadline,
                                           progress=bar.update)
         self.log(f"features: {written} new feature files")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,7 @@ class TrainConfig:
     # steps taken even past the deadline, the schedule spread over them when time runs short: a result
     # that does not depend on how busy the machine is (tests)
     min_steps: int = 0
+    device: str = "cpu"  # where torch trains ("cuda" where a GPU is lent)
     # > 0: training stops after this many steps even before the deadline, its schedule spread over them;
     # with min_steps equal, a run whose draft does not depend on the machine's speed
     max_steps: int = 0
@@ -94,6 +95,10 @@ class Batch:
     greedy: np.ndarray
     features_in: object = None
     features_out: object = None
+
+    def to(self, device: str) -> "Batch":
+        moved = {name: getattr(self, name) for name in ("ids", "mask", "where", "idx", "p", "features_in", "features_out")}
+        return replace(self, **{name: None if value is None else value.to(device) for name, value in moved.items()})
 
 
 def make_batch(sequences: list[Sequence], window: int, rng: np.random.Generator, kept_index: np.ndarray) -> Batch:
@@ -192,9 +197,10 @@ def agreement(draft, head, head_tokens: np.ndarray, kept_index, sequences: list[
         for start in range(0, len(sequences), 8):
             batch = make_batch(sequences[start:start + 8], window, rng, kept_index)
             rows, cols = batch.where[:, 0].numpy(), batch.where[:, 1].numpy()
+            batch = batch.to(head.device)
             hit = np.zeros((steps, *batch.ids.shape), dtype=bool)  # hit[s, b, t]: step s + 1 agrees at row t
             for s, (_, logits) in enumerate(draft_outputs(draft, head, batch, steps)):
-                hit[s, rows, cols] = head_tokens[logits.argmax(-1).numpy()] == batch.greedy
+                hit[s, rows, cols] = head_tokens[logits.argmax(-1).cpu().numpy()] == batch.greedy
                 hits_by_step[s] += hit[s, rows, cols].sum()
             accepted += chain_acceptance(hit, rows, cols)
             total += len(rows)
@@ -256,7 +262,8 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     kept_index = np.full(vocab, -1, dtype=np.int64)
     kept_index[head_tokens] = np.arange(len(head_tokens))
     held_top1 = np.concatenate([s.topk_ids[:, 0] for s in validation])
-    head = draft.get_input_embeddings().weight[torch.from_numpy(head_tokens)]
+    draft.to(config.device)
+    head = draft.get_input_embeddings().weight[torch.from_numpy(head_tokens).to(config.device)]
     parameters = [p for n, p in draft.named_parameters() if n in trainable]
     optimizer = torch.optim.AdamW(parameters, lr=peak_learning_rate(config), weight_decay=config.weight_decay)
     step, used_s = 0, 0.0
@@ -282,7 +289,8 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, progress)
         picks = rng.integers(0, len(sequences), config.batch)
-        loss = batch_loss(draft, head, make_batch([sequences[i] for i in picks], config.window, rng, kept_index), steps)
+        batch = make_batch([sequences[i] for i in picks], config.window, rng, kept_index).to(config.device)
+        loss = batch_loss(draft, head, batch, steps)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -313,6 +321,7 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     if best["score"] > score:
         draft.load_state_dict(best["draft"], strict=False)
         score, by_step, kept_step = best["score"], best["by_step"], best["step"]
+    draft.to("cpu")
     report = {"design": config.design, "steps": step, "kept_step": kept_step, "train_seconds": seconds,
               "supervised_tokens": tokens, "head_tokens": len(head_tokens),
               "head_coverage": round(coverage(head_tokens, held_top1), 4),
@@ -357,7 +366,7 @@ def _describe(score: float, by_step: list[float]) -> str:
 
 def _trained_state(draft, trainable: list[str]) -> dict:
     state = draft.state_dict()
-    return {name: state[name].detach().clone() for name in trainable}
+    return {name: state[name].detach().cpu().clone() for name in trainable}
 
 
 FEATURE_FC_FILE = "feature_fc.safetensors"

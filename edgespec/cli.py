@@ -250,6 +250,7 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_distill(args) -> None:
+    from edgespec.distill.data import DataConfig
     from edgespec.distill.run import DistillConfig, distill
     from edgespec.distill.train import TrainConfig
 
@@ -258,6 +259,8 @@ def cmd_distill(args) -> None:
                                 threads=args.threads, resume=args.resume, cache_dir=cache_dir(),
                                 data_from=None if args.data is None else Path(args.data).resolve(),
                                 init=None if args.init is None else Path(args.init).resolve(),
+                                engine=args.data_engine, data_quant=args.data_quant, device=args.device,
+                                data=DataConfig(batch=args.slots),
                                 training=TrainConfig(drafting_steps=args.drafting_steps, lr=args.lr)))
     print(f"draft model: {out}  (use it with: edgespec export {args.target} --draft {out} --out BUNDLE)")
 

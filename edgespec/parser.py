@@ -176,6 +176,17 @@ def _add_distill(sub) -> None:
                    help="eagle design: train each row as the runtime drafts it at steps 1..N, reading the draft's "
                         "own earlier features (deeper chains and trees accept more; each step costs a pass)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the design's)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where torch trains the draft (and makes the data with --data-engine torch)")
+    p.add_argument("--data-engine", default=None, choices=("onnx", "torch"),
+                   help="what answers the prompts and gives the target's features: onnx runs the target as a "
+                        "bundle does (quantized, onnxruntime's CPU kernels, many answers per pass); torch runs "
+                        "the float model with transformers on --device. Default: onnx on the CPU, torch on cuda")
+    p.add_argument("--data-quant", default="int4", choices=("int4", "int8", "fp32"),
+                   help="the onnx engine's weights: int4 is the default bundle's (exact offsets, int8 head); "
+                        "match the bundle the draft will ship in")
+    p.add_argument("--slots", type=int, default=32,
+                   help="answers made at once (the onnx engine's sequences per pass, torch's batch)")
 
 
 def _add_plan(sub) -> None:

@@ -38,6 +38,12 @@ their projection (one Gather of head rows) and the attention output gathered bac
 The draft's passes (rows that need not match anything) use one lane and attention_bias for their
 tree masks, with position_ids giving each row its depth.
 
+A graph built with `sequences=True` runs S new tokens of each of B independent sequences, each at its
+own past length (distill's data engine, distill/engine.py): the N = B * S tokens still go through the
+matmuls as [1, N, H], batch-major, and only the attention sees them as [B, S]: position_ids [B, S],
+seqlens_k [B], KV buffers [B, kv_heads, capacity, head_dim], no qkv_rows/out_rows/attention_bias
+(the op's own causal mask). Plain decoding's exactness is not its concern: it makes training data.
+
 A feature-reading draft (runtime/features.py) also takes `features` [1, N, H] and mixes them into its
 embeddings through a trained projection; a graph built with `features_out` also returns `features_out`
 [1, N, H], the final-norm hidden state of every row.
@@ -154,7 +160,7 @@ class LlamaBuilder:
 
     # --- the graph ---------------------------------------------------------------------------
     def build(self, name: str, nodes: int | str = "nodes", layers: range | None = None,
-              embed: bool = True, head: bool = True) -> GraphBuilder:
+              embed: bool = True, head: bool = True, sequences: bool = False) -> GraphBuilder:
         """The whole model, or one stage of it: the embedding, `layers`, and the head, each optional.
 
         A stage that starts after the embedding takes the residual stream as `hidden` and the last
@@ -179,7 +185,7 @@ class LlamaBuilder:
             x = g.input("hidden", FLOAT, [1, nodes, f.hidden_size])
             branch = g.input("branch", FLOAT, [1, nodes, f.hidden_size]) if layers.start > 0 else None
         if len(layers):
-            x, branch = self.decoder_layers(g, x, branch, layers, nodes)
+            x, branch = self.decoder_layers(g, x, branch, layers, nodes, sequences)
         if head:
             logit_rows = g.input("logit_rows", INT64, ["rows"])
             x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
@@ -193,23 +199,34 @@ class LlamaBuilder:
                 g.output(branch, "branch_out", FLOAT, [1, nodes, f.hidden_size])
         return g
 
-    def decoder_layers(self, g: GraphBuilder, x: str, branch: str | None, layers: range, nodes):
+    def decoder_layers(self, g: GraphBuilder, x: str, branch: str | None, layers: range, nodes,
+                       sequences: bool = False):
         f = self.facts
-        units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
-        lanes = (g.input("qkv_rows", INT64, ["slots", units]), g.input("out_rows", INT64, [nodes, f.num_heads]))
-        attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]),
-                      bias=g.input("attention_bias", FLOAT, [1, 1, "slots", "total"]),
-                      seqlens=g.input("seqlens_k", INT32, [1]),
-                      total=g.input("total_sequence_length", INT32, []))
+        if sequences:
+            lanes, batch = None, "batch"
+            attend = dict(pos=g.input("position_ids", INT64, ["batch", "slots"]),
+                          seqlens=g.input("seqlens_k", INT32, ["batch"]))
+        else:
+            units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
+            lanes, batch = (g.input("qkv_rows", INT64, ["slots", units]),
+                            g.input("out_rows", INT64, [nodes, f.num_heads])), 1
+            attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]),
+                          bias=g.input("attention_bias", FLOAT, [1, 1, "slots", "total"]),
+                          seqlens=g.input("seqlens_k", INT32, [1]))
+        attend["total"] = g.input("total_sequence_length", INT32, [])
         cos_table, sin_table = self.rope_tables()
         half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half
         attend["cos"], attend["sin"] = g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half])
-        buffer = [1, self.lanes * f.num_kv_heads, "capacity", f.head_dim]
+        buffer = [batch, self.lanes * f.num_kv_heads, "capacity", f.head_dim] if not sequences else \
+            [batch, f.num_kv_heads, "capacity", f.head_dim]
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
             past = (g.input(f"past_key_{l}", FLOAT, buffer), g.input(f"past_value_{l}", FLOAT, buffer))
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
             h, x = self.add_and_norm(g, x, branch, w["input_norm"])
-            attn, present_k, present_v = self.attention(g, h, w, past, lanes, attend)
+            if sequences:
+                attn, present_k, present_v = self.sequence_attention(g, h, w, past, attend)
+            else:
+                attn, present_k, present_v = self.attention(g, h, w, past, lanes, attend)
             g.output(present_k, f"present_key_{l}", FLOAT, buffer)
             g.output(present_v, f"present_value_{l}", FLOAT, buffer)
             h, x = self.add_and_norm(g, x, attn, w["post_norm"])
@@ -236,9 +253,7 @@ class LlamaBuilder:
         f, lane_count = self.facts, self.lanes
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
         qkv_rows, out_rows = lanes
-        qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
-        if "qkv_bias" in w:
-            qkv = g.op("Add", [qkv, w["qkv_bias"]], "qkv")
+        qkv = self.qkv_projection(g, h, w)
         # one Gather lays the heads out as the op takes them: lanes folded into heads, q, k, v packed
         heads_of_tokens = g.op("Reshape", [qkv, g.const([-1, d])])  # [N * (H + 2 kvH), D]
         units = lane_count * (heads + 2 * kv_heads)
@@ -252,6 +267,26 @@ class LlamaBuilder:
             kv_num_heads=lane_count * kv_heads, do_rotary=1)  # [1, L, B * H * D]
         out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, d])]), out_rows], axis=0)  # [N, H, D]
         out = g.op("Reshape", [out, g.const([1, -1, heads * d])])
+        return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
+
+    def qkv_projection(self, g, h, w):
+        qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
+        return g.op("Add", [qkv, w["qkv_bias"]], "qkv") if "qkv_bias" in w else qkv
+
+    def sequence_attention(self, g, h, w, past, attend):
+        """Attention of B independent sequences' S new tokens each (a `sequences` graph): the op's packed
+        q/k/v as [B, S, ...], the batch read from seqlens_k."""
+        f = self.facts
+        width = (f.num_heads + 2 * f.num_kv_heads) * f.head_dim
+        by_sequence = g.op("Concat", [g.op("Shape", [attend["seqlens"]]), g.const([-1, width])], axis=0)
+        packed = g.op("Reshape", [self.qkv_projection(g, h, w), by_sequence])  # [B, S, (H + 2 kvH) * D]
+        out, present_k, present_v = g.op(
+            "GroupQueryAttention",
+            [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"], attend["cos"], attend["sin"],
+             attend["pos"]],
+            "attn", n_out=3, domain="com.microsoft", num_heads=f.num_heads, kv_num_heads=f.num_kv_heads,
+            do_rotary=1)  # [B, S, H * D]
+        out = g.op("Reshape", [out, g.const([1, -1, f.num_heads * f.head_dim])])
         return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
 
     def mlp(self, g, h, w):

@@ -184,8 +184,9 @@ def eagle(distilled, models, tmp_path_factory):
     # no held-out checkpoints (a tiny model's held-out agreement is noise, and which step it would keep
     # would depend on the machine's speed) and a floor of steps: what it learns does not hang on the load
     training = replace(SMALL_TRAIN, lr=5e-4, eval_s=1e9, min_steps=1500)
+    # the torch engine on the CPU: the code a GPU runs with --device cuda (`distilled` made its data on onnx)
     config = DistillConfig(target=str(models["target"]), out=out, minutes=0.4, seed=0, design="eagle",
-                           data_from=distilled.out / "data", data=SMALL_DATA, training=training)
+                           data_from=distilled.out / "data", data=SMALL_DATA, training=training, engine="torch")
     distill(config)
     return config
 

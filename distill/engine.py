@@ -1,0 +1,196 @@
+"""The target as distill's data engine: its quantized ONNX graph, the weights a bundle's target runs,
+over many independent sequences per pass.
+
+Training data is worth most when it is what the deployed target does: its greedy answers, its top-k,
+and (for a feature-reading draft) the hidden states its graph hands the draft at run time. So the
+engine quantizes the target as the default bundle does (`data_policy`) and runs it on onnxruntime's
+fused CPU operators, in a graph built for independent sequences (exporters/llama.py, `sequences`):
+
+- `answers`: greedy continuations of many prompts, `slots` of them at a time in one KV buffer per layer;
+  a slot whose answer ends takes the next prompt at once (continuous batching), so every step runs
+  `slots` rows of matmuls instead of one.
+- `teacher_forced` and `features`: one prefill pass per sequence (hundreds of rows: already matmul-bound).
+
+The data has the layout data.py documents, whichever engine made it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from edgespec.exporters.architectures import builder_for
+from edgespec.exporters.bundle_writer import save_graph
+from edgespec.quant.schemes import QuantPolicy, QuantScheme
+from edgespec.runtime.errors import ExportError
+from edgespec.runtime.facts import ModelFacts
+from edgespec.runtime.features import FEATURES_OUT
+from edgespec.runtime.sessions import make_session
+
+DATA_QUANTS = ("int4", "int8", "fp32")
+HEAD_INT8 = Path(__file__).resolve().parent.parent / "quant" / "policies" / "head-int8.json"
+
+
+def data_policy(quant: str) -> QuantPolicy:
+    """The default bundle's weights for int4 (exact per-block offsets, the head in int8: defaults.py);
+    int8 and fp32 as `export --quant` writes them."""
+    if quant not in DATA_QUANTS:
+        raise ExportError(f"--data-quant takes {', '.join(DATA_QUANTS)} (got {quant!r})")
+    if quant == "int4":
+        return QuantPolicy.load(HEAD_INT8, QuantScheme("int4", symmetric=False))
+    return QuantPolicy(QuantScheme(quant))
+
+
+def write_engine_graph(model, folder: Path, quant: str, context: int) -> tuple[Path, ModelFacts]:
+    """The target's `sequences` graph, quantized by `data_policy(quant)`, as folder/target.onnx; it also
+    returns the final hidden states (a feature-reading draft learns from them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    builder = builder_for(model, context, features_out=True)
+    save_graph(folder, "target", builder, data_policy(quant), parts=dict(sequences=True))
+    return folder / "target.onnx", builder.facts
+
+
+def top_k_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely ids of each row, most likely first, with their full-vocabulary log-probabilities."""
+    peak = logits.max(axis=1, keepdims=True)
+    log_total = peak + np.log(np.exp(logits - peak).sum(axis=1, keepdims=True))
+    ids = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    values = np.take_along_axis(logits, ids, axis=1)
+    order = np.argsort(-values, axis=1, kind="stable")
+    ids, values = np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    # the greedy token first even on a tie: it is the token the answer continues with
+    top = logits.argmax(axis=1)
+    tied = ids[:, 0] != top
+    if tied.any():
+        ids[tied, 0], values[tied, 0] = top[tied], logits[tied, top[tied]]
+    return ids.astype(np.int32), (values - log_total).astype(np.float32)
+
+
+class SequenceEngine:
+    """KV buffers for `slots` sequences of up to `capacity` tokens, bound once per layout (all slots
+    for a decoding step, one slot for a prefill)."""
+
+    def __init__(self, session: ort.InferenceSession, facts: ModelFacts, slots: int, capacity: int):
+        self.session, self.facts, self.slots, self.capacity = session, facts, slots, capacity
+        self.kv = np.zeros((facts.num_layers, 2, slots, facts.num_kv_heads, capacity, facts.head_dim), np.float32)
+        self._bindings: dict[int | None, ort.IOBinding] = {}
+
+    def _binding(self, slot: int | None) -> ort.IOBinding:
+        if slot not in self._bindings:
+            binding = self.session.io_binding()
+            for layer in range(self.facts.num_layers):
+                for kind, name in enumerate(("key", "value")):
+                    buffer = self.kv[layer, kind] if slot is None else self.kv[layer, kind, slot:slot + 1]
+                    value = ort.OrtValue.ortvalue_from_numpy(buffer)  # a view: the op writes the slot in place
+                    binding.bind_ortvalue_input(f"past_{name}_{layer}", value)
+                    binding.bind_ortvalue_output(f"present_{name}_{layer}", value)
+            self._bindings[slot] = binding
+        return self._bindings[slot]
+
+    def run(self, ids: np.ndarray, past: np.ndarray, logit_rows: np.ndarray, slot: int | None = None,
+            features: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """S new tokens `ids` [B, S] of B sequences after `past` [B] cached tokens each: every slot
+        (slot None, B = slots) or one slot (B = 1). Returns logits [R, V] of `logit_rows` (indices into
+        the B * S tokens, batch-major) and, with `features`, the final hidden states [B * S, H]."""
+        batch, new = ids.shape
+        if int(past.max()) + new > self.capacity:
+            raise ExportError(f"a sequence of {int(past.max()) + new} tokens does not fit the engine's "
+                              f"{self.capacity}-token buffers")
+        binding = self._binding(slot)
+        positions = past[:, None] + np.arange(new)[None, :]
+        feed = {"input_ids": np.ascontiguousarray(ids.reshape(1, -1), dtype=np.int64),
+                "position_ids": positions.astype(np.int64),
+                "seqlens_k": (past + new - 1).astype(np.int32),
+                "total_sequence_length": np.array(int(past.max()) + new, np.int32),
+                "logit_rows": np.asarray(logit_rows, np.int64)}
+        for name, value in feed.items():
+            binding.bind_cpu_input(name, value)
+        logits = np.empty((len(feed["logit_rows"]), self.facts.vocab_size), np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, [1, *logits.shape], logits.ctypes.data)
+        hidden = np.empty((batch * new, self.facts.hidden_size), np.float32)
+        if features:
+            binding.bind_output(FEATURES_OUT, "cpu", 0, np.float32, [1, *hidden.shape], hidden.ctypes.data)
+        else:  # onnxruntime allocates it; nothing reads it
+            binding.bind_output(FEATURES_OUT, "cpu")
+        self.session.run_with_iobinding(binding)
+        return logits, hidden if features else None
+
+
+class OnnxTarget:
+    """data.py's target operations on a SequenceEngine graph (see the module's docstring)."""
+
+    def __init__(self, graph: Path, facts: ModelFacts, slots: int, threads: int):
+        self.session = make_session(graph, ("CPUExecutionProvider",), threads)
+        self.facts, self.slots = facts, slots
+        self._engine_now: SequenceEngine | None = None
+
+    def _engine(self, capacity: int) -> SequenceEngine:
+        """The buffers, kept while they are long enough: binding them is a pass's worth of work."""
+        if self._engine_now is None or self._engine_now.capacity < capacity:
+            self._engine_now = None  # the old buffers go before the new ones come
+            self._engine_now = SequenceEngine(self.session, self.facts, self.slots, capacity)
+        return self._engine_now
+
+    def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int]) -> list:
+        """Greedy continuations of `prompts` (in their order), each with its top-k at every generated token:
+        (tokens, first supervised position, top-k ids, top-k log-probabilities), as data.py stores them."""
+        engine = self._engine(max(len(p) for p in prompts) + max_new_tokens)
+        waiting = list(range(len(prompts)))[::-1]
+        done: dict[int, tuple] = {}
+        slot_of = [None] * engine.slots  # the prompt index each slot answers
+        made = [[] for _ in range(engine.slots)]  # per slot: (token, top-k ids, top-k logp) so far
+        past = np.zeros(engine.slots, np.int64)
+
+        def record(slot: int, ids: np.ndarray, logp: np.ndarray) -> None:
+            index, token = slot_of[slot], int(ids[0])
+            made[slot].append((token, ids, logp))
+            if token in eos_ids or len(made[slot]) == max_new_tokens:  # the end of turn is supervised too
+                prompt = prompts[index]
+                done[index] = (np.array(prompt + [t for t, _, _ in made[slot]]), len(prompt),
+                               np.stack([i for _, i, _ in made[slot]]), np.stack([p for _, _, p in made[slot]]))
+                start(slot)
+
+        def start(slot: int) -> None:
+            slot_of[slot], made[slot], past[slot] = None, [], 0
+            if not waiting:
+                return
+            index = waiting.pop()
+            prompt = np.array(prompts[index], np.int64)
+            slot_of[slot] = index
+            logits, _ = engine.run(prompt[None, :], np.zeros(1, np.int64), [len(prompt) - 1], slot=slot)
+            past[slot] = len(prompt)
+            ids, logp = top_k_logp(logits, top_k)
+            record(slot, ids[0], logp[0])
+
+        for slot in range(engine.slots):
+            start(slot)
+        while any(index is not None for index in slot_of):
+            # an idle slot runs a dummy token at position 0: cheaper than a graph per batch size
+            last = np.array([[made[s][-1][0] if slot_of[s] is not None else 0] for s in range(engine.slots)])
+            feed_past = np.where([index is not None for index in slot_of], past, 0)
+            logits, _ = engine.run(last, feed_past, np.arange(engine.slots))
+            past += 1
+            ids, logp = top_k_logp(logits, top_k)
+            for slot in range(engine.slots):
+                if slot_of[slot] is not None:
+                    record(slot, ids[slot], logp[slot])
+        return [done[i] for i in range(len(prompts))]
+
+    def teacher_forced(self, rows: list[np.ndarray], top_k: int) -> list:
+        """The target's top-k at every position of each token row but the last (position j predicts token
+        j + 1), one prefill pass per row."""
+        engine = self._engine(max(len(r) for r in rows))
+        out = []
+        for row in rows:
+            logits, _ = engine.run(np.asarray(row, np.int64)[None, :], np.zeros(1, np.int64),
+                                   np.arange(len(row) - 1), slot=0)
+            ids, logp = top_k_logp(logits, top_k)
+            out.append((np.asarray(row), 1, ids, logp))
+        return out
+
+    def features(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+        """The final hidden state [len, H] at every token of each row, one prefill pass per row."""
+        engine = self._engine(max(len(r) for r in rows))
+        return [engine.run(np.asarray(row, np.int64)[None, :], np.zeros(1, np.int64), [len(row) - 1], slot=0,
+                           features=True)[1] for row in rows]
