@@ -60,10 +60,15 @@ class TorchTarget:
     def __init__(self, model, device: str = "cpu", batch: int = 32, pad_id: int = 0):
         self.model, self.device, self.batch, self.pad_id = model.to(device), device, batch, pad_id
 
-    def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int]) -> list:
-        """Greedy continuations of `prompts` with the top-k at every generated token (engine.py's contract)."""
-        return [s for at in range(0, len(prompts), self.batch)
-                for s in self._answer_batch(prompts[at:at + self.batch], max_new_tokens, top_k, eos_ids)]
+    def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int],
+                admit=lambda index: True):
+        """Greedy continuations of `prompts` with the top-k at every generated token, yielded as
+        (index, sequence) while `admit` admits each batch's first prompt (engine.OnnxTarget's contract)."""
+        for at in range(0, len(prompts), self.batch):
+            if not admit(at):
+                return
+            made = self._answer_batch(prompts[at:at + self.batch], max_new_tokens, top_k, eos_ids)
+            yield from enumerate(made, start=at)
 
     def _answer_batch(self, prompt_ids: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int]):
         width = max(len(p) for p in prompt_ids)
@@ -148,20 +153,36 @@ def end_of_turn_ids(tokenizer) -> set[int]:
 
 def generate_shards(target, tokenizer, prompts: list[str], folder: Path, config: DataConfig,
                     deadline: float, progress=None) -> int:
-    """Greedy answers of `target` (TorchTarget or engine.OnnxTarget) to `prompts`, shard after shard;
-    returns shards written."""
+    """Greedy answers of `target` (TorchTarget or engine.OnnxTarget) to `prompts`, written shard after
+    shard, in order, as each shard's answers are all in; a shard starts only before `deadline`, and one
+    that started is finished. Returns shards written."""
     eos_ids = end_of_turn_ids(tokenizer)
-    # one shard's prompts, sorted by length: similar lengths in a batch waste less on padding
     per_shard = config.prompts_per_shard
+    folder.mkdir(parents=True, exist_ok=True)
+    done_before = len(shard_paths(folder))
     encoded = []
-    for start in range(0, len(prompts) - per_shard + 1, per_shard):
+    for start in range(done_before * per_shard, len(prompts) - per_shard + 1, per_shard):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False) for p in prompts[start:start + per_shard]]
-        # the template supplies every special token itself (no extra BOS)
+        # sorted by length within a shard: similar lengths in a batch waste less on padding
+        # (the template supplies every special token itself: no extra BOS)
         encoded += sorted((tokenizer.encode(t, add_special_tokens=False)[-config.max_prompt_tokens:] for t in texts),
                           key=len)
-    return _fill_shards(folder, encoded, per_shard, deadline,
-                        lambda shard: target.answers(shard, config.max_new_tokens, config.top_k, eos_ids), progress)
+    if not encoded or time.time() >= deadline:
+        return 0
+    pending: dict[int, dict[int, tuple]] = {}
+    written = 0
+    admit = lambda index: index % per_shard != 0 or time.time() < deadline  # noqa: E731
+    for index, sequence in target.answers(encoded, config.max_new_tokens, config.top_k, eos_ids, admit):
+        pending.setdefault(index // per_shard, {})[index % per_shard] = sequence
+        while len(pending.get(written, ())) == per_shard:
+            sequences = [pending[written][i] for i in range(per_shard)]
+            _write_shard(folder / f"shard-{done_before + written:05d}.npz", sequences)
+            if progress is not None:
+                progress(sum(len(s[2]) for s in sequences))
+            del pending[written]
+            written += 1
+    return written
 
 
 def corpus_windows(tokenizer, files: list[Path], window: int, limit: int, seed: int) -> list[np.ndarray]:

@@ -7,8 +7,8 @@ engine quantizes the target as the default bundle does (`data_policy`) and runs 
 fused CPU operators, in a graph built for independent sequences (exporters/llama.py, `sequences`):
 
 - `answers`: greedy continuations of many prompts, `slots` of them at a time in one KV buffer per layer;
-  a slot whose answer ends takes the next prompt at once (continuous batching), so every step runs
-  `slots` rows of matmuls instead of one.
+  a slot whose answer ends takes the next prompt at once (continuous batching), across shards, so
+  every step runs `slots` rows of matmuls instead of one.
 - `teacher_forced` and `features`: one prefill pass per sequence (hundreds of rows: already matmul-bound).
 
 The data has the layout data.py documents, whichever engine made it.
@@ -132,13 +132,17 @@ class OnnxTarget:
             self._engine_now = SequenceEngine(self.session, self.facts, self.slots, capacity)
         return self._engine_now
 
-    def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int]) -> list:
-        """Greedy continuations of `prompts` (in their order), each with its top-k at every generated token:
-        (tokens, first supervised position, top-k ids, top-k log-probabilities), as data.py stores them."""
+    def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int],
+                admit=lambda index: True):
+        """Greedy continuations of `prompts`, each with its top-k at every generated token, yielded as
+        (index, (tokens, first supervised position, top-k ids, top-k log-probabilities)) as they end, in
+        about the prompts' order. A prompt starts only while `admit(index)` says so; then what has started
+        finishes. One stream over many shards keeps every slot busy: shard by shard, a third of the
+        slots' rows went idle while a shard's last answers ran out."""
         engine = self._engine(max(len(p) for p in prompts) + max_new_tokens)
         waiting = list(range(len(prompts)))[::-1]
-        done: dict[int, tuple] = {}
-        slot_of = [None] * engine.slots  # the prompt index each slot answers
+        finished: list[tuple[int, tuple]] = []
+        slot_of: list[int | None] = [None] * engine.slots  # the prompt index each slot answers
         made = [[] for _ in range(engine.slots)]  # per slot: (token, top-k ids, top-k logp) so far
         past = np.zeros(engine.slots, np.int64)
 
@@ -147,13 +151,15 @@ class OnnxTarget:
             made[slot].append((token, ids, logp))
             if token in eos_ids or len(made[slot]) == max_new_tokens:  # the end of turn is supervised too
                 prompt = prompts[index]
-                done[index] = (np.array(prompt + [t for t, _, _ in made[slot]]), len(prompt),
-                               np.stack([i for _, i, _ in made[slot]]), np.stack([p for _, _, p in made[slot]]))
+                finished.append((index, (np.array(prompt + [t for t, _, _ in made[slot]]), len(prompt),
+                                         np.stack([i for _, i, _ in made[slot]]),
+                                         np.stack([p for _, _, p in made[slot]]))))
                 start(slot)
 
         def start(slot: int) -> None:
             slot_of[slot], made[slot], past[slot] = None, [], 0
-            if not waiting:
+            if not waiting or not admit(waiting[-1]):
+                waiting.clear()
                 return
             index = waiting.pop()
             prompt = np.array(prompts[index], np.int64)
@@ -166,6 +172,8 @@ class OnnxTarget:
         for slot in range(engine.slots):
             start(slot)
         while any(index is not None for index in slot_of):
+            yield from finished
+            finished.clear()
             # an idle slot runs a dummy token at position 0: cheaper than a graph per batch size
             last = np.array([[made[s][-1][0] if slot_of[s] is not None else 0] for s in range(engine.slots)])
             feed_past = np.where([index is not None for index in slot_of], past, 0)
@@ -175,7 +183,7 @@ class OnnxTarget:
             for slot in range(engine.slots):
                 if slot_of[slot] is not None:
                     record(slot, ids[slot], logp[slot])
-        return [done[i] for i in range(len(prompts))]
+        yield from finished
 
     def teacher_forced(self, rows: list[np.ndarray], top_k: int) -> list:
         """The target's top-k at every position of each token row but the last (position j predicts token

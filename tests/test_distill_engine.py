@@ -17,6 +17,12 @@ def _engine(models, name, quant, tmp_path, slots):
     return model, OnnxTarget(graph, facts, slots, threads=1)
 
 
+def _in_order(stream) -> list:
+    made = dict(stream)
+    assert sorted(made) == list(range(len(made)))
+    return [made[i] for i in range(len(made))]
+
+
 def _prompts(model, count, seed=0):
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(3, model.config.vocab_size, int(rng.integers(3, 12)))] for _ in range(count)]
@@ -28,15 +34,22 @@ def test_fp32_engine_answers_as_transformers_does_with_slots_refilled(models, tm
     declared an end of turn; tokens, their order and the top-k match transformers' greedy generation."""
     model, engine = _engine(models, name, "fp32", tmp_path, slots=2)
     prompts = _prompts(model, 5)
-    reference = TorchTarget(model, batch=8).answers(prompts, 10, TOP_K, set())
+    reference = _in_order(TorchTarget(model, batch=8).answers(prompts, 10, TOP_K, set()))
     end_of_turn = {int(reference[1][0][reference[1][1] + 3])}  # prompt 1's fourth generated token
-    reference = TorchTarget(model, batch=1).answers(prompts, 10, TOP_K, end_of_turn)
-    made = engine.answers(prompts, 10, TOP_K, end_of_turn)
+    reference = _in_order(TorchTarget(model, batch=1).answers(prompts, 10, TOP_K, end_of_turn))
+    made = _in_order(engine.answers(prompts, 10, TOP_K, end_of_turn))
     assert len(made[1][2]) <= 4  # prompt 1's answer ended at its end of turn, and its slot took the next prompt
     for (tokens, first, ids, logp), (ref_tokens, ref_first, ref_ids, ref_logp) in zip(made, reference):
         assert first == ref_first and np.array_equal(tokens, ref_tokens)
         assert np.array_equal(ids, ref_ids)
         np.testing.assert_allclose(logp, ref_logp, atol=1e-4)
+
+
+def test_a_prompt_starts_only_while_admitted_and_what_started_finishes(models, tmp_path):
+    model, engine = _engine(models, "target", "fp32", tmp_path, slots=2)
+    prompts = _prompts(model, 6, seed=3)
+    made = dict(engine.answers(prompts, 6, TOP_K, set(), admit=lambda index: index < 3))
+    assert sorted(made) == [0, 1, 2] and all(len(made[i][2]) == 6 for i in made)
 
 
 def test_fp32_engine_teacher_forcing_and_features_match_transformers(models, tmp_path):
