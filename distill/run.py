@@ -111,6 +111,8 @@ def _open_state(config: DistillConfig) -> RunState:
         if not config.resume:
             raise ExportError(f"{config.out} already holds a distill run; pass --resume to continue it "
                               "or choose another --out")
+        # a run from before the onnx engine made its data with torch
+        saved["settings"] = {"engine": "torch", "data_quant": None, **saved["settings"]}
         if saved["settings"] != config.settings():
             changed = sorted(k for k in config.settings() if saved["settings"].get(k) != config.settings()[k])
             raise ExportError(f"cannot resume {config.out}: it was started with different settings ({', '.join(changed)})")

@@ -78,6 +78,20 @@ def test_a_finished_run_resumes_to_nothing_and_refuses_other_settings(distilled)
         distill(replace(distilled, resume=True, seed=1))
 
 
+def test_a_run_from_before_the_onnx_engine_resumes_with_the_torch_engine(distilled, tmp_path):
+    import json
+    import shutil
+
+    copy = tmp_path / "old"
+    shutil.copytree(distilled.out, copy)
+    state = json.loads((copy / "state.json").read_text())
+    del state["settings"]["engine"], state["settings"]["data_quant"]
+    (copy / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ExportError, match="data_quant, engine"):
+        distill(replace(distilled, out=copy, resume=True))
+    distill(replace(distilled, out=copy, resume=True, engine="torch"))  # finished: nothing to do, no error
+
+
 def test_an_interrupted_training_resumes_from_its_checkpoint(distilled, tmp_path):
     import json
     import shutil
