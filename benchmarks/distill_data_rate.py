@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from edgespec.distill.data import TorchTarget, end_of_turn_ids
-from edgespec.distill.engine import OnnxTarget, write_engine_graph
+from edgespec.distill.engine import OnnxTarget, engine_graph
 from edgespec.distill.prompts import default_corpus, training_prompts
 from edgespec.exporters.sources import resolve_source
 from edgespec.runtime.paths import cache_dir
@@ -44,7 +44,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.engines.split(","):
             if name == "onnx":
-                graph, facts = write_engine_graph(model, Path(scratch) / "engine", "int4", 2048)
+                graph, facts = engine_graph(model, Path(scratch) / "engine", "int4", 2048)
                 target = OnnxTarget(graph, facts, args.slots, args.threads)
             else:
                 target = TorchTarget(model, "cpu", args.slots, int(tokenizer.pad_token_id or tokenizer.eos_token_id))

@@ -15,6 +15,8 @@ The data has the layout data.py documents, whichever engine made it.
 """
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +24,14 @@ import onnxruntime as ort
 
 from edgespec.exporters.architectures import builder_for
 from edgespec.exporters.bundle_writer import save_graph
-from edgespec.quant.schemes import QuantPolicy, QuantScheme
+from edgespec.quant.schemes import HEAD_INT8_POLICY, QuantPolicy, QuantScheme
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.facts import ModelFacts
 from edgespec.runtime.features import FEATURES_OUT
 from edgespec.runtime.sessions import make_session
 
 DATA_QUANTS = ("int4", "int8", "fp32")
-HEAD_INT8 = Path(__file__).resolve().parent.parent / "quant" / "policies" / "head-int8.json"
+FACTS_FILE = "facts.json"  # written last: its presence says the graph is complete
 
 
 def data_policy(quant: str) -> QuantPolicy:
@@ -38,17 +40,24 @@ def data_policy(quant: str) -> QuantPolicy:
     if quant not in DATA_QUANTS:
         raise ExportError(f"--data-quant takes {', '.join(DATA_QUANTS)} (got {quant!r})")
     if quant == "int4":
-        return QuantPolicy.load(HEAD_INT8, QuantScheme("int4", symmetric=False))
+        return QuantPolicy.load(HEAD_INT8_POLICY, QuantScheme("int4", symmetric=False))
     return QuantPolicy(QuantScheme(quant))
 
 
-def write_engine_graph(model, folder: Path, quant: str, context: int) -> tuple[Path, ModelFacts]:
-    """The target's `sequences` graph, quantized by `data_policy(quant)`, as folder/target.onnx; it also
-    returns the final hidden states (a feature-reading draft learns from them)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    builder = builder_for(model, context, features_out=True)
-    save_graph(folder, "target", builder, data_policy(quant), parts=dict(sequences=True))
-    return folder / "target.onnx", builder.facts
+def engine_graph(model, folder: Path, quant: str, context: int) -> tuple[Path, ModelFacts]:
+    """The target's `sequences` graph, quantized by `data_policy(quant)`, as folder/target.onnx with its
+    facts beside it; it also returns the final hidden states (a feature-reading draft learns from them).
+    Written once, whole or not at all: a folder that holds it already is read, not rewritten."""
+    if not (folder / FACTS_FILE).is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        builder = builder_for(model, context, features_out=True)
+        save_graph(partial, "target", builder, data_policy(quant), parts=dict(sequences=True))
+        (partial / FACTS_FILE).write_text(json.dumps(builder.facts.to_dict()))
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.replace(folder)
+    return folder / "target.onnx", ModelFacts.from_dict(json.loads((folder / FACTS_FILE).read_text()))
 
 
 def top_k_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,6 @@ Owns the output folder:
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,9 +22,8 @@ from tqdm import tqdm
 from edgespec.distill import data, prompts
 from edgespec.distill.data import DataConfig, feature_file
 from edgespec.distill.draft_model import FEATURE_DESIGNS
-from edgespec.distill.engine import DATA_QUANTS, OnnxTarget, write_engine_graph
+from edgespec.distill.engine import DATA_QUANTS, OnnxTarget, engine_graph
 from edgespec.distill.train import TrainConfig, train
-from edgespec.exporters.architectures import builder_for
 from edgespec.exporters.export import DRAFT_INFO
 from edgespec.exporters.sources import resolve_source
 from edgespec.runtime.errors import ExportError
@@ -234,13 +232,8 @@ class Phases:
         """The quantized graph, written once per run (a resumed run reuses it)."""
         folder = self.config.out / "engine"
         context = min(getattr(self.model.config, "max_position_embeddings", None) or 8192, 8192)
-        if not (folder / "target.onnx").is_file():
-            self.log(f"engine: writing the target's {self.config.data_quant} graph for the data")
-            partial = folder.with_name("engine.partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            write_engine_graph(self.model, partial, self.config.data_quant, context)
-            partial.replace(folder)
-        return folder / "target.onnx", builder_for(self.model, context).facts
+        self.log(f"engine: the target's {self.config.data_quant} graph for the data in {folder}")
+        return engine_graph(self.model, folder, self.config.data_quant, context)
 
     def all_shards(self) -> list[Path]:
         """The held-out shard first: training cannot measure itself without it."""

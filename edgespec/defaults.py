@@ -6,10 +6,10 @@ import hashlib
 import json
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 from edgespec import __version__
+from edgespec.quant.schemes import HEAD_INT8_POLICY
 from edgespec.runtime.bundle import SCHEMA_VERSION
 from edgespec.runtime.paths import cache_dir
 
@@ -65,9 +65,8 @@ def ensure_default_bundle() -> Path:
           f"{path}; this takes about a minute and is reused afterwards.", file=sys.stderr)
     started = time.perf_counter()
 
-    with resources.as_file(resources.files("edgespec.quant") / "policies" / "head-int8.json") as policy:
-        export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, quant_policy=policy, out=path,
-                            cache_dir=cache_dir()))
+    export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, quant_policy=HEAD_INT8_POLICY,
+                        out=path, cache_dir=cache_dir()))
     print(f"edgespec: default bundle ready in {time.perf_counter() - started:.0f}s", file=sys.stderr)
     return path
 

@@ -217,8 +217,7 @@ class LlamaBuilder:
         cos_table, sin_table = self.rope_tables()
         half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half
         attend["cos"], attend["sin"] = g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half])
-        buffer = [batch, self.lanes * f.num_kv_heads, "capacity", f.head_dim] if not sequences else \
-            [batch, f.num_kv_heads, "capacity", f.head_dim]
+        buffer = [batch, (1 if sequences else self.lanes) * f.num_kv_heads, "capacity", f.head_dim]
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
             past = (g.input(f"past_key_{l}", FLOAT, buffer), g.input(f"past_value_{l}", FLOAT, buffer))
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
@@ -259,15 +258,19 @@ class LlamaBuilder:
         units = lane_count * (heads + 2 * kv_heads)
         packed = g.op("Reshape", [g.op("Gather", [heads_of_tokens, qkv_rows], axis=0),
                                   g.const([1, -1, units * d])])  # [L, units, D] -> [1, L, units * D]
-        out, present_k, present_v = g.op(
-            "GroupQueryAttention",
-            [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"], attend["cos"], attend["sin"],
-             attend["pos"], attend["bias"]],
-            "attn", n_out=3, domain="com.microsoft", num_heads=lane_count * heads,
-            kv_num_heads=lane_count * kv_heads, do_rotary=1)  # [1, L, B * H * D]
+        out, present_k, present_v = self.fused_attention(g, packed, past, attend, lane_count)  # [1, L, B * H * D]
         out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, d])]), out_rows], axis=0)  # [N, H, D]
         out = g.op("Reshape", [out, g.const([1, -1, heads * d])])
         return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
+
+    def fused_attention(self, g, packed, past, attend, lane_count: int):
+        """One GroupQueryAttention node over the layer's KV buffer, rotary embedding included: `lane_count`
+        lanes folded into its heads, `attend["bias"]` added to the scores when the graph has one."""
+        f = self.facts
+        inputs = [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"], attend["cos"], attend["sin"],
+                  attend["pos"]] + ([attend["bias"]] if "bias" in attend else [])
+        return g.op("GroupQueryAttention", inputs, "attn", n_out=3, domain="com.microsoft",
+                    num_heads=lane_count * f.num_heads, kv_num_heads=lane_count * f.num_kv_heads, do_rotary=1)
 
     def qkv_projection(self, g, h, w):
         qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
@@ -280,12 +283,7 @@ class LlamaBuilder:
         width = (f.num_heads + 2 * f.num_kv_heads) * f.head_dim
         by_sequence = g.op("Concat", [g.op("Shape", [attend["seqlens"]]), g.const([-1, width])], axis=0)
         packed = g.op("Reshape", [self.qkv_projection(g, h, w), by_sequence])  # [B, S, (H + 2 kvH) * D]
-        out, present_k, present_v = g.op(
-            "GroupQueryAttention",
-            [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"], attend["cos"], attend["sin"],
-             attend["pos"]],
-            "attn", n_out=3, domain="com.microsoft", num_heads=f.num_heads, kv_num_heads=f.num_kv_heads,
-            do_rotary=1)  # [B, S, H * D]
+        out, present_k, present_v = self.fused_attention(g, packed, past, attend, 1)  # [B, S, H * D]
         out = g.op("Reshape", [out, g.const([1, -1, f.num_heads * f.head_dim])])
         return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
 

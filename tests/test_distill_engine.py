@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from edgespec.distill.data import TorchTarget
-from edgespec.distill.engine import OnnxTarget, data_policy, top_k_logp, write_engine_graph
+from edgespec.distill.engine import OnnxTarget, data_policy, engine_graph, top_k_logp
 from edgespec.exporters.sources import resolve_source
+from edgespec.quant.schemes import HEAD_INT8_POLICY
 from edgespec.runtime.errors import ExportError
 
 TOP_K = 4
@@ -13,7 +14,7 @@ TOP_K = 4
 
 def _engine(models, name, quant, tmp_path, slots):
     model, _ = resolve_source(str(models[name]), tmp_path).load()
-    graph, facts = write_engine_graph(model, tmp_path / f"engine-{name}-{quant}", quant, context=256)
+    graph, facts = engine_graph(model, tmp_path / f"engine-{name}-{quant}", quant, context=256)
     return model, OnnxTarget(graph, facts, slots, threads=1)
 
 
@@ -68,15 +69,12 @@ def test_fp32_engine_teacher_forcing_and_features_match_transformers(models, tmp
 def test_int4_engine_computes_what_the_int4_bundle_target_computes(models, tmp_path):
     """The data is the deployed target's: the engine's int4 graph (the default bundle's scheme) gives the
     log-probabilities an int4 bundle's target graph gives over the same tokens."""
-    from importlib import resources
-
     from edgespec.exporters.export import ExportConfig, export
     from edgespec.runtime.kvcache import KVCache
     from edgespec.runtime.pipeline import Pipeline
 
-    with resources.as_file(resources.files("edgespec.quant") / "policies" / "head-int8.json") as policy:
-        bundle = export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", quant="int4",
-                                     symmetric=False, quant_policy=policy, context=256))
+    bundle = export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", quant="int4",
+                                 symmetric=False, quant_policy=HEAD_INT8_POLICY, context=256))
     runner = Pipeline(bundle, threads=1).target
     model, engine = _engine(models, "target", "int4", tmp_path, slots=1)
     row = np.array(_prompts(model, 1, seed=2)[0] * 3)
