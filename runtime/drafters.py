@@ -166,15 +166,22 @@ def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: i
     """Feeds the draft the committed tokens it has not seen; returns the newest one's logits.
 
     A draft that reads features (EAGLE-style) pairs token i with the target's feature at i - 1, the
-    state from which the target predicted token i (zeros at position 0)."""
-    start, new = cache.length, committed[cache.length :]
-    features = None
-    if runner.reads_features:
-        if target_features is None or len(target_features) < len(committed) - 1:
-            raise InputError("this draft reads the target's features, but the target cache keeps none: "
-                             "the bundle's target graph must return `features_out`")
-        features = draft_inputs(target_features, start, len(committed))
-    return prefill(runner, cache, new, chunk, features)
+    state from which the target predicted token i (zeros at position 0). Tokens past the rows the target
+    has computed (drafted ahead while the target verifies: runtime/overlap.py) take the draft's own
+    prediction of that feature instead, as tree nodes do while drafting deeper: one token per pass."""
+    start = cache.length
+    if not runner.reads_features:
+        return prefill(runner, cache, committed[start:], chunk)
+    if target_features is None:
+        raise InputError("this draft reads the target's features, but the target cache keeps none: "
+                         "the bundle's target graph must return `features_out`")
+    known = min(len(committed), len(target_features) + 1)  # tokens [0, known) have the target's feature
+    logits = None
+    if start < known:
+        logits = prefill(runner, cache, committed[start:known], chunk, draft_inputs(target_features, start, known))
+    for i in range(max(start, known), len(committed)):
+        logits = prefill(runner, cache, committed[i : i + 1], 1, cache.features[i - 1 : i].copy())
+    return logits
 
 
 def own_features(cache: KVCache, committed_len: int, fed: list[int], nodes) -> np.ndarray | None:

@@ -67,6 +67,8 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     first_token_s: float = 0.0
+    drafted_ahead: int = 0  # trees drafted while the target verified (runtime/overlap.py)
+    kept_ahead: int = 0  # of those, the ones whose guess came true and were verified next
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,7 +85,8 @@ class Stats:
                 "target_passes": self.target_passes, "tokens_per_s": round(self.tokens_per_s, 2),
                 "mean_accepted_per_pass": round(self.mean_accepted_per_pass, 3),
                 "time_to_first_token_s": round(self.first_token_s, 4), "prefill_s": round(self.prefill_s, 4),
-                "decode_s": round(self.decode_s, 4)}
+                "decode_s": round(self.decode_s, 4),
+                **({"drafted_ahead": self.drafted_ahead, "kept_ahead": self.kept_ahead} if self.drafted_ahead else {})}
 
 
 @dataclass
@@ -172,10 +175,12 @@ class TextSink:
 
 
 def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: Session, context_ids: list[int],
-             config: GenerationConfig, prefill_chunk: int, on_text=None, should_stop=None) -> Result:
+             config: GenerationConfig, prefill_chunk: int, on_text=None, should_stop=None,
+             step=speculative_step) -> Result:
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
     of it (the longest common prefix) is reused. `on_text(piece)` streams the text; `should_stop()`,
-    asked before every target pass, ends the generation early (stop reason "cancelled")."""
+    asked before every target pass, ends the generation early (stop reason "cancelled"). `step`: one
+    target pass, as speculative_step (runtime/overlap.py: with the next tree drafted meanwhile)."""
     cache = session.cache
     sampler = None if config.sampling.greedy else Sampler(config.sampling)
     stats = _start(target, drafter, session, context_ids, config, prefill_chunk, sampler)
@@ -209,7 +214,7 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
                 stats.new_tokens, stats.decode_s = len(emitted), time.perf_counter() - decode_start
                 full.partial = Result(token_ids=emitted, text=sink.finish(), stats=stats, stop_reason="context_full")
                 raise full
-            new_tokens, accepted = speculative_step(target, session, drafter, sampler)
+            new_tokens, accepted = step(target, session, drafter, sampler)
             stats.target_passes += 1
             stats.accepted_drafts += accepted
     text = sink.finish()

@@ -19,7 +19,7 @@ from .drafters import (
     new_recycling_table,
 )
 from .dynamic_tree import DynamicDrafter
-from .engine import GenerationConfig, Result, Session, generate
+from .engine import GenerationConfig, Result, Session, generate, speculative_step
 from .errors import BundleError, InputError
 from .exactness import RowMismatch, Verdict, fewest_exact_rows, verdict_here
 from .heap import heap_trimmer
@@ -36,6 +36,8 @@ from .staged import (
     StagedRunner,
     StageWindow,
 )
+from .overlap import Overlap
+from .placement import Placement
 from .tokenizer import TextCodec
 
 MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxruntime's pools thrash
@@ -68,7 +70,8 @@ class Pipeline:
     """A loaded bundle. `generate` is the whole job; `new_session` keeps a conversation's caches."""
 
     def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
-                 prepared_dir: Path | None = None, evict_page_cache: bool = False, strict: bool = False):
+                 prepared_dir: Path | None = None, evict_page_cache: bool = False, strict: bool = False,
+                 placement: Placement | None = None):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
         `prepared_dir`: where float stages' packed weights are kept for this machine (default: the
@@ -76,7 +79,9 @@ class Pipeline:
         its pages from the OS page cache, so the budget bounds the cache too (a container or device whose
         memory limit counts the cache); otherwise the OS keeps them cached while memory is free.
         `strict`: a provider the bundle's profile names but this onnxruntime lacks is an error, not a
-        fallback with a warning."""
+        fallback with a warning. `placement`: the draft's provider, each role's threads and whether drafting
+        overlaps verification (edgespec/calibrate.py measures them); default: the profile's first provider
+        for each role, `threads` for both, one after the other."""
         self.evict_page_cache = evict_page_cache
         self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
         self.folder = Path(folder)
@@ -89,6 +94,8 @@ class Pipeline:
             raise InputError(f"threads must be between 1 and {MAX_THREADS} (got {threads!r})")
         self.threads = threads or self.manifest.profile.threads or default_threads()
         profile = self.manifest.profile  # what the bundle was exported for: the providers per role
+        self.placement = placement
+        self.target_threads = placement.target_threads if placement else self.threads
         self.strict = strict
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)
@@ -104,7 +111,8 @@ class Pipeline:
             self.target = StagedRunner(window, m.target.facts, m.target.lanes, embedding)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify,
-                                                   self.threads, role="the target", strict=strict), m.target.facts)
+                                                   self.target_threads, role="the target", strict=strict),
+                                      m.target.facts)
         self.tree = m.tree  # the tree drafters fill: the manifest's, unless a caller (tune) tries another
         self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
         self._exactness: Verdict | None = None
@@ -113,8 +121,10 @@ class Pipeline:
         if m.drafter is DrafterKind.MODEL:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
-            self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file, profile.draft,
-                                                  self.threads, spin=not self.memory.streams, role="the draft",
+            self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file,
+                                                  (placement.draft,) if placement else profile.draft,
+                                                  placement.draft_threads if placement else self.threads,
+                                                  spin=not self.memory.streams, role="the draft",
                                                   strict=strict),
                                      m.draft.facts, read_head_tokens(self.folder, m.draft))
 
@@ -134,10 +144,10 @@ class Pipeline:
         # so each budget computes the same bits. Elsewhere streamed stages read unpacked weights, slower
         # per pass than the packed copy a loaded session makes, which pinned stages keep.
         if packed is not None:
-            return prepacked.PrepackedStage(packed, providers, self.threads, self.evict_page_cache and not pinned)
+            return prepacked.PrepackedStage(packed, providers, self.target_threads, self.evict_page_cache and not pinned)
         if spec.tensors and not pinned:
-            return MappedStage(self.folder, spec, providers, self.threads)
-        return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.threads, spin=False))
+            return MappedStage(self.folder, spec, providers, self.target_threads)
+        return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.target_threads, spin=False))
 
     @property
     def context(self) -> int:
@@ -208,13 +218,25 @@ class Pipeline:
         owned = session is None  # the request's own caches: freed when it ends
         session = session or self.new_session()
         drafter = drafter or self.make_drafter(speculate)
+        overlap = Overlap() if self.overlaps(drafter) else None
         try:
-            return generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk,
-                            on_text, should_stop)
+            result = generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk,
+                              on_text, should_stop, step=overlap.step if overlap else speculative_step)
+            if overlap:
+                result.stats.drafted_ahead, result.stats.kept_ahead = overlap.drafted_ahead, overlap.kept
+            return result
         finally:
+            if overlap:
+                overlap.settle(drafter, session)
             if owned:
                 del session, drafter
             self.trim_heap()
+
+    def overlaps(self, drafter: Drafter) -> bool:
+        """Whether `drafter` drafts while the target verifies: the placement says so and a draft model proposes
+        (a training-free drafter costs too little to hide)."""
+        return bool(self.placement and self.placement.overlap and self.draft is not None
+                    and not isinstance(drafter, NoDrafter))
 
 
 def load(folder, threads: int | None = None, memory_budget: int | str | None = None) -> Pipeline:

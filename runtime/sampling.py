@@ -110,6 +110,12 @@ class Sampler:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
 
+    def spawn(self) -> "Sampler":
+        """The same settings with a random stream of its own, drawn from this one's (for another thread)."""
+        child = Sampler(self.config)
+        child.rng = self.rng.spawn(1)[0]
+        return child
+
     def distributions(self, logits: np.ndarray, committed: list[int], paths: list[list[int]]) -> np.ndarray:
         """logits [R, V] of R tree nodes; paths[r]: the tokens of row r's node after the committed ones
         (they count as history for the repetition penalty)."""

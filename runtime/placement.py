@@ -1,0 +1,61 @@
+"""Where each role runs on this device: the draft's execution provider, each role's CPU threads, and
+whether the draft drafts while the target verifies (runtime/overlap.py). edgespec/calibrate.py measures
+the candidates and picks one; the choice is cached per device and bundle."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgespec.targets.profiles import DeviceProfile, Provider, usable_providers
+
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class Placement:
+    draft: Provider  # the verifying target runs on the profile's verify providers
+    draft_threads: int
+    target_threads: int
+    overlap: bool  # draft the next tree while the target verifies (each role on its own threads)
+
+    def __post_init__(self):
+        for name in ("draft_threads", "target_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"placement: {name} must be a positive integer (got {value!r})")
+
+    def describe(self) -> str:
+        options = ",".join(f"{k}={v}" for k, v in self.draft.options)
+        where = self.draft.name.removesuffix("ExecutionProvider") + (f"({options})" if options else "")
+        mode = "overlapped" if self.overlap else "sequential"
+        return f"{mode}: draft on {where} x{self.draft_threads} threads, target x{self.target_threads}"
+
+    def to_dict(self) -> dict:
+        return {"draft": self.draft.to_dict(), "draft_threads": self.draft_threads,
+                "target_threads": self.target_threads, "overlap": self.overlap}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Placement":
+        try:
+            return cls(Provider.from_dict(data["draft"]), data["draft_threads"], data["target_threads"],
+                       bool(data["overlap"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise InputError(f"a placement is draft, draft_threads, target_threads, overlap (got {data!r}): {err}") from err
+
+
+def candidates(profile: DeviceProfile, cores: int) -> list[Placement]:
+    """What calibration measures: for every provider of the profile's draft role that this onnxruntime
+    has (the CPU always), sequential steps with all cores for each role in turn, and, with two cores or
+    more, overlapped steps with the cores split between the roles (a draft off the CPU keeps one thread to
+    drive it and leaves the target the rest)."""
+    found, seen = [], set()
+    for name, options in usable_providers(profile.draft, "the draft"):
+        draft = Provider(name, tuple(sorted(options.items())))
+        if draft in seen:
+            continue
+        seen.add(draft)
+        found.append(Placement(draft, cores, cores, overlap=False))
+        if cores >= 2:
+            on_cpu = name == "CPUExecutionProvider"
+            draft_threads = max(1, cores // 2) if on_cpu else 1
+            found.append(Placement(draft, draft_threads, cores - draft_threads if on_cpu else cores, overlap=True))
+    return found
