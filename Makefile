@@ -3,7 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install
+# onnxruntime-openvino replaces the `onnxruntime` module, so the OpenVINO provider gets an environment of
+# its own: the runtime only (no torch), where tests/test_openvino.py decodes with the draft on OpenVINO
+OPENVINO_VENV := .venv-openvino
+
+.PHONY: demo test install openvino
 
 $(BIN)/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +19,17 @@ $(BIN)/edgespec: pyproject.toml
 
 install: $(BIN)/edgespec
 
+$(OPENVINO_VENV)/bin/edgespec: pyproject.toml
+	$(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/pip install --quiet --upgrade pip
+	$(OPENVINO_VENV)/bin/pip install --quiet onnxruntime-openvino==1.24.1 "numpy>=1.26" "tokenizers>=0.21" "jinja2>=3.1"
+	$(OPENVINO_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(OPENVINO_VENV)/bin/edgespec
+
+openvino: $(OPENVINO_VENV)/bin/edgespec
+
 demo: install
 	$(BIN)/edgespec demo
 
-test: install
-	$(BIN)/python -m pytest -q
+test: install openvino
+	EDGESPEC_OPENVINO_PYTHON=$(abspath $(OPENVINO_VENV))/bin/python $(BIN)/python -m pytest -q

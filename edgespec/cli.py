@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 from edgespec.bench import load_prompts, print_report, run_bench
+from edgespec.calibrate import CALIBRATION_PROMPTS, auto_placement, calibrate
 from edgespec.coreml_backend import coreml_predictor, coreml_refusal, preferred_kv
 from edgespec.defaults import resolve_bundle
 from edgespec.doctor import report as doctor_report
@@ -21,7 +22,8 @@ from edgespec.runtime.coreml import open_coreml
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ContextOverflowError, EdgespecError, InputError
 from edgespec.runtime.paths import cache_dir
-from edgespec.runtime.pipeline import Pipeline, default_prepared_dir, packed_copies
+from edgespec.runtime.pipeline import Pipeline, default_prepared_dir, default_threads, packed_copies
+from edgespec.runtime.placement import Placement, candidates
 from edgespec.runtime.sampling import SamplingConfig
 from edgespec.runtime.tokenizer import TextCodec
 from edgespec.tune import export_tuned, tune
@@ -36,8 +38,28 @@ def _stats_line(stats) -> str:
 
 
 def _pipeline(args):
-    return Pipeline(resolve_bundle(args.bundle), args.threads, getattr(args, "memory_budget", None),
-                    evict_page_cache=getattr(args, "evict_page_cache", False))
+    folder = resolve_bundle(args.bundle)
+    return Pipeline(folder, args.threads, getattr(args, "memory_budget", None),
+                    evict_page_cache=getattr(args, "evict_page_cache", False),
+                    placement=_placement(folder, getattr(args, "placement", "profile"), args.threads))
+
+
+def _placement(folder: Path, mode: str, threads: int | None) -> Placement | None:
+    """--placement: None keeps the profile's providers, one role after the other."""
+    if mode == "profile":
+        return None
+    say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if mode == "auto":
+        return auto_placement(folder, load_prompts(None)[:CALIBRATION_PROMPTS], threads, say)
+    manifest = open_bundle(folder)
+    if manifest.draft is None:
+        raise InputError("--placement overlapped needs a bundle with a draft model: a training-free drafter "
+                         "costs too little to run beside the target")
+    overlapped = [p for p in candidates(manifest.profile, threads or default_threads()) if p.overlap]
+    if not overlapped:
+        raise InputError("--placement overlapped needs two cores or more (--threads)")
+    say(f"placement: {overlapped[0].describe()}")
+    return overlapped[0]
 
 
 def _stream(pipeline, config, speculate, **ask):
@@ -213,6 +235,18 @@ def cmd_doctor(args) -> None:
         raise ValueError("a provider the profile names is not in this onnxruntime build (doctor --strict)")
 
 
+def cmd_calibrate(args) -> None:
+    folder = resolve_bundle(args.bundle)
+    prompts = load_prompts(Path(args.prompts) if args.prompts else None)
+    if args.max_new_tokens < 8:
+        raise ValueError("--max-new-tokens must be at least 8 to measure decoding")
+    say = (lambda line: None) if args.json else (lambda line: print(line, file=sys.stderr))  # noqa: E731
+    result = calibrate(folder, prompts if args.prompts else prompts[:CALIBRATION_PROMPTS], args.threads,
+                       args.max_new_tokens, say, args.profile)
+    print(json.dumps({**result.to_dict(), "chosen": result.chosen.placement.to_dict()}, indent=1) if args.json
+          else result.report())
+
+
 def cmd_tune(args) -> None:
     if args.max_nodes < 1 or args.max_nodes > 64:
         raise ValueError("--max-nodes must be between 1 and 64")
@@ -303,7 +337,7 @@ def cmd_demo(args) -> None:
 # what each command of the grammar (parser.py) does
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune,
             "inspect": cmd_inspect, "distill": cmd_distill, "plan": cmd_plan, "serve": cmd_serve, "doctor": cmd_doctor,
-            "demo": cmd_demo}
+            "calibrate": cmd_calibrate, "demo": cmd_demo}
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_export, _add_generate, _add_chat, _add_bench, _add_tune, _add_inspect, _add_distill, _add_plan,
-                _add_serve, _add_doctor, _add_demo):
+                _add_serve, _add_doctor, _add_calibrate, _add_demo):
         add(sub)
     return parser
 
@@ -29,6 +29,14 @@ def _budget_arg(p):
                    help="drop streamed stages from the OS page cache too when they are released, where the "
                         "memory limit counts the cache (containers, devices without spare memory); slower "
                         "where memory is free")
+
+
+def _placement_arg(p):
+    p.add_argument("--placement", default="profile", choices=("profile", "auto", "overlapped"),
+                   help="where the draft and the target run: profile (default: the bundle profile's first provider "
+                        "for each role, one after the other on every core); auto (what `edgespec calibrate` measured "
+                        "fastest here, measured first if not cached); overlapped (the draft drafts the next tree "
+                        "while the target verifies, the cores split between them)")
 
 
 def _sampling_args(p):
@@ -111,6 +119,7 @@ def _add_generate(sub) -> None:
                    help="coreml: the bundle's CoreML packages on macOS (greedy; exported with --format onnx,coreml); "
                         "auto (default): coreml for a bundle of the apple profile where CoreML runs, else onnx")
     _generation_args(p)
+    _placement_arg(p)
     _budget_arg(p)
 
 
@@ -118,6 +127,7 @@ def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat")
     _bundle_arg(p, optional=True)
     _generation_args(p, max_new=256)
+    _placement_arg(p)
     _budget_arg(p)
 
 
@@ -130,6 +140,7 @@ def _add_bench(sub) -> None:
                    help="run the prompts this many times; each round's speedup is printed beside the total's")
     p.add_argument("--json", action="store_true")
     _sampling_args(p)
+    _placement_arg(p)
     _budget_arg(p)
 
 
@@ -213,6 +224,16 @@ def _add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="the providers, cores and memory here, and where each profile would run")
     p.add_argument("bundle", nargs="?", default=None, help="also say where this bundle would run")
     p.add_argument("--strict", action="store_true", help="exit 2 if a provider the profile names is missing")
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure where the draft and the target run fastest here; cached per device and bundle")
+    _bundle_arg(p, optional=True)
+    p.add_argument("--prompts", help="JSONL file of calibration prompts (default: three built-in ones)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--profile", default=None,
+                   help="look for the draft's providers in this device profile (default: the bundle's)")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
 def _add_demo(sub) -> None:

@@ -122,7 +122,7 @@ class Pipeline:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file,
-                                                  (placement.draft,) if placement else profile.draft,
+                                                  (placement.draft_provider(),) if placement else profile.draft,
                                                   placement.draft_threads if placement else self.threads,
                                                   spin=not self.memory.streams, role="the draft",
                                                   strict=strict),

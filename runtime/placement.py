@@ -23,6 +23,14 @@ class Placement:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"placement: {name} must be a positive integer (got {value!r})")
 
+    def draft_provider(self) -> Provider:
+        """The draft's provider with its thread count where the provider keeps threads of its own
+        (OpenVINO's plugins do not use onnxruntime's pool)."""
+        if self.draft.name == "OpenVINOExecutionProvider":
+            options = dict(self.draft.options) | {"num_of_threads": str(self.draft_threads)}
+            return Provider(self.draft.name, tuple(sorted(options.items())))
+        return self.draft
+
     def describe(self) -> str:
         options = ",".join(f"{k}={v}" for k, v in self.draft.options)
         where = self.draft.name.removesuffix("ExecutionProvider") + (f"({options})" if options else "")
@@ -44,9 +52,9 @@ class Placement:
 
 def candidates(profile: DeviceProfile, cores: int) -> list[Placement]:
     """What calibration measures: for every provider of the profile's draft role that this onnxruntime
-    has (the CPU always), sequential steps with all cores for each role in turn, and, with two cores or
-    more, overlapped steps with the cores split between the roles (a draft off the CPU keeps one thread to
-    drive it and leaves the target the rest)."""
+    has (the CPU always), one role after the other with every core; and, with two cores or more, both
+    roles at once, the draft on one thread of its own beside the target's on every core, and (for a draft
+    on the CPU) the cores split between the two."""
     found, seen = [], set()
     for name, options in usable_providers(profile.draft, "the draft"):
         draft = Provider(name, tuple(sorted(options.items())))
@@ -55,7 +63,7 @@ def candidates(profile: DeviceProfile, cores: int) -> list[Placement]:
         seen.add(draft)
         found.append(Placement(draft, cores, cores, overlap=False))
         if cores >= 2:
-            on_cpu = name == "CPUExecutionProvider"
-            draft_threads = max(1, cores // 2) if on_cpu else 1
-            found.append(Placement(draft, draft_threads, cores - draft_threads if on_cpu else cores, overlap=True))
+            found.append(Placement(draft, 1, cores, overlap=True))
+            if name == "CPUExecutionProvider":
+                found.append(Placement(draft, cores // 2, cores - cores // 2, overlap=True))
     return found

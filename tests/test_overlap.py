@@ -1,5 +1,6 @@
 """Drafting while the target verifies (runtime/overlap.py): the same output as plain decoding, greedy bit
 for bit and sampled in distribution, with trees drafted ahead actually used."""
+import json
 from collections import Counter
 
 import numpy as np
@@ -132,12 +133,53 @@ def test_likely_path_follows_first_children():
 def test_placement_candidates_and_their_records():
     found = candidates(get_profile("cpu"), cores=2)
     assert [(p.draft.name, p.draft_threads, p.target_threads, p.overlap) for p in found] == [
-        ("CPUExecutionProvider", 2, 2, False), ("CPUExecutionProvider", 1, 1, True)]
+        ("CPUExecutionProvider", 2, 2, False), ("CPUExecutionProvider", 1, 2, True), ("CPUExecutionProvider", 1, 1, True)]
     assert candidates(get_profile("cpu"), cores=1) == [Placement(found[0].draft, 1, 1, overlap=False)]
     assert all(Placement.from_dict(p.to_dict()) == p for p in found)
-    assert "overlapped" in found[1].describe()
+    assert "overlapped" in found[1].describe() and "sequential" in found[0].describe()
     with pytest.raises(InputError):
         Placement.from_dict({"draft": {"name": "CPUExecutionProvider"}, "draft_threads": 0, "target_threads": 1,
                              "overlap": False})
     with pytest.raises(InputError):
         Placement.from_dict({"draft": "CPUExecutionProvider"})
+
+
+def test_calibrate_measures_every_placement_caches_the_fastest_and_auto_reads_it(bundle_factory, monkeypatch,
+                                                                                 tmp_path, capsys):
+    from edgespec import calibrate as calibration
+    from edgespec.cli import main
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    folder = bundle_factory(draft="target", tree="chain:3")
+    assert main(["calibrate", str(folder), "--threads", "2", "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    speeds = [m["tokens_per_s"] for m in out["measured"]]
+    assert len(speeds) == 3 and all(s > 0 for s in speeds)
+    assert out["chosen"] == out["measured"][speeds.index(max(speeds))]["placement"]
+    assert calibration.cache_file(folder, 2).is_file()
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the cached calibration should have been read")
+
+    monkeypatch.setattr(calibration, "calibrate", no_measuring)
+    chosen = calibration.auto_placement(folder, [], 2)
+    assert chosen.to_dict() == out["chosen"]
+    assert main(["generate", str(folder), "--prompt", "Hi", "--max-new-tokens", "6", "--threads", "2",
+                 "--placement", "auto", "--json"]) == 0
+    assert "placement: " in capsys.readouterr().err
+
+
+def test_placement_options_refuse_what_cannot_be_placed(bundle_factory, capsys):
+    from edgespec.cli import main
+
+    ngram = str(bundle_factory(draft="ngram", tree="chain:4"))
+    assert main(["calibrate", ngram, "--max-new-tokens", "8"]) == 2
+    assert "no draft model" in capsys.readouterr().err
+    assert main(["generate", ngram, "--prompt", "Hi", "--placement", "overlapped"]) == 2
+    assert "needs a bundle with a draft model" in capsys.readouterr().err
+    drafted = str(bundle_factory(draft="target", tree="chain:3"))
+    assert main(["generate", drafted, "--prompt", "Hi", "--placement", "overlapped", "--threads", "1"]) == 2
+    assert "two cores" in capsys.readouterr().err
+    assert main(["generate", drafted, "--prompt", "Hi", "--max-new-tokens", "6", "--placement", "overlapped",
+                 "--threads", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["drafted_ahead"] > 0

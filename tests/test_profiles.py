@@ -11,7 +11,7 @@ from edgespec.runtime.errors import ExportError
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.targets.profiles import DeviceProfile, profiles, usable_providers
 
-SHIPPED = ("cpu", "cpu-x86", "cpu-arm", "ai-pc-intel", "ai-pc-qualcomm", "windows-directml", "apple", "android", "cuda")
+SHIPPED = ("cpu", "cpu-x86", "cpu-arm", "openvino-cpu", "ai-pc-intel", "ai-pc-qualcomm", "windows-directml", "apple", "android", "cuda")
 
 
 def test_every_device_kind_has_a_valid_profile_file():
