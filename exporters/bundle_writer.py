@@ -43,12 +43,13 @@ from .weights import external_table, external_tensors, externalize
 
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
-                stages: int = 0, calibration: Calibration | None = None) -> ModelEntry:
+                stages: int = 0, calibration: Calibration | None = None, static: dict | None = None) -> ModelEntry:
     """Writes `role`.onnx and `role`.weights, quantized by `policy`, and with `stages` > 0 the same model
     again as stages (embedding, `stages` groups of layers, head) that a runtime short of memory loads
-    one after another; returns the manifest entry. `calibration`: `calibrate`'s, for integer matmuls."""
+    one after another; returns the manifest entry. `calibration`: `calibrate`'s, for integer matmuls.
+    `static`: the graph's symbolic dimensions fixed (a static-shape profile: export.static_dims)."""
     maxima = calibration.maxima if calibration is not None else None
-    model, applied = save_graph(folder, role, builder, policy, maxima=maxima)
+    model, applied = save_graph(folder, role, builder, policy, maxima=maxima, static=static)
     stage_specs = []
     for i, (layers, embed, head) in enumerate(stage_plan(builder.facts.num_layers, stages) if stages else ()):
         name = f"{role}.stage{i}"
@@ -102,19 +103,30 @@ def calibrate(builder: LlamaBuilder, ids: list[int], features=None) -> Calibrati
 
 
 def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPolicy, parts: dict | None = None,
-               strict: bool = True, maxima: dict | None = None):
+               strict: bool = True, maxima: dict | None = None, static: dict | None = None):
     """Builds (all of the model, or `parts` of it), quantizes and saves `name`.onnx with its weights in
-    `name`.weights. `strict`: a policy pattern that matches no weight here is an error."""
+    `name`.weights. `strict`: a policy pattern that matches no weight here is an error. `static`: values
+    for the graph's symbolic dimensions."""
     model = builder.build(f"edgespec_{name.replace('.', '_')}", **(parts or {})).to_model()
     try:
         applied = quantize_model(model, policy, strict, maxima)
         mark_exact_rows(model)
+        if static:
+            fix_dims(model, static)
     except ValueError as err:
         raise ExportError(str(err)) from err
     externalize(model, folder / f"{name}.weights")
     onnx.save_model(model, folder / f"{name}.onnx")
     onnx.checker.check_model(str(folder / f"{name}.onnx"))
     return model, applied
+
+
+def fix_dims(model: onnx.ModelProto, values: dict[str, int]) -> None:
+    """Gives the graph's inputs and outputs fixed sizes where their dimensions are named in `values`."""
+    for value in list(model.graph.input) + list(model.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in values:
+                dim.dim_value = values[dim.dim_param]  # setting the value clears the name (a oneof)
 
 
 def _shape(value: onnx.ValueInfoProto) -> dict:

@@ -25,7 +25,7 @@ from edgespec.runtime.model import ModelRunner
 from edgespec.runtime.pipeline import default_threads
 from edgespec.runtime.sessions import make_session
 from edgespec.runtime.tree import Topology, parse_tree_spec
-from edgespec.targets.profiles import get_profile, profiles
+from edgespec.targets.profiles import get_profile
 
 from .architectures import builder_for
 from .bundle_writer import (
@@ -144,6 +144,8 @@ class ExportPlan:
     draft_scheme: QuantScheme
     target_policy: QuantPolicy
     coreml: CoreMLOptions | None  # None: no CoreML packages
+    # a static-shape profile's graphs: every pass runs this many nodes, prefill included (None: dynamic shapes)
+    static_nodes: int | None = None
 
 
 FORMATS = ("onnx", "coreml")
@@ -191,8 +193,20 @@ def plan_export(config: ExportConfig) -> ExportPlan:
         target_policy = QuantPolicy.load(config.quant_policy, target_scheme)
     except ValueError as err:
         raise ExportError(str(err)) from err
+    coreml = _coreml_options(config, topology)
+    try:
+        profile = get_profile(config.profile)
+    except ValueError as err:
+        raise ExportError(str(err)) from err
+    static_nodes = None
+    if profile.static_shapes and coreml is None:  # with CoreML packages, those are the static graphs
+        if config.stages:
+            raise ExportError(f"the {profile.name} profile needs static-shape graphs, which are not written as "
+                              "stages: drop --stages")
+        # the tree's nodes (a dynamic tree's budget) with the lookup chain's, padded to when fewer
+        static_nodes = max(2, (dynamic.budget if dynamic is not None else topology.size) + lookup_tokens)
     return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy,
-                      _coreml_options(config, topology))
+                      coreml, static_nodes)
 
 
 def _coreml_options(config: ExportConfig, topology: Topology) -> CoreMLOptions | None:
@@ -216,14 +230,7 @@ def export(config: ExportConfig, finish=None) -> Path:
     it is moved into place (the front door tunes its tree there)."""
     started = time.perf_counter()
     plan = plan_export(config)
-    try:
-        profile = get_profile(config.profile)
-    except ValueError as err:
-        raise ExportError(str(err)) from err
-    if profile.static_shapes and plan.coreml is None:
-        raise ExportError(f"the {profile.name} profile needs static-shape graphs (fixed node counts and KV "
-                          "capacity), which this edgespec does not write yet; export for a dynamic profile "
-                          f"({', '.join(n for n, p in sorted(profiles().items()) if not p.static_shapes)})")
+    profile = get_profile(config.profile)
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     target_source = resolve_source(config.model, config.cache_dir)
     training_free = DrafterKind.training_free(config.draft)
@@ -233,7 +240,9 @@ def export(config: ExportConfig, finish=None) -> Path:
     def fill(folder: Path) -> BundleContents:
         return _write_models(folder, config, plan, target_source, draft_source, say)
 
-    out = write_bundle(config.out, config.force, fill, profile, plan.tree, config.prefill_chunk,
+    # a static graph's prefill runs in passes of its nodes
+    prefill_chunk = plan.static_nodes or config.prefill_chunk
+    out = write_bundle(config.out, config.force, fill, profile, plan.tree, prefill_chunk,
                        finish=None if finish is None else lambda folder: finish(folder, say))
     say(f"bundle written to {out}")
     return out
@@ -255,16 +264,21 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if plan.target_scheme.integer_matmul:
         say("calibrating integer matmuls (activation ranges over quant/data/calibration.txt)")
         calibration = calibrate(target_builder, tokenizer(calibration_text())["input_ids"])
+    static = static_dims(plan.static_nodes, config.context)
+    if static:
+        target_builder.rope_slack = max(target_builder.rope_slack, plan.static_nodes)
+        say(f"static shapes: {plan.static_nodes} nodes per pass, a KV buffer of {config.context} tokens")
     target_entry = write_model(folder, "target", target_builder, target_source.description, plan.target_policy,
-                               stages=config.stages, calibration=calibration)
+                               stages=config.stages, calibration=calibration, static=static)
     draft_entry, draft_builder = None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
         draft_builder = _draft_builder(draft_source, draft_info, tokenizer, target_builder, config.context)
+        draft_builder.rope_slack = target_builder.rope_slack
         say(f"writing draft graph ({plan.draft_scheme.name})")
         draft_calibration = _draft_calibration(draft_builder, calibration) if plan.draft_scheme.bits else None
         draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
-                                  QuantPolicy(plan.draft_scheme), calibration=draft_calibration)
+                                  QuantPolicy(plan.draft_scheme), calibration=draft_calibration, static=static)
         if draft_info.head_tokens is not None:
             (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_info.head_tokens]))
             draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
@@ -296,6 +310,14 @@ def _write_coreml(folder: Path, config: ExportConfig, plan: ExportPlan, target_b
         packages += write_coreml(folder, "draft", draft_builder, plan.tree.topology, config.prefill_chunk,
                                  plan.coreml, compute_units_for(profile.draft), say)
     return tuple(packages)
+
+
+def static_dims(nodes: int | None, context: int) -> dict[str, int] | None:
+    """The symbolic dimensions of a graph (exporters/llama.py) fixed for a static-shape profile: `nodes` rows
+    in as many slots, as many logit rows, and a KV buffer of the context plus the rows a pass writes past it."""
+    if nodes is None:
+        return None
+    return {"nodes": nodes, "slots": nodes, "rows": nodes, "total": context + nodes, "capacity": context + nodes}
 
 
 def check_exactness(graph: Path, facts) -> dict:

@@ -71,6 +71,9 @@ ROPE_SLACK = KV_SLACK
 class LlamaBuilder:
     architecture = "llama"
     qkv_bias = False
+    # positions past the context the rotary tables cover: a static-shape graph's node count (its passes
+    # write that far, and its op checks its tables against the whole buffer)
+    rope_slack = ROPE_SLACK
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
                  feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
@@ -134,10 +137,10 @@ class LlamaBuilder:
         return None
 
     def rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin [max_context + ROPE_SLACK, head_dim], computed by the model's own rotary module so that every
+        """cos/sin [max_context + rope_slack, head_dim], computed by the model's own rotary module so that every
         rope variant transformers knows (llama3, yarn, linear, ...) is reproduced exactly."""
 
-        positions = torch.arange(self.facts.max_context + ROPE_SLACK).unsqueeze(0)
+        positions = torch.arange(self.facts.max_context + self.rope_slack).unsqueeze(0)
         probe = torch.zeros(1, 1, self.facts.head_dim)
         with torch.no_grad():
             cos, sin = self.model.model.rotary_emb(probe, positions)

@@ -74,9 +74,9 @@ def chunk_mismatches(runner: ModelRunner, seed: int, prefix: int, chunk: int, ta
     pass after a prefill in chunks of `chunk`: logits and keys/values of every token."""
     ids = _random_tokens(runner, np.random.default_rng(seed), prefix + tail)
     capacity = prefix + tail
-    alone = KVCache(runner.facts, capacity, lanes=runner.lanes)
+    alone = runner.new_cache(capacity)
     singles = [_step(runner, alone, token) for token in ids]
-    together = KVCache(runner.facts, capacity, lanes=runner.lanes)
+    together = runner.new_cache(capacity)
     prefill(runner, together, ids[:prefix], chunk)
     out = runner.forward(together, ids[prefix:], range(prefix, prefix + tail), np.tril(np.ones((tail, tail), bool)),
                          range(tail))
@@ -95,21 +95,31 @@ def tree_mismatches(runner: ModelRunner, seed: int, prefix: int,
     rng = np.random.default_rng(seed)
     context = _random_tokens(runner, rng, prefix)
     # a graph attends in a fixed number of lanes; the runtime cuts trees with more paths, and so does this
-    tree = Tree.from_parents(tuple(parents), _random_tokens(runner, rng, len(parents))).within_paths(runner.lanes)
+    tree = checked_tree(runner, Tree.from_parents(tuple(parents), _random_tokens(runner, rng, len(parents))))
+    chunk = min(8, runner.pass_limit or 8)
     topology, tokens = tree.topology, [int(t) for t in tree.tokens]
     capacity = prefix + topology.size
-    cache = KVCache(runner.facts, capacity, lanes=runner.lanes)
-    prefill(runner, cache, context, 8)
+    cache = runner.new_cache(capacity)
+    prefill(runner, cache, context, chunk)
     tree = runner.forward(cache, tokens, cache.length + topology.depths, topology.ancestor_mask, range(topology.size))
     kv = new_rows(cache, tree, range(topology.size))
     found = []
     for node in range(topology.size):
-        plain = KVCache(runner.facts, capacity, lanes=runner.lanes)
-        prefill(runner, plain, context, 8)
+        plain = runner.new_cache(capacity)
+        prefill(runner, plain, context, chunk)
         for step in topology.path_to(node):
             alone = _step(runner, plain, tokens[step])
         found.append(_mismatch("tree", node, [(tree.logits[node], alone[0]), (kv[:, :, :, node], alone[1])]))
     return [m for m in found if m is not None]
+
+
+def checked_tree(runner, tree: Tree) -> Tree:
+    """The tree as the runtime would verify it with this graph: cut to its lanes and to a static graph's nodes."""
+    tree = tree.within_paths(runner.lanes)
+    limit = getattr(runner, "pass_limit", None)
+    if limit is not None and tree.size > limit:
+        tree = Tree(tree.topology.prefix(limit), tree.tokens[:limit])
+    return tree
 
 
 # (seed, prefix) of each check: contexts that end at different offsets within MLAS's blocks
@@ -178,7 +188,7 @@ def fewest_exact_rows(runner, check=None) -> tuple[int, int, list[RowMismatch]]:
     Returns (min_rows, rows compared, the rows that differ at that count). `check`: check_exact_rows."""
     check = check or check_exact_rows
     graph_rows = runner.graph_min_rows
-    if graph_rows > 1:
+    if graph_rows > 1 and getattr(runner, "static", None) is None:  # a static graph always runs all its rows
         runner.min_rows = 1
         compared, differ = check(runner)
         if not differ:
@@ -191,9 +201,11 @@ def fewest_exact_rows(runner, check=None) -> tuple[int, int, list[RowMismatch]]:
 def check_exact_rows(runner: ModelRunner) -> tuple[int, list[RowMismatch]]:
     """Both checks on a verifying target, with fixed seeds: (rows compared, the rows that differ)."""
     seed, prefix = CHUNK_CHECK
-    found = chunk_mismatches(runner, seed, prefix, CHUNK, TAIL)
+    limit = getattr(runner, "pass_limit", None) or CHUNK
+    tail = min(TAIL, limit)
+    found = chunk_mismatches(runner, seed, prefix, min(CHUNK, limit), tail)
     for seed, tree_prefix in TREE_CHECKS:
         found += tree_mismatches(runner, seed, tree_prefix)
-    compared = sum(Tree.from_parents(TREE_PARENTS, [0] * len(TREE_PARENTS))
-                   .within_paths(runner.lanes).size for _ in TREE_CHECKS)
-    return prefix + TAIL + compared, found
+    compared = sum(checked_tree(runner, Tree.from_parents(TREE_PARENTS, [0] * len(TREE_PARENTS))).size
+                   for _ in TREE_CHECKS)
+    return prefix + tail + compared, found

@@ -46,12 +46,15 @@ def kv_input_layers(names) -> list[int]:
 
 class KVCache:
     def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0, lanes: int = 1,
-                 initial_rows: int = INITIAL_ROWS):
+                 initial_rows: int = INITIAL_ROWS, slack: int = KV_SLACK):
+        """`slack`: rows past the capacity a pass may write (its padding); a static-shape graph's buffer
+        is allocated whole (`initial_rows` = capacity) with its node count as slack."""
         if lanes < 1:
             raise InputError(f"a KV cache needs at least one lane (got {lanes})")
         self.capacity = capacity
         self.lanes = lanes
-        self.data = np.zeros((facts.num_layers, 2, lanes, facts.num_kv_heads, min(capacity, initial_rows) + KV_SLACK,
+        self.slack = slack
+        self.data = np.zeros((facts.num_layers, 2, lanes, facts.num_kv_heads, min(capacity, initial_rows) + slack,
                               facts.head_dim), np.float32)
         self.features = np.zeros((capacity, feature_size), np.float32) if feature_size else None
         self.length = 0
@@ -65,15 +68,15 @@ class KVCache:
         return self.capacity - self.length
 
     def reserve(self, rows: int) -> None:
-        """Makes the buffer hold `rows` rows (a pass writes up to KV_SLACK past the capacity): doubles it,
+        """Makes the buffer hold `rows` rows (a pass writes up to `slack` past the capacity): doubles it,
         keeping the valid rows of every lane, and forgets the bindings of the old one."""
-        held = self.data.shape[4] - KV_SLACK
+        held = self.data.shape[4] - self.slack
         if rows <= held:
             return
-        if rows > self.capacity + KV_SLACK:
+        if rows > self.capacity + self.slack:
             raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {rows} were needed")
         shape = list(self.data.shape)
-        shape[4] = min(self.capacity, max(rows, 2 * held)) + KV_SLACK
+        shape[4] = min(self.capacity, max(rows, 2 * held)) + self.slack
         grown = np.zeros(shape, np.float32)
         grown[:, :, :, :, : self.length] = self.data[:, :, :, :, : self.length]
         self.data, self._bindings = grown, {}

@@ -51,6 +51,34 @@ def commit(cache: KVCache, out: Pass, rows) -> None:
 
 
 @dataclass(frozen=True)
+class StaticShape:
+    """A static-shape graph's fixed sizes (NPU profiles): every pass runs `nodes` rows in `nodes` slots per lane,
+    asks for `nodes` logit rows, and attends over a KV buffer of `capacity` rows, the context plus `nodes`
+    rows a pass may write past it. Read from the graph's own input shapes."""
+    nodes: int
+    capacity: int
+
+    @property
+    def context(self) -> int:
+        return self.capacity - self.nodes
+
+    def buffer(self) -> dict:
+        """KVCache's arguments for the graph's buffer: whole from the start, its node count as slack."""
+        return {"initial_rows": self.context, "slack": self.nodes}
+
+    @classmethod
+    def of(cls, session: ort.InferenceSession) -> "StaticShape | None":
+        shapes = {i.name: i.shape for i in session.get_inputs()}
+        nodes = shapes.get("input_ids", shapes.get("hidden", [None, None]))[1]
+        if not isinstance(nodes, int):
+            return None
+        capacity = next((shape[2] for name, shape in shapes.items() if name.startswith("past_key_")), None)
+        if not isinstance(capacity, int) or capacity <= nodes:
+            raise InputError(f"a static-shape graph needs a KV buffer longer than its {nodes} nodes (got {capacity})")
+        return cls(nodes, capacity)
+
+
+@dataclass(frozen=True)
 class PassLayout:
     """How one pass's rows are fed: the graph inputs besides the KV buffers, and what to read back."""
     feed: dict
@@ -74,9 +102,21 @@ class ModelRunner:
         self.gives_features = FEATURES_OUT in {o.name for o in session.get_outputs()}
         self.head_size = facts.vocab_size if head_tokens is None else len(head_tokens)
         self.lanes = graph_lanes(session, facts)
+        self.static = StaticShape.of(session)  # fixed sizes every pass is padded to (None: dynamic shapes)
         self.graph_min_rows = exact_min_rows(session)  # what the graph guarantees on any device
         self.min_rows = self.graph_min_rows  # what a one-token step runs: set by the device's check
         self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
+
+    def new_cache(self, capacity: int, feature_size: int = 0) -> KVCache:
+        """A cache this graph can run on: `capacity` tokens, or a static graph's own context."""
+        if self.static is None:
+            return KVCache(self.facts, capacity, feature_size, lanes=self.lanes)
+        return KVCache(self.facts, self.static.context, feature_size, lanes=self.lanes, **self.static.buffer())
+
+    @property
+    def pass_limit(self) -> int | None:
+        """The most tokens one pass takes (a static graph's nodes), None without a limit."""
+        return None if self.static is None else self.static.nodes
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
@@ -90,7 +130,7 @@ class ModelRunner:
         exact_rows: see pass_feed.
         """
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
-                           logit_rows, past_mask, exact_rows, self.min_rows)
+                           logit_rows, past_mask, exact_rows, self.min_rows, self.static)
         feed = layout.feed
         rows = feed["input_ids"].shape[1]
         if self.reads_features:
@@ -152,9 +192,11 @@ def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.n
 
 
 def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_mask: np.ndarray, logit_rows,
-              past_mask=None, exact_rows: bool = True, exact_min_rows: int = MIN_ROWS) -> PassLayout:
+              past_mask=None, exact_rows: bool = True, exact_min_rows: int = MIN_ROWS,
+              static: StaticShape | None = None) -> PassLayout:
     """The graph inputs of one pass, padded to `exact_min_rows` rows if exact (the graph's
-    `exact_min_rows`); `heads`: the model's (query, kv) heads.
+    `exact_min_rows`); `heads`: the model's (query, kv) heads. `static`: a static-shape graph's sizes, to
+    which rows, slots, logit rows and the attention bias are padded (the padding is never read).
 
     exact_rows: each root-to-leaf path of `tree_mask` attends in a lane of its own, at the columns
     plain decoding gives it, so every row has plain decoding's bits (exporters/llama.py says why);
@@ -164,7 +206,9 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     """
     n = len(tokens)
     past_len = cache.length
-    min_rows = exact_min_rows if exact_rows else 1
+    min_rows = static.nodes if static else exact_min_rows if exact_rows else 1
+    if static and n > static.nodes:
+        raise InputError(f"{n} tokens in one pass of a static-shape graph of {static.nodes} nodes")
     rows = max(n, min_rows)
     ids = np.zeros((1, rows), dtype=np.int64)
     ids[0, :n] = tokens
@@ -177,7 +221,7 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     paths[0] = paths[0] + list(range(n, rows))  # padding rows go last in the first lane: no real row sees them
     # the attention op's one-query path rounds unlike its multi-query one (5e-7, history.md §41): an exact
     # pass gives it two slots even when its matmuls run one row (the second repeats the first)
-    slots = max(max(len(path) for path in paths), 2 if exact_rows else 1)
+    slots = static.nodes if static else max(max(len(path) for path in paths), 2 if exact_rows else 1)
     path_nodes = np.empty((cache.lanes, slots), dtype=np.int64)
     node_slots = np.zeros(rows, dtype=np.int64)
     for b, path in enumerate(paths):
@@ -186,7 +230,9 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
         node_slots[path] = b * slots + np.arange(len(path))  # a node on several lanes has the same bits on each
     path_nodes[len(paths):] = path_nodes[0]  # unused lanes repeat the first (the graph computes every lane)
     cache.reserve(past_len + slots)
-    bias = np.zeros((1, 1, slots, past_len + slots), np.float32)
+    total = past_len + slots
+    # a static graph's bias covers the whole buffer; the op reads only the first `total` columns
+    bias = np.zeros((1, 1, slots, static.capacity if static else total), np.float32)
     if exact_rows:
         position_ids = (past_len + np.arange(slots, dtype=np.int64))[None]
         if past_mask is not None:
@@ -204,11 +250,10 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     wanted = np.asarray(logit_rows, dtype=np.int64)
     head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], min_rows - len(wanted))]) if len(wanted) < min_rows \
         else wanted
-    total = past_len + slots
     qkv_rows, out_rows = head_rows_of(path_nodes, node_slots, heads)
     feed = dict(input_ids=ids, position_ids=position_ids, attention_bias=bias, logit_rows=head_rows,
                 qkv_rows=qkv_rows, out_rows=out_rows, seqlens_k=np.array([total - 1], np.int32),
-                total_sequence_length=np.array(total, np.int32))
+                total_sequence_length=np.array(bias.shape[-1], np.int32))
     return PassLayout(feed=feed, rows=n, wanted=wanted, path_nodes=path_nodes)
 
 

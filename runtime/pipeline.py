@@ -127,6 +127,11 @@ class Pipeline:
                                                   spin=not self.memory.streams, role="the draft",
                                                   strict=strict),
                                      m.draft.facts, read_head_tokens(self.folder, m.draft))
+        for runner in (self.target, self.draft):
+            static = runner.static if runner is not None else None
+            if static is not None and static.context != self.memory.context:
+                raise InputError(f"this static-shape bundle holds a context of {static.context} tokens, fixed at export; "
+                                 f"the memory budget leaves room for {self.memory.context}: raise the budget")
 
     def _packed_stages(self, specs: list[GraphSpec]) -> dict[int, Path]:
         """This machine's packed copies of the float stages, by index, where they can be mapped and released."""
@@ -156,12 +161,12 @@ class Pipeline:
     def new_session(self) -> Session:
         """A conversation's state: its target cache has a lane per root-to-leaf path the graph verifies."""
         target = self.manifest.target
-        return Session(cache=KVCache(target.facts, self.context, target.feature_size, lanes=target.lanes))
+        return Session(cache=self.target.new_cache(self.context, target.feature_size))
 
     def new_draft_cache(self) -> KVCache:
         """A cache for the draft model: its own KV rows, and its output features when it reads the target's."""
         draft = self.manifest.draft
-        return KVCache(draft.facts, self.context, draft.feature_size)
+        return self.draft.new_cache(self.context, draft.feature_size)
 
     @property
     def exactness(self) -> Verdict:

@@ -159,6 +159,12 @@ class StagedRunner:
         self.min_rows = MIN_ROWS  # what a one-token step runs: set by the device's check (runtime/exactness.py)
         self.run_seconds = 0.0  # time inside onnxruntime (and waiting for stages), all passes so far
 
+    static = None  # stages are written with dynamic shapes only
+    pass_limit = None
+
+    def new_cache(self, capacity: int, feature_size: int = 0) -> KVCache:
+        return KVCache(self.facts, capacity, feature_size, lanes=self.lanes)
+
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
                 exact_rows: bool = True) -> Pass:
