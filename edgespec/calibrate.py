@@ -2,8 +2,9 @@
 
 Every placement runtime/placement.py lists for the bundle's profile (each provider of the draft role this
 onnxruntime has; one role after the other with every core, or both at once with the cores split) decodes
-a few short prompts, greedy; the measured decoding speed is the prediction for that placement, and the
-fastest is chosen. The choice and every measurement are cached per device (onnxruntime release, CPU) and
+a few short prompts, greedy, twice: the first round warms the sessions up (OpenVINO compiles its
+subgraphs per input shape: without it the prediction was 35–40% low, history.md §51), the second is
+timed, and its decoding speed is the prediction for that placement; the fastest is chosen. The choice and every measurement are cached per device (onnxruntime release, CPU) and
 bundle (its manifest's checksum), so a later `--placement auto` reads it instead of measuring again.
 `benchmarks/placement.py` checks the predictions against longer runs."""
 from __future__ import annotations
@@ -108,7 +109,9 @@ def calibrate(folder: Path, prompts: list[dict], cores: int | None = None, max_n
     measured = []
     for placement in candidates(get_profile(profile) if profile else manifest.profile, cores):
         pipeline = Pipeline(folder, placement=placement)
-        pipeline.generate(**prompt_kwargs(prompts[0]), config=GenerationConfig(max_new_tokens=8))  # warm up
+        # a round to warm up: a provider that compiles per input shape (OpenVINO) sees every shape once
+        for item in prompts:
+            pipeline.generate(**prompt_kwargs(item), config=config)
         stats = [pipeline.generate(**prompt_kwargs(item), config=config).stats for item in prompts]
         decoded, seconds = sum(s.new_tokens - 1 for s in stats), sum(s.decode_s for s in stats)
         passes, accepted = sum(s.target_passes for s in stats), sum(s.accepted_drafts for s in stats)

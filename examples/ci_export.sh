@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # A CI job that produces device bundles for several profiles and checks each one before publishing it.
 #   examples/ci_export.sh MODEL DRAFT OUT_DIR [CONTEXT]     e.g.  examples/ci_export.sh default ngram dist/
-# PROFILES (default "cpu apple") picks the device profiles; the apple bundle also holds CoreML packages
-# (needs the [coreml] extra). examples/github-workflow.yml runs the same steps as a matrix, one job per profile.
+# PROFILES (default "cpu ai-pc-intel apple") picks the device profiles: ai-pc-intel's graphs have static
+# shapes (its NPU needs them; this runner checks them on the CPU provider); the apple bundle also holds
+# CoreML packages (needs the [coreml] extra). examples/github-workflow.yml runs the same steps as a matrix, one job per profile.
 set -euo pipefail
 model=${1:-default}
 draft=${2:-ngram}
 out=${3:-dist}
 context=${4:-2048}
 mkdir -p "$out"
-for profile in ${PROFILES:-cpu apple}; do
+for profile in ${PROFILES:-cpu ai-pc-intel apple}; do
   bundle="$out/bundle-$profile"
   formats=onnx
   if [ "$profile" = apple ]; then formats=onnx,coreml; fi

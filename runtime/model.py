@@ -70,10 +70,10 @@ class StaticShape:
     def of(cls, session: ort.InferenceSession) -> "StaticShape | None":
         shapes = {i.name: i.shape for i in session.get_inputs()}
         nodes = shapes.get("input_ids", shapes.get("hidden", [None, None]))[1]
-        if not isinstance(nodes, int):
-            return None
         capacity = next((shape[2] for name, shape in shapes.items() if name.startswith("past_key_")), None)
-        if not isinstance(capacity, int) or capacity <= nodes:
+        if not isinstance(nodes, int) or not isinstance(capacity, int):  # a fixed N alone still runs unpadded
+            return None
+        if capacity <= nodes:
             raise InputError(f"a static-shape graph needs a KV buffer longer than its {nodes} nodes (got {capacity})")
         return cls(nodes, capacity)
 

@@ -228,7 +228,7 @@ class ShapeDependentRunner:
     kernel with a separate multi-row path would do."""
 
     def __init__(self, inner):
-        self.inner, self.facts, self.lanes = inner, inner.facts, inner.lanes
+        self.inner, self.facts, self.lanes, self.new_cache = inner, inner.facts, inner.lanes, inner.new_cache
 
     def forward(self, cache, tokens, *args, **kwargs):
         out = self.inner.forward(cache, tokens, *args, **kwargs)

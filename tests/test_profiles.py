@@ -82,10 +82,3 @@ def test_doctor_names_providers_cores_and_placement(cuda_bundle, capsys):
     assert main(["doctor", str(cuda_bundle)]) == 0
     assert "exported for the cuda profile" in capsys.readouterr().out
     assert main(["doctor", str(cuda_bundle), "--strict"]) == 2
-
-
-def test_a_static_shape_profile_is_refused_until_its_graphs_exist(models, tmp_path):
-    with pytest.raises(ExportError, match="static-shape graphs"):
-        export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", profile="ai-pc-intel",
-                            cache_dir=tmp_path))
-    assert not (tmp_path / "b").exists()
