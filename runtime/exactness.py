@@ -96,7 +96,7 @@ def tree_mismatches(runner: ModelRunner, seed: int, prefix: int,
     context = _random_tokens(runner, rng, prefix)
     # a graph attends in a fixed number of lanes; the runtime cuts trees with more paths, and so does this
     tree = checked_tree(runner, Tree.from_parents(tuple(parents), _random_tokens(runner, rng, len(parents))))
-    chunk = min(8, runner.pass_limit or 8)
+    chunk = min(8, getattr(runner, "pass_limit", None) or 8)
     topology, tokens = tree.topology, [int(t) for t in tree.tokens]
     capacity = prefix + topology.size
     cache = runner.new_cache(capacity)
