@@ -23,7 +23,6 @@ from edgespec.runtime.errors import InputError
 from edgespec.runtime.paths import cache_dir
 from edgespec.runtime.pipeline import Pipeline, default_threads
 from edgespec.runtime.placement import Placement, candidates
-from edgespec.targets.profiles import get_profile
 
 CALIBRATION_TOKENS = 48
 CALIBRATION_PROMPTS = 3  # of the built-in prompts, unless the caller gives its own
@@ -85,8 +84,8 @@ def cache_file(folder: Path, cores: int, profile: str | None = None) -> Path:
     return cache_dir() / "placement" / f"{machine_key()}-{bundle}-{cores}{'-' + profile if profile else ''}.json"
 
 
-def cached(folder: Path, cores: int) -> Calibration | None:
-    path = cache_file(folder, cores)
+def cached(folder: Path, cores: int, profile: str | None = None) -> Calibration | None:
+    path = cache_file(folder, cores, profile)
     if not path.is_file():
         return None
     try:
@@ -98,17 +97,18 @@ def cached(folder: Path, cores: int) -> Calibration | None:
 def calibrate(folder: Path, prompts: list[dict], cores: int | None = None, max_new_tokens: int = CALIBRATION_TOKENS,
               say=lambda line: None, profile: str | None = None) -> Calibration:
     """Measures every candidate placement of the bundle in `folder` on `prompts` and caches the result.
-    `profile`: place the draft on another profile's providers than the bundle's (the bundle's graphs run
-    on any provider of this onnxruntime; a profile is only where to look first)."""
+    `profile`: which of the bundle's device profiles (its providers and graphs; Manifest.for_profile)."""
     cores = cores or default_threads()
     manifest = open_bundle(folder)
+    if profile is not None:
+        manifest = manifest.for_profile(profile)
     if manifest.draft is None:
         raise InputError("this bundle has no draft model: there is nothing to place but the target "
                          "(its provider is the profile's)")
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
     measured = []
-    for placement in candidates(get_profile(profile) if profile else manifest.profile, cores):
-        pipeline = Pipeline(folder, placement=placement)
+    for placement in candidates(manifest.profile, cores):
+        pipeline = Pipeline(folder, placement=placement, profile=profile)
         # a round to warm up: a provider that compiles per input shape (OpenVINO) sees every shape once
         for item in prompts:
             pipeline.generate(**prompt_kwargs(item), config=config)
@@ -132,12 +132,13 @@ def _write(path: Path, calibration: Calibration) -> None:
     partial.replace(path)  # whole or not at all, even with two processes calibrating at once
 
 
-def auto_placement(folder: Path, prompts: list[dict], cores: int | None = None, say=lambda line: None) -> Placement:
-    """The cached choice for this device and bundle, measured first if there is none."""
+def auto_placement(folder: Path, prompts: list[dict], cores: int | None = None, say=lambda line: None,
+                   profile: str | None = None) -> Placement:
+    """The cached choice for this device, bundle and profile, measured first if there is none."""
     cores = cores or default_threads()
-    found = cached(folder, cores)
+    found = cached(folder, cores, profile)
     if found is None:
         say(f"calibrating placement for {Path(folder).name} ({cores} cores; cached afterwards)")
-        found = calibrate(folder, prompts, cores, say=say)
+        found = calibrate(folder, prompts, cores, say=say, profile=profile)
     say(f"placement: {found.chosen.placement.describe()}")
     return found.chosen.placement

@@ -39,19 +39,23 @@ def _stats_line(stats) -> str:
 
 def _pipeline(args):
     folder = resolve_bundle(args.bundle)
+    profile = getattr(args, "profile", None)
     return Pipeline(folder, args.threads, getattr(args, "memory_budget", None),
                     evict_page_cache=getattr(args, "evict_page_cache", False),
-                    placement=_placement(folder, getattr(args, "placement", "profile"), args.threads))
+                    placement=_placement(folder, getattr(args, "placement", "profile"), args.threads, profile),
+                    profile=profile)
 
 
-def _placement(folder: Path, mode: str, threads: int | None) -> Placement | None:
+def _placement(folder: Path, mode: str, threads: int | None, profile: str | None) -> Placement | None:
     """--placement: None keeps the profile's providers, one role after the other."""
     if mode == "profile":
         return None
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if mode == "auto":
-        return auto_placement(folder, load_prompts(None)[:CALIBRATION_PROMPTS], threads, say)
+        return auto_placement(folder, load_prompts(None)[:CALIBRATION_PROMPTS], threads, say, profile)
     manifest = open_bundle(folder)
+    if profile is not None:
+        manifest = manifest.for_profile(profile)
     if manifest.draft is None:
         raise InputError("--placement overlapped needs a bundle with a draft model: a training-free drafter "
                          "costs too little to run beside the target")
@@ -77,7 +81,8 @@ def cmd_export(args) -> None:
     from edgespec.exporters.export import ExportConfig, export
 
     config = ExportConfig(model=args.model, draft=args.draft, out=Path(args.out), tree=args.tree,
-                        context=args.context, profile=args.profile, prefill_chunk=args.prefill_chunk,
+                        context=args.context, profile=(args.profile or ["cpu"])[0],
+                        also_profiles=tuple((args.profile or ["cpu"])[1:]), prefill_chunk=args.prefill_chunk,
                         quant=args.quant, draft_quant=args.draft_quant, block=args.block,
                         symmetric=not (args.asymmetric or args.integer_zero_points),
                         integer_zero_points=args.integer_zero_points, accuracy_level=args.accuracy_level,

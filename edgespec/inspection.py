@@ -17,6 +17,10 @@ def print_bundle(folder: Path) -> None:
     print(f"bundle {folder}")
     print(f"  schema version {SCHEMA_VERSION}, written by edgespec {manifest.edgespec_version} "
           f"on {manifest.created}, device profile {manifest.profile.name}")
+    for other in manifest.other_profiles:
+        graphs = ", ".join(g.file for g in (other.target, other.draft) if g is not None)
+        print(f"  also for the {other.profile.name} profile: " + (f"its own graphs {graphs} (prefill passes of "
+                                                                  f"{other.prefill_chunk})" if graphs else "the same graphs"))
     for role, entry in (("target", manifest.target), ("draft", manifest.draft)):
         if entry is None:
             continue

@@ -37,6 +37,8 @@ def _placement_arg(p):
                         "for each role, one after the other on every core); auto (what `edgespec calibrate` measured "
                         "fastest here, measured first if not cached); overlapped (the draft drafts the next tree "
                         "while the target verifies, the cores split between them)")
+    p.add_argument("--profile", default=None,
+                   help="which of the bundle's device profiles to run: its providers and graphs (default: the first)")
 
 
 def _sampling_args(p):
@@ -70,7 +72,9 @@ def _add_export(sub) -> None:
                         "for a draft model; chain:11 for an n-gram drafter, cut at depth 5 unless the answer "
                         "quotes its context (with int4 weights every node costs: chain:5 is faster there)")
     p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")
-    p.add_argument("--profile", default="cpu", help="device profile (targets/)")
+    p.add_argument("--profile", action="append", default=None,
+                   help="device profile (targets/; default cpu); repeat it for one bundle that serves several: "
+                        "profiles that need other shapes (static for NPUs) get graphs of their own")
     p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill pass")
     p.add_argument("--quant", default="fp32", help="weights: fp32, fp16, int8 or int4 (block-wise)")
     p.add_argument("--draft-quant", default=None, help="the draft's scheme (default: as --quant)")
@@ -232,7 +236,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--prompts", help="JSONL file of calibration prompts (default: three built-in ones)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--profile", default=None,
-                   help="look for the draft's providers in this device profile (default: the bundle's)")
+                   help="which of the bundle's device profiles to place (default: the first it was exported for)")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 

@@ -24,6 +24,7 @@ from edgespec.runtime.bundle import (
     GraphSpec,
     Manifest,
     ModelEntry,
+    ProfileGraphs,
     bundle_files,
     sha256_file,
     write_manifest,
@@ -172,6 +173,7 @@ class BundleContents:
     quality: dict | None = None
     exactness: dict | None = None  # the exactness check on the exporting device
     coreml: tuple[CoreMLPackage, ...] = ()
+    other_profiles: tuple[ProfileGraphs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,8 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
                 tokenizer=contents.tokenizer, profile=profile,
                 files={name: sha256_file(tmp / name) for name in bundle_files(tmp) if name != EXPORT_OWNER},
                 edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                quality=contents.quality, exactness=contents.exactness, coreml=contents.coreml)
+                quality=contents.quality, exactness=contents.exactness, coreml=contents.coreml,
+                other_profiles=contents.other_profiles)
             write_manifest(tmp, manifest)
             if finish is not None:
                 finish(tmp)

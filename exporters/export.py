@@ -13,6 +13,7 @@ import onnxruntime
 from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.budget import MAX_LANES, lanes_for
+from edgespec.runtime.bundle import ProfileGraphs
 from edgespec.runtime.coreml_package import compute_units_for
 from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
@@ -51,6 +52,9 @@ class ExportConfig:
     tree: str | None = None  # None: the drafter's default (`default_tree`)
     context: int = 2048
     profile: str = "cpu"
+    # more device profiles the bundle serves (`--profile` repeated): they share the graphs where their shapes
+    # agree with the first's, else get their own (static-shape graphs beside dynamic ones, or the reverse)
+    also_profiles: tuple[str, ...] = ()
     prefill_chunk: int = 64
     quant: str = "fp32"
     draft_quant: str | None = None  # None: the same as the target's
@@ -144,8 +148,10 @@ class ExportPlan:
     draft_scheme: QuantScheme
     target_policy: QuantPolicy
     coreml: CoreMLOptions | None  # None: no CoreML packages
-    # a static-shape profile's graphs: every pass runs this many nodes, prefill included (None: dynamic shapes)
+    # static-shape graphs' nodes per pass, prefill included (None: no profile needs them)
     static_nodes: int | None = None
+    main_static: bool = False  # the main graphs (the first profile's) have static shapes
+    other_form: bool = False  # another profile needs the other shapes: a second set of graphs
 
 
 FORMATS = ("onnx", "coreml")
@@ -194,19 +200,24 @@ def plan_export(config: ExportConfig) -> ExportPlan:
     except ValueError as err:
         raise ExportError(str(err)) from err
     coreml = _coreml_options(config, topology)
+    names = (config.profile, *config.also_profiles)
+    if len(set(names)) != len(names):
+        raise ExportError(f"--profile names a profile twice ({', '.join(names)})")
     try:
-        profile = get_profile(config.profile)
+        profiles = [get_profile(name) for name in names]
     except ValueError as err:
         raise ExportError(str(err)) from err
+    # a static-shape profile gets static graphs, unless CoreML packages are its static graphs
+    static = [p.static_shapes and coreml is None for p in profiles]
     static_nodes = None
-    if profile.static_shapes and coreml is None:  # with CoreML packages, those are the static graphs
+    if any(static):
         if config.stages:
-            raise ExportError(f"the {profile.name} profile needs static-shape graphs, which are not written as "
-                              "stages: drop --stages")
+            raise ExportError(f"the {profiles[static.index(True)].name} profile needs static-shape graphs, which are "
+                              "not written as stages: drop --stages")
         # the tree's nodes (a dynamic tree's budget) with the lookup chain's, padded to when fewer
         static_nodes = max(2, (dynamic.budget if dynamic is not None else topology.size) + lookup_tokens)
     return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy,
-                      coreml, static_nodes)
+                      coreml, static_nodes, main_static=static[0], other_form=any(s != static[0] for s in static))
 
 
 def _coreml_options(config: ExportConfig, topology: Topology) -> CoreMLOptions | None:
@@ -241,7 +252,7 @@ def export(config: ExportConfig, finish=None) -> Path:
         return _write_models(folder, config, plan, target_source, draft_source, say)
 
     # a static graph's prefill runs in passes of its nodes
-    prefill_chunk = plan.static_nodes or config.prefill_chunk
+    prefill_chunk = plan.static_nodes if plan.main_static else config.prefill_chunk
     out = write_bundle(config.out, config.force, fill, profile, plan.tree, prefill_chunk,
                        finish=None if finish is None else lambda folder: finish(folder, say))
     say(f"bundle written to {out}")
@@ -268,8 +279,9 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if static:
         target_builder.rope_slack = max(target_builder.rope_slack, plan.static_nodes)
         say(f"static shapes: {plan.static_nodes} nodes per pass, a KV buffer of {config.context} tokens")
+    main = static if plan.main_static else None
     target_entry = write_model(folder, "target", target_builder, target_source.description, plan.target_policy,
-                               stages=config.stages, calibration=calibration, static=static)
+                               stages=config.stages, calibration=calibration, static=main)
     draft_entry, draft_builder = None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
@@ -278,7 +290,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         say(f"writing draft graph ({plan.draft_scheme.name})")
         draft_calibration = _draft_calibration(draft_builder, calibration) if plan.draft_scheme.bits else None
         draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
-                                  QuantPolicy(plan.draft_scheme), calibration=draft_calibration, static=static)
+                                  QuantPolicy(plan.draft_scheme), calibration=draft_calibration, static=main)
         if draft_info.head_tokens is not None:
             (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_info.head_tokens]))
             draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
@@ -290,13 +302,46 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if plan.coreml is not None:
         coreml = _write_coreml(folder, config, plan, target_builder, draft_builder, say)
     say("checking that this device keeps plain decoding's bits (as inspect --check-exact does)")
-    exactness = check_exactness(folder / target_entry.graph.file, target_builder.facts)
-    if not exactness["exact"]:
-        say(f"warning: {exactness['differ']} of {exactness['rows']} rows differ from plain decoding on this device: "
-            "the bundle will decode plainly here")
+    exactness = _exactness(folder / target_entry.graph.file, target_builder.facts, say)
+    others = ()
+    if config.also_profiles:
+        others = _other_profiles(folder, config, plan, static, (target_builder, target_entry), (draft_builder, draft_entry),
+                                 calibration, say)
     say("writing manifest and checksums")
     kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
-    return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml)
+    return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml, others)
+
+
+def _exactness(graph: Path, facts, say) -> dict:
+    found = check_exactness(graph, facts)
+    if not found["exact"]:
+        say(f"warning: {found['differ']} of {found['rows']} rows of {graph.name} differ from plain decoding on this "
+            "device: the bundle will decode plainly here")
+    return found
+
+
+def _other_profiles(folder: Path, config: ExportConfig, plan: ExportPlan, static: dict | None, target, draft,
+                    calibration, say) -> tuple[ProfileGraphs, ...]:
+    """The profiles after the first: the main graphs where their shapes agree, else a second set of graphs
+    in the other shapes (`target.static.onnx` beside dynamic ones, `target.dynamic.onnx` beside static ones)."""
+    graphs = {}
+    if plan.other_form:
+        form, dims = ("dynamic", None) if plan.main_static else ("static", static)
+        say(f"writing {form}-shape graphs for {', '.join(config.also_profiles)}")
+        (target_builder, target_entry), (draft_builder, draft_entry) = target, draft
+        graphs["target"] = write_model(folder, f"target.{form}", target_builder, target_entry.source, plan.target_policy,
+                                       calibration=calibration, static=dims).graph
+        if draft_builder is not None:
+            graphs["draft"] = write_model(folder, f"draft.{form}", draft_builder, draft_entry.source,
+                                          QuantPolicy(plan.draft_scheme), calibration=None, static=dims).graph
+        graphs["prefill_chunk"] = plan.static_nodes if dims else config.prefill_chunk
+        graphs["exactness"] = _exactness(folder / graphs["target"].file, target_builder.facts, say)
+    found = []
+    for name in config.also_profiles:
+        profile = get_profile(name)
+        own = plan.other_form and (profile.static_shapes and plan.coreml is None) != plan.main_static
+        found.append(ProfileGraphs(profile, **graphs) if own else ProfileGraphs(profile))
+    return tuple(found)
 
 
 def _write_coreml(folder: Path, config: ExportConfig, plan: ExportPlan, target_builder, draft_builder, say) -> tuple:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from edgespec.targets.profiles import DeviceProfile
+from edgespec.targets.profiles import DeviceProfile, get_profile
 
 from .coreml_package import CoreMLPackage, package_files
 from .drafters import LEGACY_NGRAM, DrafterKind, NgramConfig
@@ -41,6 +41,11 @@ class GraphSpec:
     # runtime can map the file and hand the session the weights in place
     tensors: tuple[dict, ...] | None = None
     layers: tuple[int, int] | None = None  # a stage's layers [start, stop)
+
+    @property
+    def static(self) -> bool:
+        """Whether every input has fixed sizes (a static-shape profile's graph)."""
+        return all(isinstance(d, int) for spec in self.inputs.values() for d in spec.get("shape", ["?"]))
 
     @classmethod
     def from_dict(cls, data: dict) -> "GraphSpec":
@@ -131,6 +136,32 @@ class ModelEntry:
 
 
 @dataclass(frozen=True)
+class ProfileGraphs:
+    """Another device profile the bundle was exported for, with its own graphs where its shapes differ from the
+    main ones (static beside dynamic, or the reverse); without them it runs the main graphs."""
+
+    profile: DeviceProfile
+    target: GraphSpec | None = None
+    draft: GraphSpec | None = None
+    prefill_chunk: int | None = None  # its graphs' prefill passes (a static graph's nodes)
+    exactness: dict | None = None  # the exactness check of its target graph at export
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile.to_dict(),
+                **({"target": self.target.to_dict()} if self.target is not None else {}),
+                **({"draft": self.draft.to_dict()} if self.draft is not None else {}),
+                **({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk is not None else {}),
+                **({"exactness": self.exactness} if self.exactness is not None else {})}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProfileGraphs":
+        graph = lambda key: GraphSpec.from_dict(data[key]) if data.get(key) is not None else None  # noqa: E731
+        return cls(DeviceProfile.from_dict(data["profile"]), graph("target"), graph("draft"),
+                   _prefill_chunk(data["prefill_chunk"]) if "prefill_chunk" in data else None,
+                   data.get("exactness") if isinstance(data.get("exactness"), dict) else None)
+
+
+@dataclass(frozen=True)
 class Manifest:
     target: ModelEntry
     draft: ModelEntry | None  # None: a training-free drafter
@@ -150,6 +181,38 @@ class Manifest:
     # "rows", "differ", "min_rows": the rows a one-token step runs on that machine (runtime/exactness.py)}
     exactness: dict | None = None
     coreml: tuple[CoreMLPackage, ...] = ()  # CoreML packages beside the ONNX graphs (runtime/coreml.py)
+    # `export --profile A --profile B ...`: the profiles after the first (`profile`, whose graphs are `target`'s
+    # and `draft`'s), each with its own graphs where it needs other shapes
+    other_profiles: tuple[ProfileGraphs, ...] = ()
+
+    @property
+    def profile_names(self) -> tuple[str, ...]:
+        return (self.profile.name, *(p.profile.name for p in self.other_profiles))
+
+    def for_profile(self, name: str) -> "Manifest":
+        """The manifest as the runtime reads it for device profile `name`: that profile's providers, graphs,
+        prefill passes and exactness verdict. A profile the bundle was not exported for runs the main graphs
+        where their shapes suit it (a dynamic profile on dynamic graphs); else the error says how to export."""
+        if name == self.profile.name:
+            return self
+        found = next((p for p in self.other_profiles if p.profile.name == name), None)
+        if found is None:
+            try:
+                profile = get_profile(name)
+            except ValueError as err:
+                raise InputError(str(err)) from None
+            if profile.static_shapes != self.target.graph.static:
+                shapes = "static" if profile.static_shapes else "dynamic"
+                raise InputError(f"this bundle was exported for {', '.join(self.profile_names)} and has no {shapes}-shape "
+                                 f"graphs for the {name} profile: export it with --profile {name}")
+            found = ProfileGraphs(profile)
+
+        def swap(entry: ModelEntry | None, graph: GraphSpec | None) -> ModelEntry | None:
+            return entry if entry is None or graph is None else replace(entry, graph=graph, stages=())
+
+        return replace(self, profile=found.profile, target=swap(self.target, found.target),
+                       draft=swap(self.draft, found.draft), prefill_chunk=found.prefill_chunk or self.prefill_chunk,
+                       exactness=found.exactness if found.target is not None else self.exactness, other_profiles=())
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
@@ -169,7 +232,7 @@ class Manifest:
             if data["tree"].get("ngram") and not drafter.looks_up_ngrams:
                 raise BundleError(f"the manifest gives n-gram settings to the {drafter.value!r} drafter, which has no "
                                   "n-grams")
-            return cls(
+            manifest = cls(
                 target=ModelEntry.from_dict(data["target"]),
                 draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
                 drafter=drafter,
@@ -186,7 +249,14 @@ class Manifest:
                 quality=data.get("quality"),
                 exactness=data.get("exactness") if isinstance(data.get("exactness"), dict) else None,
                 coreml=tuple(CoreMLPackage.from_dict(p) for p in data.get("coreml", {}).get("packages", ())),
+                other_profiles=_other_profiles(data.get("other_profiles", [])),
             )
+            for other in manifest.other_profiles:  # their graphs agree with the models' facts too
+                view = manifest.for_profile(other.profile.name)
+                for entry in (view.target, view.draft):
+                    if entry is not None:
+                        entry.check_graphs()
+            return manifest
         except (KeyError, TypeError, ValueError, AttributeError, LookupError, ArithmeticError) as err:
             raise BundleError(f"the manifest is malformed ({type(err).__name__}: {err}): re-export the bundle") from err
 
@@ -202,7 +272,18 @@ class Manifest:
                 **({"quality": self.quality} if self.quality is not None else {}),
                 **({"exactness": self.exactness} if self.exactness is not None else {}),
                 **({"coreml": {"packages": [p.to_dict() for p in self.coreml]}} if self.coreml else {}),
+                **({"other_profiles": [p.to_dict() for p in self.other_profiles]} if self.other_profiles else {}),
                 "files": dict(self.files)}
+
+
+def _other_profiles(data) -> tuple[ProfileGraphs, ...]:
+    if not isinstance(data, list):
+        raise ValueError("other_profiles must be a list")
+    found = tuple(ProfileGraphs.from_dict(p) for p in data)
+    names = [p.profile.name for p in found]
+    if len(set(names)) != len(names):
+        raise ValueError(f"other_profiles names a profile twice ({', '.join(names)})")
+    return found
 
 
 def _files(files) -> dict[str, str]:
@@ -262,6 +343,9 @@ def used_files(manifest: Manifest) -> list[str]:
         if entry is not None:
             names += [entry.graph.file, *entry.graph.weights] + ([entry.head_tokens] if entry.head_tokens else [])
             names += [name for stage in entry.stages for name in (stage.file, *stage.weights)]
+    for other in manifest.other_profiles:
+        names += [name for graph in (other.target, other.draft) if graph is not None
+                  for name in (graph.file, *graph.weights)]
     return names
 
 

@@ -71,7 +71,7 @@ class Pipeline:
 
     def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
                  prepared_dir: Path | None = None, evict_page_cache: bool = False, strict: bool = False,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, profile: str | None = None):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
         `prepared_dir`: where float stages' packed weights are kept for this machine (default: the
@@ -81,12 +81,15 @@ class Pipeline:
         `strict`: a provider the bundle's profile names but this onnxruntime lacks is an error, not a
         fallback with a warning. `placement`: the draft's provider, each role's threads and whether drafting
         overlaps verification (edgespec/calibrate.py measures them); default: the profile's first provider
-        for each role, `threads` for both, one after the other."""
+        for each role, `threads` for both, one after the other. `profile`: which of the bundle's device profiles
+        to run (its providers and its graphs; default: the first it was exported for)."""
         self.evict_page_cache = evict_page_cache
         self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else default_prepared_dir()
         self.manifest: Manifest = open_bundle(self.folder)
+        if profile is not None:
+            self.manifest = self.manifest.for_profile(profile)
         self.memory = plan_memory(self.manifest, self.folder,
                                   None if memory_budget is None else parse_size(memory_budget))
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)

@@ -21,13 +21,14 @@ def various(models, tmp_path_factory):
         "draft-lookup": dict(draft=str(models["draft"]), tree="topk:2x2", lookup=2, lookup_quote=4),
         "dynamic": dict(draft=str(models["draft"]), tree="dynamic:5"),
         "int4-draft": dict(draft=str(models["draft"]), tree="chain:2", quant="int4", symmetric=False),
+        "profiles": dict(draft=str(models["draft"]), tree="chain:2", also_profiles=("ai-pc-intel", "cpu-x86")),
     }
     for name, spec in specs.items():
         export(ExportConfig(model=str(models["target"]), out=root / name, context=128, cache_dir=root / "cache", **spec))
     return {name: root / name for name in specs}
 
 
-@pytest.mark.parametrize("name", ["ngram-staged", "draft-lookup", "dynamic", "int4-draft"])
+@pytest.mark.parametrize("name", ["ngram-staged", "draft-lookup", "dynamic", "int4-draft", "profiles"])
 def test_written_manifests_are_exactly_the_typed_manifest(name, various):
     data = json.loads((various[name] / MANIFEST).read_text())
     manifest = Manifest.from_dict(data)
@@ -82,6 +83,8 @@ def test_an_older_schema_is_refused_with_what_to_do(various, tmp_path):
     (("draft",), {"kind": "oracle"}, "unknown drafter"),
     (("tokenizer",), [], "malformed"),
     (("profile",), {"name": "cpu"}, "malformed"),
+    (("other_profiles",), {"cpu": {}}, "other_profiles must be a list"),
+    (("other_profiles",), [{"profile": {"name": "x"}}], "malformed"),
 ])
 def test_a_hostile_manifest_is_refused_before_anything_is_sized(various, path, value, message):
     """Every value a manifest holds is checked, as a whole, before a cache is sized or a session made."""

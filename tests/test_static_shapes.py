@@ -86,3 +86,40 @@ def test_what_a_static_bundle_cannot_do_is_refused(models, exported, tmp_path):
     short = full.runtime + full.target_weights + full.scratch + full.target_kv_per_token * 384
     with pytest.raises(InputError, match="fixed at export"):
         pipeline(folder, memory_budget=short)
+
+
+def test_one_bundle_for_several_profiles(models, tmp_path):
+    """`export --profile cpu --profile ai-pc-intel --profile openvino-cpu`: the dynamic graphs serve cpu and
+    openvino-cpu, static graphs of their own serve ai-pc-intel, each listed with its checksums, and each
+    profile decodes the same tokens."""
+    from edgespec.cli import main
+    from edgespec.runtime.bundle import open_bundle
+
+    folder = tmp_path / "multi"
+    assert main(["export", str(models["target"]), "--draft", str(models["target"]), "--out", str(folder),
+                 "--tree", "topk:2x2", "--context", "128", "--profile", "cpu", "--profile", STATIC,
+                 "--profile", "openvino-cpu"]) == 0
+    manifest = open_bundle(folder)
+    assert manifest.profile_names == ("cpu", STATIC, "openvino-cpu")
+    static = manifest.for_profile(STATIC)
+    assert static.target.graph.file == "target.static.onnx" and static.draft.graph.file == "draft.static.onnx"
+    assert static.target.graph.static and not manifest.target.graph.static and static.prefill_chunk == 7
+    assert manifest.for_profile("openvino-cpu").target.graph.file == "target.onnx"
+    for name in ("target.static.onnx", "target.static.weights", "draft.static.onnx", "draft.static.weights"):
+        assert name in manifest.files
+    expected = pipeline(folder).generate(PROMPTS[0], config=CONFIG, speculate=False).token_ids
+    for profile in (STATIC, "openvino-cpu"):
+        chosen = pipeline(folder, profile=profile)
+        assert chosen.manifest.profile.name == profile and chosen.exactness.exact
+        assert (chosen.target.static is not None) == (profile == STATIC)
+        assert chosen.generate(PROMPTS[0], config=CONFIG).token_ids == expected
+    assert main(["generate", str(folder), "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--profile", STATIC,
+                 "--json"]) == 0
+    with pytest.raises(InputError, match="export it with --profile android"):
+        pipeline(folder, profile="android")  # static shapes this bundle does not have
+    with pytest.raises(InputError, match="unknown device profile"):
+        pipeline(folder, profile="nope")
+    assert pipeline(folder, profile="cpu-x86").manifest.profile.name == "cpu-x86"  # dynamic: the main graphs
+    with pytest.raises(ExportError, match="twice"):
+        export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "twice", context=128,
+                            profile="cpu", also_profiles=("cpu",)))
