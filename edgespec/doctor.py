@@ -7,8 +7,10 @@ import warnings
 
 import onnxruntime as ort
 
+from edgespec.calibrate import cached
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.device import describe
+from edgespec.runtime.pipeline import default_threads
 from edgespec.targets.profiles import DeviceProfile, profiles, usable_providers
 
 
@@ -60,6 +62,11 @@ def report(bundle=None, strict: bool = False) -> tuple[str, bool]:
         lines.append(f"  bundle {bundle}: exported for the {wanted.name} profile")
     draft, verify, notes = placement(wanted)
     lines.append(f"  would run: the draft on {draft}, the target on {verify}")
+    if bundle is not None:
+        measured = cached(bundle, default_threads())
+        lines.append(f"  measured placement: {measured.chosen.placement.describe()} (of {len(measured.measured)} "
+                     "measured; `--placement auto` uses it)" if measured else
+                     "  measured placement: none yet (`edgespec calibrate` measures where each role runs fastest here)")
     lines += [f"  warning: {note}" for note in notes]
     ok = not notes
     if strict and not ok:

@@ -157,6 +157,8 @@ def test_calibrate_measures_every_placement_caches_the_fastest_and_auto_reads_it
     assert len(speeds) == 3 and all(s > 0 for s in speeds)
     assert out["chosen"] == out["measured"][speeds.index(max(speeds))]["placement"]
     assert calibration.cache_file(folder, 2).is_file()
+    assert main(["doctor", str(folder)]) == 0
+    assert "measured placement: " in capsys.readouterr().out
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("the cached calibration should have been read")
