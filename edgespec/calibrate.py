@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgespec.bench import prompt_kwargs
-from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.bundle import Manifest, open_bundle
 from edgespec.runtime.device import describe, machine_key
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import InputError
@@ -94,17 +94,23 @@ def cached(folder: Path, cores: int, profile: str | None = None) -> Calibration 
         return None  # unreadable or from another edgespec: measured again, and rewritten
 
 
+def placeable(folder: Path, profile: str | None) -> Manifest:
+    """The bundle's manifest as read for `profile`, if it has a draft model to place."""
+    manifest = open_bundle(folder)
+    if profile is not None:
+        manifest = manifest.for_profile(profile)
+    if manifest.draft is None:
+        raise InputError("this bundle has no draft model: there is nothing to place but the target (its provider "
+                         "is the profile's), and a training-free drafter costs too little to run beside it")
+    return manifest
+
+
 def calibrate(folder: Path, prompts: list[dict], cores: int | None = None, max_new_tokens: int = CALIBRATION_TOKENS,
               say=lambda line: None, profile: str | None = None) -> Calibration:
     """Measures every candidate placement of the bundle in `folder` on `prompts` and caches the result.
     `profile`: which of the bundle's device profiles (its providers and graphs; Manifest.for_profile)."""
     cores = cores or default_threads()
-    manifest = open_bundle(folder)
-    if profile is not None:
-        manifest = manifest.for_profile(profile)
-    if manifest.draft is None:
-        raise InputError("this bundle has no draft model: there is nothing to place but the target "
-                         "(its provider is the profile's)")
+    manifest = placeable(folder, profile)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
     measured = []
     for placement in candidates(manifest.profile, cores):

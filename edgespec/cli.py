@@ -9,7 +9,7 @@ import traceback
 from pathlib import Path
 
 from edgespec.bench import load_prompts, print_report, run_bench
-from edgespec.calibrate import CALIBRATION_PROMPTS, auto_placement, calibrate
+from edgespec.calibrate import CALIBRATION_PROMPTS, auto_placement, calibrate, placeable
 from edgespec.coreml_backend import coreml_predictor, coreml_refusal, preferred_kv
 from edgespec.defaults import resolve_bundle
 from edgespec.doctor import report as doctor_report
@@ -53,12 +53,7 @@ def _placement(folder: Path, mode: str, threads: int | None, profile: str | None
     say = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if mode == "auto":
         return auto_placement(folder, load_prompts(None)[:CALIBRATION_PROMPTS], threads, say, profile)
-    manifest = open_bundle(folder)
-    if profile is not None:
-        manifest = manifest.for_profile(profile)
-    if manifest.draft is None:
-        raise InputError("--placement overlapped needs a bundle with a draft model: a training-free drafter "
-                         "costs too little to run beside the target")
+    manifest = placeable(folder, profile)
     overlapped = [p for p in candidates(manifest.profile, threads or default_threads()) if p.overlap]
     if not overlapped:
         raise InputError("--placement overlapped needs two cores or more (--threads)")

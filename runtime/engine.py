@@ -23,6 +23,7 @@ from .kvcache import KVCache
 from .model import ModelRunner, commit, prefill
 from .sampling import Sampler, SamplingConfig, sample
 from .tokenizer import TextCodec, TextStream
+from .tree import Tree
 
 KV_POLICIES = ("error", "sliding")
 
@@ -117,7 +118,16 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     cache = session.cache
     tree = drafter.propose(session.window, cache.room(), sampler, cache.feature_rows())  # 1. draft what fits
     tree = tree.within_paths(cache.lanes)                                     #    a lane per path
-    topo = tree.topology
+    new_tokens, accepted, logits = verify(target, session, tree, sampler)     # 2.-4.
+    drafter.observe(new_tokens, tree.tokens, logits)
+    return new_tokens, accepted
+
+
+def verify(target: ModelRunner, session: Session, tree: Tree,
+           sampler: Sampler | None) -> tuple[list[int], int, np.ndarray]:
+    """Verifies `tree` in one target pass and commits what it accepts. Returns (new committed tokens,
+    accepted draft tokens, the target's logits at the tree's nodes)."""
+    cache, topo = session.cache, tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
     if sampler is None:                                                       # 3. accept
@@ -129,8 +139,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
     session.committed.extend(new_tokens)
     session.window.extend(new_tokens)
-    drafter.observe(new_tokens, tree.tokens, out.logits)
-    return new_tokens, len(path) - 1
+    return new_tokens, len(path) - 1, out.logits
 
 
 class TextSink:

@@ -20,10 +20,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .accept import accept_greedy, accept_sampled
 from .drafters import Drafter
-from .engine import Session
-from .model import ModelRunner, commit
+from .engine import Session, verify
+from .model import ModelRunner
 from .sampling import Sampler
 from .tree import Tree
 
@@ -72,21 +71,10 @@ class Overlap:
             self.kept += 1
         tree = tree.within_paths(cache.lanes)
         ahead = self._draft_ahead(drafter, window, tree, cache.room(), cache.feature_rows())
-        topo = tree.topology
-        out = target.forward(cache, tree.tokens, cache.length + topo.depths,  # 2. verify, drafting meanwhile
-                             topo.ancestor_mask, range(tree.size))
-        if sampler is None:                                                       # 3. accept
-            path, bonus = accept_greedy(tree.tokens, topo.children, out.logits.argmax(-1))
-        else:
-            p_target = sampler.rows(out.logits, session.committed, tree)
-            path, bonus = accept_sampled(tree.tokens, topo.children, p_target, tree.q_draft, sampler.rng, tree.drawn)
-        self.ready = None if ahead is None else ahead.result()                  # 4. the drafter is idle again
-        commit(cache, out, path)                                                  # 5. keep the accepted path
-        new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
-        session.committed.extend(new_tokens)
-        session.window.extend(new_tokens)
-        drafter.observe(new_tokens, tree.tokens, out.logits)
-        return new_tokens, len(path) - 1
+        new_tokens, accepted, logits = verify(target, session, tree, sampler)    # 2.-4., drafting meanwhile
+        self.ready = None if ahead is None else ahead.result()                  # 5. the drafter is idle again
+        drafter.observe(new_tokens, tree.tokens, logits)
+        return new_tokens, accepted
 
     def _draft_ahead(self, drafter: Drafter, window: list[int], tree: Tree, room: int,
                      target_features) -> Future | None:
