@@ -225,7 +225,7 @@ def cmd_serve(args) -> None:
         raise ValueError("--threads must be at least 1")
     name = args.model_name or ("default" if args.bundle == "default" else Path(args.bundle).resolve().name)
     config = ServeConfig(model=name, host=args.host, port=args.port, api_key=args.api_key, queue=args.queue)
-    serve(args.bundle, config, threads=args.threads, memory_budget=args.memory_budget)
+    serve(_pipeline(args), config)
 
 
 def cmd_doctor(args) -> None:

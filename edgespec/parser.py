@@ -222,6 +222,7 @@ def _add_serve(sub) -> None:
                    help="the model id clients send (default: the bundle folder's name, 'default' for the default)")
     p.add_argument("--memory-budget", default=None,
                    help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
+    _placement_arg(p)
 
 
 def _add_doctor(sub) -> None:

@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from edgespec.defaults import resolve_bundle
 from edgespec.openai_api import (
     APIError,
     Completion,
@@ -237,8 +236,7 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
         cancel.set()  # a no-op once the generation ended; stops it at the next pass if the client left
 
 
-def serve(bundle: str, config: ServeConfig, threads: int | None = None, memory_budget: str | None = None) -> None:
+def serve(pipeline: Pipeline, config: ServeConfig) -> None:
     import uvicorn
 
-    pipeline = Pipeline(resolve_bundle(bundle), threads=threads, memory_budget=memory_budget)
     uvicorn.run(make_app(pipeline, config), host=config.host, port=config.port, log_level="info")
