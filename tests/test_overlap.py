@@ -185,3 +185,14 @@ def test_placement_options_refuse_what_cannot_be_placed(bundle_factory, capsys):
     assert main(["generate", drafted, "--prompt", "Hi", "--max-new-tokens", "6", "--placement", "overlapped",
                  "--threads", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["drafted_ahead"] > 0
+
+
+def test_overlapped_steps_under_the_sliding_kv_policy(bundle_factory):
+    """Past the context: the cache slides between steps, so a tree drafted ahead of a slide is dropped, and
+    the output stays plain sliding decoding's."""
+    folder = bundle_factory(draft="target", tree="chain:3", context=64)
+    sliding = GenerationConfig(max_new_tokens=150, stop_at_eos=False, kv_policy="sliding")
+    plain = Pipeline(folder, threads=1).generate("The quick brown fox", config=sliding, speculate=False)
+    ahead = Pipeline(folder, placement=OVERLAPPED).generate("The quick brown fox", config=sliding)
+    assert len(plain.token_ids) == 150 and ahead.token_ids == plain.token_ids
+    assert ahead.stats.kept_ahead > 0
