@@ -53,7 +53,8 @@ def report(bundle=None, strict: bool = False) -> tuple[str, bool]:
              "  profiles (draft -> target on this machine):"]
     for name, profile in profiles().items():
         draft, verify, notes = placement(profile)
-        lines.append(f"    {name:17s} {draft} -> {verify}" + (" [static shapes]" if profile.static_shapes else "")
+        lines.append(f"    {name:17s} {draft} -> {verify}" + (f" [static shapes: {', '.join(r for r in ('draft', 'verify') if profile.static_for(r))}]"
+                        if profile.static_shapes else "")
                      + ("  (falls back)" if notes else ""))
     wanted = profiles()["cpu"]
     if bundle is not None:

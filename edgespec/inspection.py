@@ -19,8 +19,7 @@ def print_bundle(folder: Path) -> None:
           f"on {manifest.created}, device profile {manifest.profile.name}")
     for other in manifest.other_profiles:
         graphs = ", ".join(g.file for g in (other.target, other.draft) if g is not None)
-        print(f"  also for the {other.profile.name} profile: " + (f"its own graphs {graphs} (prefill passes of "
-                                                                  f"{other.prefill_chunk})" if graphs else "the same graphs"))
+        print(f"  also for the {other.profile.name} profile: " + (f"its own {graphs}" if graphs else "the same graphs"))
     for role, entry in (("target", manifest.target), ("draft", manifest.draft)):
         if entry is None:
             continue

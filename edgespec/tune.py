@@ -237,8 +237,10 @@ def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None) ->
     """Rewrites the manifest's tree (graphs take any node count on dynamic profiles) and its prompt
     lookup (None: none), atomically."""
     manifest = read_manifest(folder)
-    if manifest.profile.static_shapes:
-        raise ValueError("this bundle's profile has static shapes: its tree is fixed at export")
+    graphs = [e.graph for e in (manifest.target, manifest.draft) if e is not None]
+    graphs += [g for other in manifest.other_profiles for g in (other.target, other.draft) if g is not None]
+    if any(graph.static for graph in graphs):
+        raise ValueError("this bundle has static-shape graphs: their node count, and so its tree, is fixed at export")
     manifest = replace(manifest, tree=topology, lookup=lookup)  # keeps the dynamic settings
     write_manifest(folder, manifest)
 

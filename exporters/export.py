@@ -148,10 +148,12 @@ class ExportPlan:
     draft_scheme: QuantScheme
     target_policy: QuantPolicy
     coreml: CoreMLOptions | None  # None: no CoreML packages
-    # static-shape graphs' nodes per pass, prefill included (None: no profile needs them)
+    # static-shape graphs' nodes per pass (None: no profile needs them)
     static_nodes: int | None = None
-    main_static: bool = False  # the main graphs (the first profile's) have static shapes
-    other_form: bool = False  # another profile needs the other shapes: a second set of graphs
+    # per role (target, draft): whether the main graphs (the first profile's) have static shapes, and
+    # whether another profile needs that role's graph in the other shapes (a second graph of it)
+    main_static: tuple[bool, bool] = (False, False)
+    other_form: tuple[bool, bool] = (False, False)
 
 
 FORMATS = ("onnx", "coreml")
@@ -207,17 +209,23 @@ def plan_export(config: ExportConfig) -> ExportPlan:
         profiles = [get_profile(name) for name in names]
     except ValueError as err:
         raise ExportError(str(err)) from err
-    # a static-shape profile gets static graphs, unless CoreML packages are its static graphs
-    static = [p.static_shapes and coreml is None for p in profiles]
+    shapes = [static_roles(p, coreml) for p in profiles]
     static_nodes = None
-    if any(static):
-        if config.stages:
-            raise ExportError(f"the {profiles[static.index(True)].name} profile needs static-shape graphs, which are "
-                              "not written as stages: drop --stages")
+    if any(any(roles) for roles in shapes):
+        if config.stages and shapes[0][0]:
+            raise ExportError(f"the {profiles[0].name} profile verifies on static-shape graphs, which are not written "
+                              "as stages: drop --stages")
         # the tree's nodes (a dynamic tree's budget) with the lookup chain's, padded to when fewer
         static_nodes = max(2, (dynamic.budget if dynamic is not None else topology.size) + lookup_tokens)
+    other_form = tuple(any(roles[i] != shapes[0][i] for roles in shapes[1:]) for i in range(2))
     return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy,
-                      coreml, static_nodes, main_static=static[0], other_form=any(s != static[0] for s in static))
+                      coreml, static_nodes, main_static=shapes[0], other_form=other_form)
+
+
+def static_roles(profile, coreml: CoreMLOptions | None) -> tuple[bool, bool]:
+    """(target, draft): which roles' ONNX graphs get static shapes for `profile` (none where CoreML packages
+    are its static graphs)."""
+    return (profile.static_verify and coreml is None, profile.static_draft and coreml is None)
 
 
 def _coreml_options(config: ExportConfig, topology: Topology) -> CoreMLOptions | None:
@@ -251,9 +259,7 @@ def export(config: ExportConfig, finish=None) -> Path:
     def fill(folder: Path) -> BundleContents:
         return _write_models(folder, config, plan, target_source, draft_source, say)
 
-    # a static graph's prefill runs in passes of its nodes
-    prefill_chunk = plan.static_nodes if plan.main_static else config.prefill_chunk
-    out = write_bundle(config.out, config.force, fill, profile, plan.tree, prefill_chunk,
+    out = write_bundle(config.out, config.force, fill, profile, plan.tree, config.prefill_chunk,
                        finish=None if finish is None else lambda folder: finish(folder, say))
     say(f"bundle written to {out}")
     return out
@@ -278,10 +284,10 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     static = static_dims(plan.static_nodes, config.context)
     if static:
         target_builder.rope_slack = max(target_builder.rope_slack, plan.static_nodes)
-        say(f"static shapes: {plan.static_nodes} nodes per pass, a KV buffer of {config.context} tokens")
-    main = static if plan.main_static else None
+        say(f"static-shape graphs: {plan.static_nodes} nodes per pass, a KV buffer of {config.context} tokens")
     target_entry = write_model(folder, "target", target_builder, target_source.description, plan.target_policy,
-                               stages=config.stages, calibration=calibration, static=main)
+                               stages=config.stages, calibration=calibration,
+                               static=static if plan.main_static[0] else None)
     draft_entry, draft_builder = None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
@@ -290,7 +296,8 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         say(f"writing draft graph ({plan.draft_scheme.name})")
         draft_calibration = _draft_calibration(draft_builder, calibration) if plan.draft_scheme.bits else None
         draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
-                                  QuantPolicy(plan.draft_scheme), calibration=draft_calibration, static=main)
+                                  QuantPolicy(plan.draft_scheme), calibration=draft_calibration,
+                                  static=static if plan.main_static[1] else None)
         if draft_info.head_tokens is not None:
             (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_info.head_tokens]))
             draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
@@ -322,25 +329,33 @@ def _exactness(graph: Path, facts, say) -> dict:
 
 def _other_profiles(folder: Path, config: ExportConfig, plan: ExportPlan, static: dict | None, target, draft,
                     calibration, say) -> tuple[ProfileGraphs, ...]:
-    """The profiles after the first: the main graphs where their shapes agree, else a second set of graphs
-    in the other shapes (`target.static.onnx` beside dynamic ones, `target.dynamic.onnx` beside static ones)."""
-    graphs = {}
-    if plan.other_form:
-        form, dims = ("dynamic", None) if plan.main_static else ("static", static)
-        say(f"writing {form}-shape graphs for {', '.join(config.also_profiles)}")
-        (target_builder, target_entry), (draft_builder, draft_entry) = target, draft
-        graphs["target"] = write_model(folder, f"target.{form}", target_builder, target_entry.source, plan.target_policy,
-                                       calibration=calibration, static=dims).graph
-        if draft_builder is not None:
-            graphs["draft"] = write_model(folder, f"draft.{form}", draft_builder, draft_entry.source,
-                                          QuantPolicy(plan.draft_scheme), calibration=None, static=dims).graph
-        graphs["prefill_chunk"] = plan.static_nodes if dims else config.prefill_chunk
-        graphs["exactness"] = _exactness(folder / graphs["target"].file, target_builder.facts, say)
+    """The profiles after the first: the main graphs where their shapes agree, else a second graph of that role
+    in the other shapes (`target.static.onnx` beside a dynamic one, `draft.dynamic.onnx` beside a static one)."""
+    (target_builder, target_entry), (draft_builder, draft_entry) = target, draft
+    other = {}
+    for role, builder, entry, policy, needed, main_static in (
+            ("target", target_builder, target_entry, plan.target_policy, plan.other_form[0], plan.main_static[0]),
+            ("draft", draft_builder, draft_entry, QuantPolicy(plan.draft_scheme), plan.other_form[1],
+             plan.main_static[1])):
+        if not needed or builder is None:
+            continue
+        form = "dynamic" if main_static else "static"
+        say(f"writing the {role}'s {form}-shape graph for {', '.join(config.also_profiles)}")
+        other[role] = write_model(folder, f"{role}.{form}", builder, entry.source, policy,
+                                  calibration=calibration if role == "target" else None,
+                                  static=None if main_static else static).graph
+    if "target" in other:
+        other["exactness"] = _exactness(folder / other["target"].file, target_builder.facts, say)
     found = []
     for name in config.also_profiles:
         profile = get_profile(name)
-        own = plan.other_form and (profile.static_shapes and plan.coreml is None) != plan.main_static
-        found.append(ProfileGraphs(profile, **graphs) if own else ProfileGraphs(profile))
+        roles = static_roles(profile, plan.coreml)
+        own = {}
+        if "target" in other and roles[0] != plan.main_static[0]:
+            own = {"target": other["target"], "exactness": other["exactness"]}
+        if "draft" in other and roles[1] != plan.main_static[1]:
+            own["draft"] = other["draft"]
+        found.append(ProfileGraphs(profile, **own))
     return tuple(found)
 
 

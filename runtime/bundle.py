@@ -143,21 +143,18 @@ class ProfileGraphs:
     profile: DeviceProfile
     target: GraphSpec | None = None
     draft: GraphSpec | None = None
-    prefill_chunk: int | None = None  # its graphs' prefill passes (a static graph's nodes)
-    exactness: dict | None = None  # the exactness check of its target graph at export
+    exactness: dict | None = None  # the exactness check of its own target graph at export
 
     def to_dict(self) -> dict:
         return {"profile": self.profile.to_dict(),
                 **({"target": self.target.to_dict()} if self.target is not None else {}),
                 **({"draft": self.draft.to_dict()} if self.draft is not None else {}),
-                **({"prefill_chunk": self.prefill_chunk} if self.prefill_chunk is not None else {}),
                 **({"exactness": self.exactness} if self.exactness is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ProfileGraphs":
         graph = lambda key: GraphSpec.from_dict(data[key]) if data.get(key) is not None else None  # noqa: E731
         return cls(DeviceProfile.from_dict(data["profile"]), graph("target"), graph("draft"),
-                   _prefill_chunk(data["prefill_chunk"]) if "prefill_chunk" in data else None,
                    data.get("exactness") if isinstance(data.get("exactness"), dict) else None)
 
 
@@ -190,8 +187,8 @@ class Manifest:
         return (self.profile.name, *(p.profile.name for p in self.other_profiles))
 
     def for_profile(self, name: str) -> "Manifest":
-        """The manifest as the runtime reads it for device profile `name`: that profile's providers, graphs,
-        prefill passes and exactness verdict. A profile the bundle was not exported for runs the main graphs
+        """The manifest as the runtime reads it for device profile `name`: that profile's providers, graphs
+        and exactness verdict. A profile the bundle was not exported for runs the main graphs
         where their shapes suit it (a dynamic profile on dynamic graphs); else the error says how to export."""
         if name == self.profile.name:
             return self
@@ -201,17 +198,19 @@ class Manifest:
                 profile = get_profile(name)
             except ValueError as err:
                 raise InputError(str(err)) from None
-            if profile.static_shapes != self.target.graph.static:
-                shapes = "static" if profile.static_shapes else "dynamic"
-                raise InputError(f"this bundle was exported for {', '.join(self.profile_names)} and has no {shapes}-shape "
-                                 f"graphs for the {name} profile: export it with --profile {name}")
+            for role, entry in (("verify", self.target), ("draft", self.draft)):
+                if entry is not None and profile.static_for(role) != entry.graph.static:
+                    shapes = "static" if profile.static_for(role) else "dynamic"
+                    raise InputError(f"this bundle was exported for {', '.join(self.profile_names)} and has no "
+                                     f"{shapes}-shape {'target' if role == 'verify' else 'draft'} graph for the {name} "
+                                     f"profile: export it with --profile {name}")
             found = ProfileGraphs(profile)
 
         def swap(entry: ModelEntry | None, graph: GraphSpec | None) -> ModelEntry | None:
             return entry if entry is None or graph is None else replace(entry, graph=graph, stages=())
 
         return replace(self, profile=found.profile, target=swap(self.target, found.target),
-                       draft=swap(self.draft, found.draft), prefill_chunk=found.prefill_chunk or self.prefill_chunk,
+                       draft=swap(self.draft, found.draft),
                        exactness=found.exactness if found.target is not None else self.exactness, other_profiles=())
 
     @classmethod

@@ -46,7 +46,10 @@ class DeviceProfile:
     name: str
     draft: tuple[Provider, ...]
     verify: tuple[Provider, ...]
-    static_shapes: bool  # NPUs and the Apple Neural Engine need fixed tensor shapes
+    # per role, whether its processor needs fixed tensor shapes (NPUs, the Apple Neural Engine); the
+    # verifying target stays dynamic where it runs on the CPU, where every padded row costs compute
+    static_draft: bool
+    static_verify: bool
     description: str = ""
     weights: str = "any"  # the weight scheme the device runs best (NPUs: symmetric)
     max_tree_nodes: int = 12  # the largest tree worth verifying there
@@ -65,6 +68,15 @@ class DeviceProfile:
             raise ValueError(f"profile {self.name}: threads must be 1..256 or null")
 
     @property
+    def static_shapes(self) -> bool:
+        """Whether either role needs static shapes."""
+        return self.static_draft or self.static_verify
+
+    def static_for(self, role: str) -> bool:
+        """`role`: "draft" or "verify"."""
+        return self.static_draft if role == "draft" else self.static_verify
+
+    @property
     def draft_providers(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.draft)
 
@@ -74,7 +86,8 @@ class DeviceProfile:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "draft": [p.to_dict() for p in self.draft],
-                "verify": [p.to_dict() for p in self.verify], "static_shapes": self.static_shapes,
+                "verify": [p.to_dict() for p in self.verify],
+                "static_shapes": {"draft": self.static_draft, "verify": self.static_verify},
                 "weights": self.weights, "max_tree_nodes": self.max_tree_nodes, "threads": self.threads}
 
     @classmethod
@@ -84,11 +97,17 @@ class DeviceProfile:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             raise ValueError(f"a profile is an object with a name (got {type(data).__name__})")
         draft, verify = data.get("draft", data.get("draft_providers")), data.get("verify", data.get("verify_providers"))
-        if not isinstance(draft, list) or not isinstance(verify, list) or not isinstance(data.get("static_shapes"), bool):
-            raise ValueError(f"profile {data['name']}: draft and verify provider lists and static_shapes are required")
+        static = data.get("static_shapes")
+        if isinstance(static, bool):  # both roles (profiles and manifests written before it was per role)
+            static = {"draft": static, "verify": static}
+        if not isinstance(draft, list) or not isinstance(verify, list) or not isinstance(static, dict) \
+                or set(static) != {"draft", "verify"} or not all(isinstance(v, bool) for v in static.values()):
+            raise ValueError(f"profile {data['name']}: draft and verify provider lists and static_shapes (true, false, "
+                             "or {\"draft\": bool, \"verify\": bool}) are required")
         known = profiles().get(data["name"]) if data.get("description") is None else None
         return cls(name=data["name"], draft=tuple(Provider.from_dict(p) for p in draft),
-                   verify=tuple(Provider.from_dict(p) for p in verify), static_shapes=data["static_shapes"],
+                   verify=tuple(Provider.from_dict(p) for p in verify),
+                   static_draft=static["draft"], static_verify=static["verify"],
                    description=data.get("description") or (known.description if known else ""),
                    weights=data.get("weights", "any"), max_tree_nodes=data.get("max_tree_nodes", 12),
                    threads=data.get("threads"))

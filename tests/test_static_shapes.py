@@ -1,6 +1,7 @@
 """Static-shape graphs (NPU profiles), tested on the CPU provider: every dimension fixed, every pass padded
 to the graph's nodes, the KV buffer whole from the start; the same greedy tokens as the dynamic graphs,
-and speculation on them as lossless as anywhere."""
+and speculation on them as lossless as anywhere. Shipped NPU profiles draft on the NPU and verify on the
+CPU (a static draft beside a dynamic target); a profile that verifies on its NPU too gets a static target."""
 import json
 import warnings
 
@@ -11,14 +12,28 @@ from edgespec.exporters.export import ExportConfig, ExportError, export
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import InputError
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.targets import profiles as registry
+from edgespec.targets.profiles import DeviceProfile
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens", "{\"name\": \"edge"]
 CONFIG = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
-STATIC = "ai-pc-intel"  # the draft on the NPU: static shapes
+NPU_DRAFT = "ai-pc-intel"  # the draft on the NPU (static), the target verifies on the CPU (dynamic)
+NPU_BOTH = "npu-both"  # a profile author's device that verifies on its NPU too: both roles static
+
+
+@pytest.fixture(scope="module", autouse=True)
+def npu_both_profile():
+    """Adds NPU_BOTH to the shipped profiles for this module (profiles are looked up by name at every use)."""
+    shipped = registry.profiles()
+    both = DeviceProfile.from_dict({**shipped[NPU_DRAFT].to_dict(), "name": NPU_BOTH, "description": "both on an NPU",
+                                    "static_shapes": True})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "profiles", lambda: {**shipped, NPU_BOTH: both})
+        yield
 
 
 @pytest.fixture(scope="module")
-def exported(models, tmp_path_factory):
+def exported(models, tmp_path_factory, npu_both_profile):
     root = tmp_path_factory.mktemp("static")
     made = {}
 
@@ -42,8 +57,9 @@ def pipeline(folder, **kwargs) -> Pipeline:
 @pytest.mark.parametrize("draft,tree", [("target", "topk:2x2"), ("draft", "chain:3"), ("ngram", "chain:4"),
                                         ("target", "dynamic:6")])
 def test_static_graphs_give_the_dynamic_graphs_tokens(draft, tree, exported):
-    dynamic, static = pipeline(exported(draft, tree, "cpu")), pipeline(exported(draft, tree, STATIC))
+    dynamic, static = pipeline(exported(draft, tree, "cpu")), pipeline(exported(draft, tree, NPU_BOTH))
     assert dynamic.target.static is None and static.target.static is not None
+    assert static.draft is None or static.draft.static is not None
     for prompt in PROMPTS:
         expected = dynamic.generate(prompt, config=CONFIG, speculate=False).token_ids
         assert static.generate(prompt, config=CONFIG, speculate=False).token_ids == expected
@@ -53,11 +69,24 @@ def test_static_graphs_give_the_dynamic_graphs_tokens(draft, tree, exported):
         assert speculative.stats.accepted_drafts > 0
 
 
-def test_a_static_bundle_fixes_every_dimension_and_prefills_in_passes_of_its_nodes(exported):
-    folder = exported("target", "topk:2x2", STATIC)
+@pytest.mark.parametrize("draft,tree", [("target", "topk:2x2"), ("target", "dynamic:6")])
+def test_a_static_draft_drafts_for_a_dynamic_target(draft, tree, exported):
+    """The shipped NPU profiles: the draft's graph is static, the target's dynamic; prompts longer than the
+    draft's nodes reach it in passes of its nodes."""
+    dynamic, npu = pipeline(exported(draft, tree, "cpu")), pipeline(exported(draft, tree, NPU_DRAFT))
+    assert npu.target.static is None and npu.draft.static is not None
+    assert npu.manifest.prefill_chunk == 64 > npu.draft.static.nodes
+    for prompt in PROMPTS + [" ".join(PROMPTS)]:
+        expected = dynamic.generate(prompt, config=CONFIG, speculate=False).token_ids
+        speculative = npu.generate(prompt, config=CONFIG)
+        assert speculative.token_ids == expected
+        assert speculative.stats.accepted_drafts > 0  # the draft is the target: its tokens get accepted
+
+
+def test_a_static_bundle_fixes_every_dimension(exported):
+    folder = exported("target", "topk:2x2", NPU_BOTH)
     manifest = json.loads((folder / "manifest.json").read_text())
     nodes = 7  # topk:2x2: the root, two children, four grandchildren
-    assert manifest["steps"]["prefill_chunk"] == nodes
     for role in ("target", "draft"):
         graph = onnx.load(str(folder / f"{role}.onnx"), load_external_data=False).graph
         for value in list(graph.input) + list(graph.output):
@@ -74,12 +103,12 @@ def test_a_static_bundle_fixes_every_dimension_and_prefills_in_passes_of_its_nod
     assert result.stats.prompt_tokens > nodes  # prefilled in several passes
 
 
-def test_what_a_static_bundle_cannot_do_is_refused(models, exported, tmp_path):
+def test_what_a_static_bundle_cannot_do_is_refused(models, tmp_path):
     with pytest.raises(ExportError, match="stages"):
         export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", context=128,
-                            profile=STATIC, stages=1))
+                            profile=NPU_BOTH, stages=1))
     folder = export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "long", context=512,
-                                 profile=STATIC))
+                                 profile=NPU_BOTH))
     full = pipeline(folder).memory
     assert full.context == 512
     # room for everything but a quarter of the context
@@ -89,37 +118,47 @@ def test_what_a_static_bundle_cannot_do_is_refused(models, exported, tmp_path):
 
 
 def test_one_bundle_for_several_profiles(models, tmp_path):
-    """`export --profile cpu --profile ai-pc-intel --profile openvino-cpu`: the dynamic graphs serve cpu and
-    openvino-cpu, static graphs of their own serve ai-pc-intel, each listed with its checksums, and each
-    profile decodes the same tokens."""
+    """`export --profile cpu --profile ai-pc-intel --profile npu-both --profile openvino-cpu`: the dynamic
+    graphs serve cpu and openvino-cpu, a static draft graph serves the two NPU profiles, a static target graph
+    npu-both alone; each is listed with its checksums, and each profile decodes the same tokens."""
     from edgespec.cli import main
     from edgespec.runtime.bundle import open_bundle
 
     folder = tmp_path / "multi"
+    profiles = ("cpu", NPU_DRAFT, NPU_BOTH, "openvino-cpu")
     assert main(["export", str(models["target"]), "--draft", str(models["target"]), "--out", str(folder),
-                 "--tree", "topk:2x2", "--context", "128", "--profile", "cpu", "--profile", STATIC,
-                 "--profile", "openvino-cpu"]) == 0
+                 "--tree", "topk:2x2", "--context", "128", *[a for p in profiles for a in ("--profile", p)]]) == 0
     manifest = open_bundle(folder)
-    assert manifest.profile_names == ("cpu", STATIC, "openvino-cpu")
-    static = manifest.for_profile(STATIC)
-    assert static.target.graph.file == "target.static.onnx" and static.draft.graph.file == "draft.static.onnx"
-    assert static.target.graph.static and not manifest.target.graph.static and static.prefill_chunk == 7
-    assert manifest.for_profile("openvino-cpu").target.graph.file == "target.onnx"
+    assert manifest.profile_names == profiles
+    files = {name: (manifest.for_profile(name).target.graph.file, manifest.for_profile(name).draft.graph.file)
+             for name in profiles}
+    assert files == {"cpu": ("target.onnx", "draft.onnx"), NPU_DRAFT: ("target.onnx", "draft.static.onnx"),
+                     NPU_BOTH: ("target.static.onnx", "draft.static.onnx"), "openvino-cpu": ("target.onnx", "draft.onnx")}
     for name in ("target.static.onnx", "target.static.weights", "draft.static.onnx", "draft.static.weights"):
         assert name in manifest.files
     expected = pipeline(folder).generate(PROMPTS[0], config=CONFIG, speculate=False).token_ids
-    for profile in (STATIC, "openvino-cpu"):
+    for profile in profiles[1:]:
         chosen = pipeline(folder, profile=profile)
         assert chosen.manifest.profile.name == profile and chosen.exactness.exact
-        assert (chosen.target.static is not None) == (profile == STATIC)
+        assert (chosen.target.static is not None) == (profile == NPU_BOTH)
         assert chosen.generate(PROMPTS[0], config=CONFIG).token_ids == expected
-    assert main(["generate", str(folder), "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--profile", STATIC,
+    assert main(["generate", str(folder), "--prompt", PROMPTS[0], "--max-new-tokens", "6", "--profile", NPU_BOTH,
                  "--json"]) == 0
     with pytest.raises(InputError, match="export it with --profile android"):
-        pipeline(folder, profile="android")  # static shapes this bundle does not have
+        pipeline(folder, profile="android")  # not exported for it: the main draft graph is dynamic
     with pytest.raises(InputError, match="unknown device profile"):
         pipeline(folder, profile="nope")
     assert pipeline(folder, profile="cpu-x86").manifest.profile.name == "cpu-x86"  # dynamic: the main graphs
     with pytest.raises(ExportError, match="twice"):
         export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "twice", context=128,
                             profile="cpu", also_profiles=("cpu",)))
+
+
+def test_profiles_say_static_shapes_per_role():
+    shipped = registry.profiles()
+    assert shipped[NPU_DRAFT].static_draft and not shipped[NPU_DRAFT].static_verify
+    assert not shipped["cpu"].static_shapes
+    old = DeviceProfile.from_dict({**shipped["cpu"].to_dict(), "static_shapes": True})  # before it was per role
+    assert old.static_draft and old.static_verify
+    with pytest.raises(ValueError, match="static_shapes"):
+        DeviceProfile.from_dict({**shipped["cpu"].to_dict(), "static_shapes": {"draft": True}})
