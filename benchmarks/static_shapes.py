@@ -1,7 +1,8 @@
 """Static-shape graphs beside the dynamic ones, on the CPU provider: a bundle exported for a dynamic and a
 static profile (`export ... --profile cpu --profile ai-pc-intel`) decodes the same prompts with each
-profile's graphs, alternating prompt by prompt in one process; prints tokens/s plain and speculative,
-tokens per pass, and whether every output equals the dynamic graphs' plain decoding.
+profile's graphs (the static profile's: a static draft, and a static target where the profile verifies on
+its NPU), alternating prompt by prompt in one process; prints tokens/s plain and speculative, tokens per
+pass, and whether every output equals the dynamic graphs' plain decoding.
 
     python benchmarks/static_shapes.py BUNDLE [--static-profile ai-pc-intel] [--max-new-tokens 128]
 """
@@ -30,11 +31,14 @@ def main() -> None:
         warnings.simplefilter("ignore", RuntimeWarning)  # the static profile's NPU is not here
         pipelines = {"dynamic": Pipeline(args.bundle, args.threads),
                      "static": Pipeline(args.bundle, args.threads, profile=args.static_profile)}
-    static = pipelines["static"].target.static
-    if static is None:
+    chosen = pipelines["static"]
+    roles = {role: runner.static for role, runner in (("target", chosen.target), ("draft", chosen.draft))
+             if runner is not None and runner.static is not None}
+    if not roles:
         raise SystemExit(f"{args.bundle} has no static graphs for {args.static_profile}")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-    print(f"static graphs: {static.nodes} nodes per pass, a KV buffer of {static.context} tokens")
+    for role, static in roles.items():
+        print(f"static {role} graph: {static.nodes} nodes per pass, a KV buffer of {static.context} tokens")
     for path in args.prompts:
         name = Path(path).name if path else "prompts.jsonl (built-in)"
         totals = {(form, mode): [0, 0.0, 0, 0] for form in pipelines for mode in ("plain", "speculative")}

@@ -34,7 +34,7 @@ from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.lookup import LookupConfig
-from edgespec.runtime.model import EXACT_ROWS_KEY, MIN_ROWS
+from edgespec.runtime.model import ATTENTION_KEY, EXACT_ROWS_KEY, MIN_ROWS, STANDARD_ATTENTION
 from edgespec.runtime.tokenizer import TokenizerSpec
 from edgespec.runtime.tree import Topology
 from edgespec.targets.profiles import DeviceProfile
@@ -112,6 +112,9 @@ def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPoli
     try:
         applied = quantize_model(model, policy, strict, maxima)
         mark_exact_rows(model)
+        if builder.portable_attention:
+            onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                                ATTENTION_KEY: STANDARD_ATTENTION})
         if static:
             fix_dims(model, static)
     except ValueError as err:

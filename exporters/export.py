@@ -295,6 +295,8 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         draft_builder.rope_slack = target_builder.rope_slack
         say(f"writing draft graph ({plan.draft_scheme.name})")
         draft_calibration = _draft_calibration(draft_builder, calibration) if plan.draft_scheme.bits else None
+        # a static draft is for an NPU: its attention in standard operators (no contrib op to compile)
+        draft_builder.portable_attention = plan.main_static[1]
         draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
                                   QuantPolicy(plan.draft_scheme), calibration=draft_calibration,
                                   static=static if plan.main_static[1] else None)
@@ -340,6 +342,7 @@ def _other_profiles(folder: Path, config: ExportConfig, plan: ExportPlan, static
         if not needed or builder is None:
             continue
         form = "dynamic" if main_static else "static"
+        builder.portable_attention = role == "draft" and form == "static"
         say(f"writing the {role}'s {form}-shape graph for {', '.join(config.also_profiles)}")
         other[role] = write_model(folder, f"{role}.{form}", builder, entry.source, policy,
                                   calibration=calibration if role == "target" else None,

@@ -74,6 +74,9 @@ class LlamaBuilder:
     # positions past the context the rotary tables cover: a static-shape graph's node count (its passes
     # write that far, and its op checks its tables against the whole buffer)
     rope_slack = ROPE_SLACK
+    # attention in standard ONNX operators instead of the fused contrib op (a static draft for an NPU,
+    # whose compiler takes no GroupQueryAttention): its arithmetic differs, which a draft may
+    portable_attention = False
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
                  feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
@@ -261,7 +264,8 @@ class LlamaBuilder:
         units = lane_count * (heads + 2 * kv_heads)
         packed = g.op("Reshape", [g.op("Gather", [heads_of_tokens, qkv_rows], axis=0),
                                   g.const([1, -1, units * d])])  # [L, units, D] -> [1, L, units * D]
-        out, present_k, present_v = self.fused_attention(g, packed, past, attend, lane_count)  # [1, L, B * H * D]
+        attention = self.standard_attention if self.portable_attention else self.fused_attention
+        out, present_k, present_v = attention(g, packed, past, attend, lane_count)  # [1, L, B * H * D]
         out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, d])]), out_rows], axis=0)  # [N, H, D]
         out = g.op("Reshape", [out, g.const([1, -1, heads * d])])
         return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
@@ -274,6 +278,43 @@ class LlamaBuilder:
                   attend["pos"]] + ([attend["bias"]] if "bias" in attend else [])
         return g.op("GroupQueryAttention", inputs, "attn", n_out=3, domain="com.microsoft",
                     num_heads=lane_count * f.num_heads, kv_num_heads=lane_count * f.num_kv_heads, do_rotary=1)
+
+    def standard_attention(self, g, packed, past, attend, lane_count: int):
+        """What the fused node computes, in standard operators over a static graph's whole buffer: rotary
+        embedding (half-split), the L new keys/values written at past .. past + L - 1 (ScatterElements into
+        the buffer bound as past and present), scores over every column with `attend["bias"]` masking what a
+        row may not see (the runtime masks the future and the unwritten columns explicitly for such a
+        graph), softmax, values. Query head h reads kv head h // (H / kvH), as the fused op."""
+        f = self.facts
+        heads, kv_heads, d = lane_count * f.num_heads, lane_count * f.num_kv_heads, f.head_dim
+        q, k, v = g.op("Split", [packed, g.const([heads * d, kv_heads * d, kv_heads * d])], n_out=3, axis=-1)
+        cos = g.op("Unsqueeze", [g.op("Gather", [attend["cos"], attend["pos"]], axis=0), g.const([2])])  # [1, L, 1, D/2]
+        sin = g.op("Unsqueeze", [g.op("Gather", [attend["sin"], attend["pos"]], axis=0), g.const([2])])
+
+        def rotary(x, count):  # [1, L, count * D] -> [1, count, L, D]
+            x = g.op("Reshape", [x, g.const([1, -1, count, d])])
+            first, second = g.op("Split", [x, g.const([d // 2, d // 2])], n_out=2, axis=-1)
+            rotated = g.op("Concat", [g.op("Sub", [g.op("Mul", [first, cos]), g.op("Mul", [second, sin])]),
+                                      g.op("Add", [g.op("Mul", [second, cos]), g.op("Mul", [first, sin])])], axis=-1)
+            return g.op("Transpose", [rotated], perm=[0, 2, 1, 3])
+
+        q, k = rotary(q, heads), rotary(k, kv_heads)
+        v = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, kv_heads, d])])], perm=[0, 2, 1, 3])
+        slots = g.op("Slice", [g.op("Shape", [packed]), g.const([1]), g.const([2])])  # [L]
+        total = g.op("Cast", [g.op("Add", [attend["seqlens"], g.const([1], np.int32)])], to=INT64)
+        start = g.op("Sub", [total, slots])
+        rows = g.op("Range", [g.op("Squeeze", [start]), g.op("Squeeze", [total]), g.const(1)])  # past .. past + L - 1
+        where = g.op("Expand", [g.op("Reshape", [rows, g.const([1, 1, -1, 1])]), g.op("Shape", [k])])
+        present_k = g.op("ScatterElements", [past[0], where, k], axis=2)
+        present_v = g.op("ScatterElements", [past[1], where, v], axis=2)
+        grouped = g.op("Reshape", [g.op("Mul", [q, g.const(1 / np.sqrt(d), np.float32)]),
+                                   g.const([1, kv_heads, -1, d])])  # [1, kvH, G * L, D]: h = kv * G + g
+        scores = g.op("MatMul", [grouped, g.op("Transpose", [present_k], perm=[0, 1, 3, 2])])  # [1, kvH, G * L, C]
+        scores = g.op("Add", [g.op("Reshape", [scores, g.const([1, heads, -1, 0])]), attend["bias"]])
+        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), g.const([1, kv_heads, -1, 0])])
+        out = g.op("Reshape", [g.op("MatMul", [probs, present_v]), g.const([1, heads, -1, d])])  # [1, H, L, D]
+        out = g.op("Reshape", [g.op("Transpose", [out], perm=[0, 2, 1, 3]), g.const([1, -1, heads * d])])
+        return out, present_k, present_v
 
     def qkv_projection(self, g, h, w):
         qkv = g.op("MatMul", [h, w["qkv"]], "qkv")

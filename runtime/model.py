@@ -26,6 +26,10 @@ from .tree import Topology
 # `min_rows` drops to 1 for plain and speculative decoding alike (history.md §49).
 MIN_ROWS = 2
 EXACT_ROWS_KEY = "edgespec.exact_min_rows"
+# a graph whose attention is written in standard operators (a static draft for an NPU) masks nothing by
+# itself: its passes' attention bias carries the causal mask and hides the buffer's unwritten columns
+ATTENTION_KEY = "edgespec.attention"
+STANDARD_ATTENTION = "standard"
 
 
 @dataclass
@@ -103,6 +107,7 @@ class ModelRunner:
         self.head_size = facts.vocab_size if head_tokens is None else len(head_tokens)
         self.lanes = graph_lanes(session, facts)
         self.static = StaticShape.of(session)  # fixed sizes every pass is padded to (None: dynamic shapes)
+        self.explicit_mask = session.get_modelmeta().custom_metadata_map.get(ATTENTION_KEY) == STANDARD_ATTENTION
         self.graph_min_rows = exact_min_rows(session)  # what the graph guarantees on any device
         self.min_rows = self.graph_min_rows  # what a one-token step runs: set by the device's check
         self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
@@ -130,7 +135,7 @@ class ModelRunner:
         exact_rows: see pass_feed.
         """
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
-                           logit_rows, past_mask, exact_rows, self.min_rows, self.static)
+                           logit_rows, past_mask, exact_rows, self.min_rows, self.static, self.explicit_mask)
         feed = layout.feed
         rows = feed["input_ids"].shape[1]
         if self.reads_features:
@@ -193,7 +198,7 @@ def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.n
 
 def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_mask: np.ndarray, logit_rows,
               past_mask=None, exact_rows: bool = True, exact_min_rows: int = MIN_ROWS,
-              static: StaticShape | None = None) -> PassLayout:
+              static: StaticShape | None = None, explicit_mask: bool = False) -> PassLayout:
     """The graph inputs of one pass, padded to `exact_min_rows` rows if exact (the graph's
     `exact_min_rows`); `heads`: the model's (query, kv) heads. `static`: a static-shape graph's sizes, to
     which rows, slots, logit rows and the attention bias are padded (the padding is never read).
@@ -247,6 +252,9 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
         bias[0, 0, :n, past_len : past_len + n] = np.where(tree_mask, 0, -np.inf)
         if past_mask is not None:
             bias[0, 0, :n, :past_len] = np.where(np.asarray(past_mask, dtype=bool), 0, -np.inf)
+    if explicit_mask:
+        bias[0, 0, :, total:] = -np.inf
+        bias[0, 0, :, past_len:total][np.triu(np.ones((slots, slots), dtype=bool), 1)] = -np.inf
     wanted = np.asarray(logit_rows, dtype=np.int64)
     head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], min_rows - len(wanted))]) if len(wanted) < min_rows \
         else wanted

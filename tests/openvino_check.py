@@ -1,14 +1,21 @@
 """Run by tests/test_openvino.py with the interpreter of an environment holding onnxruntime-openvino
 (which replaces the `onnxruntime` module, so it cannot share the test environment): calibrates a bundle's
-placement there, then decodes with every placement measured and compares with plain decoding. Prints
-one JSON object. Imports only the runtime (no torch, no pytest)."""
+placement there, then decodes with every placement measured and compares with plain decoding; and says
+which provider ran each node of every draft graph the bundle holds (onnxruntime's profile of one pass).
+Prints one JSON object. Imports only the runtime (no torch, no pytest)."""
 import json
 import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from edgespec.calibrate import calibrate
+from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.model import ModelRunner
 from edgespec.runtime.pipeline import Pipeline
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "{\"name\": \"edge"]
@@ -28,8 +35,26 @@ def main(folder: str) -> None:
                      "identical": [r.token_ids for r in results] == expected,
                      "accepted": sum(r.stats.accepted_drafts for r in results),
                      "drafted_ahead": sum(r.stats.drafted_ahead for r in results)})
+    manifest = open_bundle(folder)
+    drafts = {name: manifest.for_profile(name).draft for name in manifest.profile_names}
+    placed = {entry.graph.file: node_providers(Path(folder) / entry.graph.file, entry.facts)
+              for entry in drafts.values() if entry is not None}
     print(json.dumps({"onnxruntime": ort.__version__, "providers": ort.get_available_providers(),
-                      "chosen": calibration.chosen.placement.to_dict(), "runs": runs}))
+                      "chosen": calibration.chosen.placement.to_dict(), "runs": runs, "draft_nodes": placed}))
+
+
+def node_providers(graph: Path, facts) -> dict[str, int]:
+    """How many of a draft graph's kernels each provider ran in one draft pass (onnxruntime's profile)."""
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "profile")
+    session = ort.InferenceSession(str(graph), options, providers=["OpenVINOExecutionProvider", "CPUExecutionProvider"],
+                                   provider_options=[{"device_type": "CPU"}, {}])
+    runner = ModelRunner(session, facts)
+    runner.forward(runner.new_cache(64), [5], [0], np.ones((1, 1), bool), [0], exact_rows=False)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    return dict(Counter(e["args"]["provider"] for e in events
+                        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")))
 
 
 if __name__ == "__main__":

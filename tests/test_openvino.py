@@ -20,7 +20,7 @@ def test_the_draft_on_openvino_keeps_plain_decodings_tokens(draft, tree, models,
     from edgespec.exporters.export import ExportConfig, export
 
     folder = export(ExportConfig(model=str(models["target"]), draft=str(models[draft]), out=tmp_path / "bundle",
-                                 tree=tree, context=256, profile="openvino-cpu"))
+                                 tree=tree, context=256, profile="openvino-cpu", also_profiles=("ai-pc-intel",)))
     found = subprocess.run([OPENVINO_PYTHON, str(Path(__file__).parent / "openvino_check.py"), str(folder)],
                            capture_output=True, text=True, timeout=600,
                            env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "cache")})
@@ -34,3 +34,8 @@ def test_the_draft_on_openvino_keeps_plain_decodings_tokens(draft, tree, models,
     assert all(r["identical"] for r in report["runs"])
     if draft == "target":  # the draft is the target: on either provider its tokens get accepted
         assert all(r["accepted"] > 0 for r in report["runs"])
+    # the NPU profile's static draft, attention in standard operators: OpenVINO runs all of it; the dynamic
+    # draft's fused attention runs on onnxruntime's CPU kernels
+    nodes = report["draft_nodes"]
+    assert set(nodes["draft.static.onnx"]) == {"OpenVINOExecutionProvider"}
+    assert nodes["draft.onnx"].get("CPUExecutionProvider", 0) > 0
