@@ -1,11 +1,12 @@
 """onnxruntime sessions, one per role, placed by the device profile."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import onnxruntime as ort
 
-from edgespec.targets.profiles import usable_providers
+from edgespec.targets.profiles import CPU, usable_providers
 
 from .errors import BundleError
 
@@ -37,12 +38,35 @@ def make_session(path: Path, providers: tuple, threads: int,
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
     try:
-        chosen = usable_providers(tuple(providers), role, strict)
-        return ort.InferenceSession(str(path), options, providers=[name for name, _ in chosen],
-                                    provider_options=[opts for _, opts in chosen])
+        return _first_that_starts(path, options, usable_providers(tuple(providers), role, strict), role, strict)
     except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.NoSuchFile,
             ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as err:
         # a graph that passed its checksum but onnxruntime refuses: written wrong, or for another onnxruntime
         raise BundleError(f"onnxruntime {ort.__version__} cannot load {Path(path).name}: {str(err)[:300]}; "
                           "re-export the bundle with this edgespec") from err
+
+
+def _first_that_starts(path: Path, options: ort.SessionOptions, chosen: list[tuple[str, dict]], role: str,
+                       strict: bool) -> ort.InferenceSession:
+    """A session on the first of `chosen` that starts here, with the CPU beside it for what it does not take. A
+    provider in this build can still fail to start (OpenVINO asked for an NPU the machine lacks): onnxruntime
+    then runs everything on the CPU and says little, so the next choice is tried and the fallback named."""
+    for i, (name, provider_options) in enumerate(chosen):
+        pair = [(name, provider_options)] + ([(CPU, {})] if name != CPU else [])
+        session = ort.InferenceSession(str(path), options, providers=[n for n, _ in pair],
+                                       provider_options=[o for _, o in pair])
+        if name == CPU or name in session.get_providers():
+            if i:
+                message = (f"{_label(chosen[0])} did not start on this machine; {role or 'the model'} runs on "
+                           f"{_label(chosen[i])} instead")
+                if strict:
+                    raise BundleError(message + " (--strict)")
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+            return session
+    raise BundleError(f"no provider started for {Path(path).name}")  # the CPU always does
+
+
+def _label(choice: tuple[str, dict]) -> str:
+    name, options = choice
+    return name + (f" ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")

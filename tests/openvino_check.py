@@ -6,6 +6,7 @@ Prints one JSON object. Imports only the runtime (no torch, no pytest)."""
 import json
 import sys
 import tempfile
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -35,12 +36,18 @@ def main(folder: str) -> None:
                      "identical": [r.token_ids for r in results] == expected,
                      "accepted": sum(r.stats.accepted_drafts for r in results),
                      "drafted_ahead": sum(r.stats.drafted_ahead for r in results)})
+    with warnings.catch_warnings(record=True) as caught:  # its NPU (then GPU) is not on this machine
+        warnings.simplefilter("always")
+        npu = Pipeline(folder, threads=2, profile="ai-pc-intel")
+    fallback = {"draft_providers": npu.draft.session.get_providers(), "warnings": [str(w.message) for w in caught],
+                "identical": npu.generate(PROMPTS[0], config=config).token_ids == expected[0]}
     manifest = open_bundle(folder)
     drafts = {name: manifest.for_profile(name).draft for name in manifest.profile_names}
     placed = {entry.graph.file: node_providers(Path(folder) / entry.graph.file, entry.facts)
               for entry in drafts.values() if entry is not None}
     print(json.dumps({"onnxruntime": ort.__version__, "providers": ort.get_available_providers(),
-                      "chosen": calibration.chosen.placement.to_dict(), "runs": runs, "draft_nodes": placed}))
+                      "chosen": calibration.chosen.placement.to_dict(), "runs": runs, "draft_nodes": placed,
+                      "ai_pc_intel": fallback}))
 
 
 def node_providers(graph: Path, facts) -> dict[str, int]:

@@ -39,3 +39,8 @@ def test_the_draft_on_openvino_keeps_plain_decodings_tokens(draft, tree, models,
     nodes = report["draft_nodes"]
     assert set(nodes["draft.static.onnx"]) == {"OpenVINOExecutionProvider"}
     assert nodes["draft.onnx"].get("CPUExecutionProvider", 0) > 0
+    # the ai-pc-intel profile asks OpenVINO for an NPU, then a GPU: neither is here, and the fallback is named
+    npu = report["ai_pc_intel"]
+    assert npu["identical"]
+    if npu["draft_providers"][0] == "CPUExecutionProvider":
+        assert any("device_type=NPU" in w and "runs on CPUExecutionProvider" in w for w in npu["warnings"])
