@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +115,12 @@ def calibrate(folder: Path, prompts: list[dict], cores: int | None = None, max_n
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
     measured = []
     for placement in candidates(manifest.profile, cores):
-        pipeline = Pipeline(folder, placement=placement, profile=profile)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # said below, once
+            pipeline = Pipeline(folder, placement=placement, profile=profile)
+        if pipeline.draft.session.get_providers()[0] != placement.draft.name:
+            say(f"  {placement.describe()}: the provider did not start here; not measured")
+            continue
         # a round to warm up: a provider that compiles per input shape (OpenVINO) sees every shape once
         for item in prompts:
             pipeline.generate(**prompt_kwargs(item), config=config)

@@ -40,7 +40,9 @@ def main(folder: str) -> None:
         warnings.simplefilter("always")
         npu = Pipeline(folder, threads=2, profile="ai-pc-intel")
     fallback = {"draft_providers": npu.draft.session.get_providers(), "warnings": [str(w.message) for w in caught],
-                "identical": npu.generate(PROMPTS[0], config=config).token_ids == expected[0]}
+                "identical": npu.generate(PROMPTS[0], config=config).token_ids == expected[0],
+                "measured": [m.placement.to_dict() for m in calibrate(folder, [{"prompt": p} for p in PROMPTS], cores=2,
+                                                                       max_new_tokens=12, profile="ai-pc-intel").measured]}
     manifest = open_bundle(folder)
     drafts = {name: manifest.for_profile(name).draft for name in manifest.profile_names}
     placed = {entry.graph.file: node_providers(Path(folder) / entry.graph.file, entry.facts)

@@ -44,3 +44,5 @@ def test_the_draft_on_openvino_keeps_plain_decodings_tokens(draft, tree, models,
     assert npu["identical"]
     if npu["draft_providers"][0] == "CPUExecutionProvider":
         assert any("device_type=NPU" in w and "runs on CPUExecutionProvider" in w for w in npu["warnings"])
+        # calibration measures only what starts: no placement named for an NPU that is not here
+        assert npu["measured"] and all(m["draft"]["name"] == "CPUExecutionProvider" for m in npu["measured"])
