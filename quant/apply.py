@@ -45,13 +45,16 @@ def _drop_unused_initializers(model: onnx.ModelProto) -> None:
         model.graph.initializer.remove(tensor)
 
 
+EMBEDDING = "embed_tokens"  # the one table a Gather reads that is a weight (exporters/llama.py's name)
+
+
 def _weight_nodes(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     inits = _initializers(model)
     users: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         if node.op_type in ("MatMul", "Gemm") and node.input[1] in inits:
             users.setdefault(node.input[1], []).append(node)
-        elif node.op_type == "Gather" and node.input[0] in inits:
+        elif node.op_type == "Gather" and node.input[0] == EMBEDDING:  # not the rotary tables a Gather may read
             users.setdefault(node.input[0], []).append(node)
     return users
 
@@ -134,7 +137,9 @@ def _apply_nbits(model: onnx.ModelProto, applied: dict[str, str], policy: QuantP
         if not group & set(remaining):
             continue
         # the quantizer treats nodes_to_include as an addition, not a filter: exclude the rest instead
-        excluded = sorted(node.name for name, nodes in remaining.items() if name not in group for node in nodes)
+        excluded = sorted([node.name for name, nodes in remaining.items() if name not in group for node in nodes]
+                          + [node.name for node in model.graph.node  # tables that are not weights (rotary)
+                             if node.op_type == "Gather" and node.input[0] != EMBEDDING])
         quantizer = MatMulNBitsQuantizer(
             model, bits=bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
             accuracy_level=scheme.accuracy_level, nodes_to_exclude=excluded,

@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgespec.calibrate import calibrate
-from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.bundle import open_bundle, read_head_tokens
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.model import ModelRunner
 from edgespec.runtime.pipeline import Pipeline
@@ -45,22 +45,22 @@ def main(folder: str) -> None:
                                                                        max_new_tokens=12, profile="ai-pc-intel").measured]}
     manifest = open_bundle(folder)
     drafts = {name: manifest.for_profile(name).draft for name in manifest.profile_names}
-    placed = {entry.graph.file: node_providers(Path(folder) / entry.graph.file, entry.facts)
-              for entry in drafts.values() if entry is not None}
+    placed = {entry.graph.file: node_providers(Path(folder), entry) for entry in drafts.values() if entry is not None}
     print(json.dumps({"onnxruntime": ort.__version__, "providers": ort.get_available_providers(),
                       "chosen": calibration.chosen.placement.to_dict(), "runs": runs, "draft_nodes": placed,
                       "ai_pc_intel": fallback}))
 
 
-def node_providers(graph: Path, facts) -> dict[str, int]:
+def node_providers(folder: Path, entry) -> dict[str, int]:
     """How many of a draft graph's kernels each provider ran in one draft pass (onnxruntime's profile)."""
     options = ort.SessionOptions()
     options.enable_profiling = True
     options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "profile")
-    session = ort.InferenceSession(str(graph), options, providers=["OpenVINOExecutionProvider", "CPUExecutionProvider"],
+    session = ort.InferenceSession(str(folder / entry.graph.file), options, providers=["OpenVINOExecutionProvider", "CPUExecutionProvider"],
                                    provider_options=[{"device_type": "CPU"}, {}])
-    runner = ModelRunner(session, facts)
-    runner.forward(runner.new_cache(64), [5], [0], np.ones((1, 1), bool), [0], exact_rows=False)
+    runner = ModelRunner(session, entry.facts, read_head_tokens(folder, entry))
+    features = np.zeros((1, entry.facts.hidden_size), np.float32) if runner.reads_features else None
+    runner.forward(runner.new_cache(64), [5], [0], np.ones((1, 1), bool), [0], features=features, exact_rows=False)
     events = json.loads(Path(session.end_profiling()).read_text())
     return dict(Counter(e["args"]["provider"] for e in events
                         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")))
