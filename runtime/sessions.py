@@ -1,12 +1,11 @@
 """onnxruntime sessions, one per role, placed by the device profile."""
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import onnxruntime as ort
 
-from edgespec.targets.profiles import CPU, usable_providers
+from edgespec.targets.profiles import CPU, fall_back, usable_providers
 
 from .errors import BundleError
 
@@ -58,11 +57,8 @@ def _first_that_starts(path: Path, options: ort.SessionOptions, chosen: list[tup
                                        provider_options=[o for _, o in pair])
         if name == CPU or name in session.get_providers():
             if i:
-                message = (f"{_label(chosen[0])} did not start on this machine; {role or 'the model'} runs on "
-                           f"{_label(chosen[i])} instead")
-                if strict:
-                    raise BundleError(message + " (--strict)")
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
+                fall_back(f"{_label(chosen[0])} did not start on this machine; {role or 'the model'} runs on "
+                          f"{_label(chosen[i])} instead", strict, stacklevel=4)
             return session
     raise BundleError(f"no provider started for {Path(path).name}")  # the CPU always does
 

@@ -149,9 +149,14 @@ def usable_providers(wanted: tuple[Provider, ...] | tuple[str, ...], role: str =
     if CPU not in [name for name, _ in chosen]:
         chosen.append((CPU, {}))
     if missing and chosen[0][0] != wanted[0].name:
-        message = (f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in this onnxruntime build "
-                   f"({ort.__version__}); {role or 'the model'} runs on {chosen[0][0]} instead")
-        if strict:
-            raise ValueError(message + " (--strict)")
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        fall_back(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in this onnxruntime build "
+                  f"({ort.__version__}); {role or 'the model'} runs on {chosen[0][0]} instead", strict, stacklevel=3)
     return chosen
+
+
+def fall_back(message: str, strict: bool, stacklevel: int) -> None:
+    """What a profile asked for is not what runs: a warning that says so (`stacklevel` above the caller), or
+    with `strict` an error."""
+    if strict:
+        raise ValueError(message + " (--strict)")
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
