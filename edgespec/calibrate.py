@@ -126,6 +126,9 @@ def calibrate(folder: Path, prompts: list[dict], cores: int | None = None, max_n
             pipeline.generate(**prompt_kwargs(item), config=config)
         stats = [pipeline.generate(**prompt_kwargs(item), config=config).stats for item in prompts]
         decoded, seconds = sum(s.new_tokens - 1 for s in stats), sum(s.decode_s for s in stats)
+        if not decoded or not seconds:
+            raise InputError("the calibration prompts decoded nothing (each stopped at its first token): give "
+                             "prompts that leave room to answer (--prompts)")
         passes, accepted = sum(s.target_passes for s in stats), sum(s.accepted_drafts for s in stats)
         ahead, kept = sum(s.drafted_ahead for s in stats), sum(s.kept_ahead for s in stats)
         measured.append(Measured(placement, round(decoded / seconds, 2), round((accepted + passes) / passes, 3),

@@ -288,7 +288,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     target_entry = write_model(folder, "target", target_builder, target_source.description, plan.target_policy,
                                stages=config.stages, calibration=calibration,
                                static=static if plan.main_static[0] else None)
-    draft_entry, draft_builder = None, None
+    draft_entry, draft_builder, draft_calibration = None, None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
         draft_builder = _draft_builder(draft_source, draft_info, tokenizer, target_builder, config.context)
@@ -315,7 +315,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     others = ()
     if config.also_profiles:
         others = _other_profiles(folder, config, plan, static, (target_builder, target_entry), (draft_builder, draft_entry),
-                                 calibration, say)
+                                 (calibration, draft_calibration), say)
     say("writing manifest and checksums")
     kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
     return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml, others)
@@ -330,7 +330,7 @@ def _exactness(graph: Path, facts, say) -> dict:
 
 
 def _other_profiles(folder: Path, config: ExportConfig, plan: ExportPlan, static: dict | None, target, draft,
-                    calibration, say) -> tuple[ProfileGraphs, ...]:
+                    calibrations, say) -> tuple[ProfileGraphs, ...]:
     """The profiles after the first: the main graphs where their shapes agree, else a second graph of that role
     in the other shapes (`target.static.onnx` beside a dynamic one, `draft.dynamic.onnx` beside a static one)."""
     (target_builder, target_entry), (draft_builder, draft_entry) = target, draft
@@ -345,7 +345,7 @@ def _other_profiles(folder: Path, config: ExportConfig, plan: ExportPlan, static
         builder.portable_attention = role == "draft" and form == "static"
         say(f"writing the {role}'s {form}-shape graph for {', '.join(config.also_profiles)}")
         other[role] = write_model(folder, f"{role}.{form}", builder, entry.source, policy,
-                                  calibration=calibration if role == "target" else None,
+                                  calibration=calibrations[role == "draft"],
                                   static=None if main_static else static).graph
     if "target" in other:
         other["exactness"] = _exactness(folder / other["target"].file, target_builder.facts, say)

@@ -75,6 +75,8 @@ class KVCache:
             return
         if rows > self.capacity + self.slack:
             raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {rows} were needed")
+        if held >= self.capacity:  # the whole context is held: the slack takes the rest (no copy per pass)
+            return
         shape = list(self.data.shape)
         shape[4] = min(self.capacity, max(rows, 2 * held)) + self.slack
         grown = np.zeros(shape, np.float32)

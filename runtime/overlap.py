@@ -52,6 +52,7 @@ class Overlap:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-draft")
         self.worker_sampler: Sampler | None = None  # the worker's random stream, spawned from the generation's
         self.ready: Ahead | None = None
+        self.pending: Future | None = None  # the worker's drafting during the current pass
         # the draft has seen committed tokens [0, trusted) with the target's features (None: all it holds)
         self.trusted: int | None = None
         self.kept = 0  # trees drafted ahead that were used
@@ -67,12 +68,14 @@ class Overlap:
         if tree is None:                                                          # 1. draft, unless drafted ahead
             drafter.rewind(len(window) if self.trusted is None else self.trusted)
             tree = drafter.propose(window, cache.room(), sampler, cache.feature_rows())
+            self.trusted = len(window)  # fed now with the target's features: the worker need not feed them again
         else:
             self.kept += 1
         tree = tree.within_paths(cache.lanes)
-        ahead = self._draft_ahead(drafter, window, tree, cache.room(), cache.feature_rows())
+        self.pending = self._draft_ahead(drafter, window, tree, cache.room(), cache.feature_rows())
         new_tokens, accepted, logits = verify(target, session, tree, sampler)    # 2.-4., drafting meanwhile
-        self.ready = None if ahead is None else ahead.result()                  # 5. the drafter is idle again
+        self.ready = None if self.pending is None else self.pending.result()    # 5. the drafter is idle again
+        self.pending = None
         drafter.observe(new_tokens, tree.tokens, logits)
         return new_tokens, accepted
 
@@ -81,7 +84,7 @@ class Overlap:
         """Starts drafting the tree that follows if `tree`'s likely path and the draft's next token are committed."""
         path = likely_path(tree)
         room_after = room - len(path) - 1  # the target cache after committing the path and the bonus token
-        if room_after < 1:
+        if room_after < 1 or not path:  # a root alone: no drafted token to guess past
             return None
         trusted = len(window) if self.trusted is None else self.trusted
         self.trusted = len(window)  # the worker feeds the whole window with the target's features
@@ -99,10 +102,10 @@ class Overlap:
 
     def settle(self, drafter: Drafter, session: Session) -> None:
         """Ends the generation: the draft forgets what it drafted ahead; the worker thread stops."""
-        self.ready = None
+        self.pool.shutdown(wait=True)  # a step cut short (an error) may have left the worker drafting
+        self.ready = self.pending = None
         if self.trusted is not None:
             drafter.rewind(min(self.trusted, len(session.window)))
-        self.pool.shutdown(wait=True)
 
     @property
     def kept_share(self) -> float:

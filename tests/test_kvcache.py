@@ -52,6 +52,20 @@ def test_the_buffer_grows_by_doubling_keeping_every_lanes_rows_up_to_the_capacit
     assert cache.data.shape[4] == 12 + KV_SLACK
     with pytest.raises(ContextOverflowError):
         cache.reserve(13 + KV_SLACK)
+    held = cache.data
+    cache.reserve(12 + KV_SLACK)  # the whole context is held: no copy, the bindings stay
+    assert cache.data is held
+
+
+def test_a_static_buffer_is_whole_from_the_start_and_never_copied():
+    cache = KVCache(FACTS, capacity=10, initial_rows=10, slack=4)
+    held = cache.data
+    assert held.shape[4] == 14
+    for rows in (3, 10, 12, 14):  # a pass near the end of the context writes into the slack
+        cache.reserve(rows)
+        assert cache.data is held
+    with pytest.raises(ContextOverflowError):
+        cache.reserve(15)
 
 
 def test_trim_is_a_pointer_move_and_overflow_is_refused():
