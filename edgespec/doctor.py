@@ -11,7 +11,7 @@ from edgespec.calibrate import cached
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.device import describe
 from edgespec.runtime.pipeline import default_threads
-from edgespec.targets.profiles import DeviceProfile, profiles, usable_providers
+from edgespec.targets.profiles import DeviceProfile, profiles, provider_label, usable_providers
 
 
 def memory_mib() -> tuple[int | None, int | None]:
@@ -35,12 +35,7 @@ def placement(profile: DeviceProfile) -> tuple[str, str, list[str]]:
         draft = usable_providers(profile.draft, "the draft")[0]
         verify = usable_providers(profile.verify, "the target")[0]
     notes += [str(w.message) for w in caught]
-    return _label(draft), _label(verify), notes
-
-
-def _label(chosen: tuple[str, dict]) -> str:
-    name, options = chosen
-    return name + (f" {options}" if options else "")
+    return provider_label(draft), provider_label(verify), notes
 
 
 def report(bundle=None, strict: bool = False) -> tuple[str, bool]:
@@ -53,8 +48,8 @@ def report(bundle=None, strict: bool = False) -> tuple[str, bool]:
              "  profiles (draft -> target on this machine):"]
     for name, profile in profiles().items():
         draft, verify, notes = placement(profile)
-        lines.append(f"    {name:17s} {draft} -> {verify}" + (f" [static shapes: {', '.join(r for r in ('draft', 'verify') if profile.static_for(r))}]"
-                        if profile.static_shapes else "")
+        static = [role for role in ("draft", "verify") if profile.static_for(role)]
+        lines.append(f"    {name:17s} {draft} -> {verify}" + (f" [static shapes: {', '.join(static)}]" if static else "")
                      + ("  (falls back)" if notes else ""))
     wanted = profiles()["cpu"]
     if bundle is not None:

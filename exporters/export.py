@@ -26,7 +26,7 @@ from edgespec.runtime.model import ModelRunner
 from edgespec.runtime.pipeline import default_threads
 from edgespec.runtime.sessions import make_session
 from edgespec.runtime.tree import Topology, parse_tree_spec
-from edgespec.targets.profiles import get_profile
+from edgespec.targets.profiles import DeviceProfile, get_profile
 
 from .architectures import builder_for
 from .bundle_writer import (
@@ -148,12 +148,19 @@ class ExportPlan:
     draft_scheme: QuantScheme
     target_policy: QuantPolicy
     coreml: CoreMLOptions | None  # None: no CoreML packages
-    # static-shape graphs' nodes per pass (None: no profile needs them)
-    static_nodes: int | None = None
-    # per role (target, draft): whether the main graphs (the first profile's) have static shapes, and
-    # whether another profile needs that role's graph in the other shapes (a second graph of it)
-    main_static: tuple[bool, bool] = (False, False)
-    other_form: tuple[bool, bool] = (False, False)
+    profiles: tuple[DeviceProfile, ...]  # the first's graphs are the main ones
+    # per profile, (target, draft): which roles' graphs it needs with static shapes (static_roles)
+    shapes: tuple[tuple[bool, bool], ...]
+    static_nodes: int | None = None  # static-shape graphs' nodes per pass (None: no profile needs them)
+
+    @property
+    def main_static(self) -> tuple[bool, bool]:
+        return self.shapes[0]
+
+    @property
+    def other_form(self) -> tuple[bool, bool]:
+        """Per role, whether another profile needs that role's graph in the other shapes (a second graph of it)."""
+        return tuple(any(roles[i] != self.shapes[0][i] for roles in self.shapes[1:]) for i in range(2))
 
 
 FORMATS = ("onnx", "coreml")
@@ -209,7 +216,7 @@ def plan_export(config: ExportConfig) -> ExportPlan:
         profiles = [get_profile(name) for name in names]
     except ValueError as err:
         raise ExportError(str(err)) from err
-    shapes = [static_roles(p, coreml) for p in profiles]
+    shapes = tuple(static_roles(p, coreml) for p in profiles)
     static_nodes = None
     if any(any(roles) for roles in shapes):
         if config.stages and shapes[0][0]:
@@ -217,12 +224,11 @@ def plan_export(config: ExportConfig) -> ExportPlan:
                               "as stages: drop --stages")
         # the tree's nodes (a dynamic tree's budget) with the lookup chain's, padded to when fewer
         static_nodes = max(2, (dynamic.budget if dynamic is not None else topology.size) + lookup_tokens)
-    other_form = tuple(any(roles[i] != shapes[0][i] for roles in shapes[1:]) for i in range(2))
     return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy,
-                      coreml, static_nodes, main_static=shapes[0], other_form=other_form)
+                      coreml, tuple(profiles), shapes, static_nodes)
 
 
-def static_roles(profile, coreml: CoreMLOptions | None) -> tuple[bool, bool]:
+def static_roles(profile: DeviceProfile, coreml: CoreMLOptions | None) -> tuple[bool, bool]:
     """(target, draft): which roles' ONNX graphs get static shapes for `profile` (none where CoreML packages
     are its static graphs)."""
     return (profile.static_verify and coreml is None, profile.static_draft and coreml is None)
@@ -249,7 +255,7 @@ def export(config: ExportConfig, finish=None) -> Path:
     it is moved into place (the front door tunes its tree there)."""
     started = time.perf_counter()
     plan = plan_export(config)
-    profile = get_profile(config.profile)
+    profile = plan.profiles[0]
     check_output(Path(config.out), config.force)  # before minutes of work, not after
     target_source = resolve_source(config.model, config.cache_dir)
     training_free = DrafterKind.training_free(config.draft)
@@ -350,9 +356,7 @@ def _other_profiles(folder: Path, config: ExportConfig, plan: ExportPlan, static
     if "target" in other:
         other["exactness"] = _exactness(folder / other["target"].file, target_builder.facts, say)
     found = []
-    for name in config.also_profiles:
-        profile = get_profile(name)
-        roles = static_roles(profile, plan.coreml)
+    for profile, roles in zip(plan.profiles[1:], plan.shapes[1:]):
         own = {}
         if "target" in other and roles[0] != plan.main_static[0]:
             own = {"target": other["target"], "exactness": other["exactness"]}
@@ -366,7 +370,7 @@ def _write_coreml(folder: Path, config: ExportConfig, plan: ExportPlan, target_b
     """CoreML packages of the target (and draft), with the compute units the profile asks for per role."""
     from .coreml import write_coreml
 
-    profile = get_profile(config.profile)
+    profile = plan.profiles[0]
     packages = write_coreml(folder, "target", target_builder, plan.tree.topology, config.prefill_chunk, plan.coreml,
                             compute_units_for(profile.verify), say)
     if draft_builder is not None:

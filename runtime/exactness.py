@@ -96,7 +96,7 @@ def tree_mismatches(runner: ModelRunner, seed: int, prefix: int,
     context = _random_tokens(runner, rng, prefix)
     # a graph attends in a fixed number of lanes; the runtime cuts trees with more paths, and so does this
     tree = checked_tree(runner, Tree.from_parents(tuple(parents), _random_tokens(runner, rng, len(parents))))
-    chunk = min(8, getattr(runner, "pass_limit", None) or 8)
+    chunk = min(8, runner.pass_limit or 8)
     topology, tokens = tree.topology, [int(t) for t in tree.tokens]
     capacity = prefix + topology.size
     cache = runner.new_cache(capacity)
@@ -116,7 +116,7 @@ def tree_mismatches(runner: ModelRunner, seed: int, prefix: int,
 def checked_tree(runner, tree: Tree) -> Tree:
     """The tree as the runtime would verify it with this graph: cut to its lanes and to a static graph's nodes."""
     tree = tree.within_paths(runner.lanes)
-    limit = getattr(runner, "pass_limit", None)
+    limit = runner.pass_limit
     if limit is not None and tree.size > limit:
         tree = Tree(tree.topology.prefix(limit), tree.tokens[:limit])
     return tree
@@ -188,7 +188,7 @@ def fewest_exact_rows(runner, check=None) -> tuple[int, int, list[RowMismatch]]:
     Returns (min_rows, rows compared, the rows that differ at that count). `check`: check_exact_rows."""
     check = check or check_exact_rows
     graph_rows = runner.graph_min_rows
-    if graph_rows > 1 and getattr(runner, "static", None) is None:  # a static graph always runs all its rows
+    if graph_rows > 1 and runner.static is None:  # a static graph always runs all its rows
         runner.min_rows = 1
         compared, differ = check(runner)
         if not differ:
@@ -201,7 +201,7 @@ def fewest_exact_rows(runner, check=None) -> tuple[int, int, list[RowMismatch]]:
 def check_exact_rows(runner: ModelRunner) -> tuple[int, list[RowMismatch]]:
     """Both checks on a verifying target, with fixed seeds: (rows compared, the rows that differ)."""
     seed, prefix = CHUNK_CHECK
-    limit = getattr(runner, "pass_limit", None) or CHUNK
+    limit = runner.pass_limit or CHUNK
     tail = min(TAIL, limit)
     found = chunk_mismatches(runner, seed, prefix, min(CHUNK, limit), tail)
     for seed, tree_prefix in TREE_CHECKS:

@@ -292,7 +292,7 @@ def _is_chain(mask: np.ndarray) -> bool:
 def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int, features: np.ndarray | None = None) -> np.ndarray:
     """Appends `tokens` to the cache in causal chunks (with their input `features` for a graph that
     reads them); returns the last token's logits [V]. A static graph's chunks are at most its nodes."""
-    chunk = min(chunk, getattr(runner, "pass_limit", None) or chunk)
+    chunk = min(chunk, runner.pass_limit or chunk)
     logits = None
     for start in range(0, len(tokens), chunk):
         part = list(tokens[start : start + chunk])

@@ -52,7 +52,6 @@ class Overlap:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-draft")
         self.worker_sampler: Sampler | None = None  # the worker's random stream, spawned from the generation's
         self.ready: Ahead | None = None
-        self.pending: Future | None = None  # the worker's drafting during the current pass
         # the draft has seen committed tokens [0, trusted) with the target's features (None: all it holds)
         self.trusted: int | None = None
         self.kept = 0  # trees drafted ahead that were used
@@ -72,10 +71,9 @@ class Overlap:
         else:
             self.kept += 1
         tree = tree.within_paths(cache.lanes)
-        self.pending = self._draft_ahead(drafter, window, tree, cache.room(), cache.feature_rows())
+        ahead = self._draft_ahead(drafter, window, tree, cache.room(), cache.feature_rows())
         new_tokens, accepted, logits = verify(target, session, tree, sampler)    # 2.-4., drafting meanwhile
-        self.ready = None if self.pending is None else self.pending.result()    # 5. the drafter is idle again
-        self.pending = None
+        self.ready = None if ahead is None else ahead.result()                  # 5. the drafter is idle again
         drafter.observe(new_tokens, tree.tokens, logits)
         return new_tokens, accepted
 
@@ -103,10 +101,6 @@ class Overlap:
     def settle(self, drafter: Drafter, session: Session) -> None:
         """Ends the generation: the draft forgets what it drafted ahead; the worker thread stops."""
         self.pool.shutdown(wait=True)  # a step cut short (an error) may have left the worker drafting
-        self.ready = self.pending = None
+        self.ready = None
         if self.trusted is not None:
             drafter.rewind(min(self.trusted, len(session.window)))
-
-    @property
-    def kept_share(self) -> float:
-        return self.kept / self.drafted_ahead if self.drafted_ahead else 0.0

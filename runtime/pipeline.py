@@ -26,7 +26,9 @@ from .heap import heap_trimmer
 from .kvcache import KVCache
 from .lookup import WithLookup
 from .model import ModelRunner
+from .overlap import Overlap
 from .paths import cache_dir
+from .placement import Placement
 from .sessions import make_session
 from .staged import (
     LoadedStage,
@@ -36,8 +38,6 @@ from .staged import (
     StagedRunner,
     StageWindow,
 )
-from .overlap import Overlap
-from .placement import Placement
 from .tokenizer import TextCodec
 
 MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxruntime's pools thrash

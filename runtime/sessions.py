@@ -5,7 +5,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from edgespec.targets.profiles import CPU, fall_back, usable_providers
+from edgespec.targets.profiles import CPU, fall_back, provider_label, usable_providers
 
 from .errors import BundleError
 
@@ -57,12 +57,7 @@ def _first_that_starts(path: Path, options: ort.SessionOptions, chosen: list[tup
                                        provider_options=[o for _, o in pair])
         if name == CPU or name in session.get_providers():
             if i:
-                fall_back(f"{_label(chosen[0])} did not start on this machine; {role or 'the model'} runs on "
-                          f"{_label(chosen[i])} instead", strict, stacklevel=4)
+                fall_back(f"{provider_label(chosen[0])} did not start on this machine; {role or 'the model'} runs on "
+                          f"{provider_label(chosen[i])} instead", strict, stacklevel=4)
             return session
     raise BundleError(f"no provider started for {Path(path).name}")  # the CPU always does
-
-
-def _label(choice: tuple[str, dict]) -> str:
-    name, options = choice
-    return name + (f" ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")

@@ -154,6 +154,12 @@ def usable_providers(wanted: tuple[Provider, ...] | tuple[str, ...], role: str =
     return chosen
 
 
+def provider_label(choice: tuple[str, dict]) -> str:
+    """A (provider, options) pair as usable_providers returns it, for people."""
+    name, options = choice
+    return name + (f" ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
+
+
 def fall_back(message: str, strict: bool, stacklevel: int) -> None:
     """What a profile asked for is not what runs: a warning that says so (`stacklevel` above the caller), or
     with `strict` an error."""

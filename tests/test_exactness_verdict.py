@@ -46,7 +46,7 @@ def test_another_device_checks_once_and_remembers(elsewhere, monkeypatch):
 
 
 def _stub_runner(graph_min_rows: int):
-    return SimpleNamespace(graph_min_rows=graph_min_rows, min_rows=graph_min_rows)
+    return SimpleNamespace(graph_min_rows=graph_min_rows, min_rows=graph_min_rows, static=None)
 
 
 @pytest.mark.parametrize("differ_at,expected", [

@@ -229,6 +229,7 @@ class ShapeDependentRunner:
 
     def __init__(self, inner):
         self.inner, self.facts, self.lanes, self.new_cache = inner, inner.facts, inner.lanes, inner.new_cache
+        self.static, self.pass_limit = inner.static, inner.pass_limit
 
     def forward(self, cache, tokens, *args, **kwargs):
         out = self.inner.forward(cache, tokens, *args, **kwargs)
