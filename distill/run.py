@@ -182,6 +182,10 @@ def _checked_corpus(config: DistillConfig) -> list[Path]:
         raise ExportError(f"--data-quant takes {', '.join(DATA_QUANTS)} (got {config.data_quant!r})")
     if config.data.batch < 1:
         raise ExportError(f"--slots must be at least 1 (got {config.data.batch})")
+    if config.prompts < 1:
+        raise ExportError(f"--prompts must be at least 1 (got {config.prompts})")
+    if config.training.batch < 1:
+        raise ExportError(f"--train-batch must be at least 1 (got {config.training.batch})")
     if config.device not in ("cpu", "cuda"):
         raise ExportError(f"--device takes cpu or cuda (got {config.device!r})")
     if config.device == "cuda" and not torch.cuda.is_available():

@@ -294,8 +294,9 @@ def cmd_distill(args) -> None:
                                 data_from=None if args.data is None else Path(args.data).resolve(),
                                 init=None if args.init is None else Path(args.init).resolve(),
                                 engine=args.data_engine, data_quant=args.data_quant, device=args.device,
-                                data=DataConfig(batch=args.slots),
-                                training=TrainConfig(drafting_steps=args.drafting_steps, lr=args.lr)))
+                                prompts=args.prompts, data=DataConfig(batch=args.slots),
+                                training=TrainConfig(drafting_steps=args.drafting_steps, lr=args.lr,
+                                                     batch=args.train_batch)))
     print(f"draft model: {out}  (use it with: edgespec export {args.target} --draft {out} --out BUNDLE)")
 
 

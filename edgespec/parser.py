@@ -202,6 +202,10 @@ def _add_distill(sub) -> None:
                         "match the bundle the draft will ship in")
     p.add_argument("--slots", type=int, default=32,
                    help="answers made at once (the onnx engine's sequences per pass, torch's batch)")
+    p.add_argument("--prompts", type=int, default=6000,
+                   help="training prompts composed for target answers (a GPU answers tens of thousands in minutes)")
+    p.add_argument("--train-batch", type=int, default=16,
+                   help="training windows per step (a GPU takes 64 or more)")
 
 
 def _add_plan(sub) -> None:

@@ -173,6 +173,9 @@ def test_bad_distill_arguments_are_refused_before_any_work(models, tmp_path, cap
     assert "--minutes must be positive" in capsys.readouterr().err
     assert main(["distill", target, "--out", str(tmp_path / "b"), "--corpus", str(tmp_path / "nowhere")]) == 2
     assert "corpus paths not found" in capsys.readouterr().err
+    for flag in ("--prompts", "--train-batch", "--slots"):
+        assert main(["distill", target, "--out", str(tmp_path / "b"), flag, "0"]) == 2
+        assert f"{flag} must be at least 1" in capsys.readouterr().err
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "notes.txt").write_text("mine")
     assert main(["distill", target, "--out", str(tmp_path / "c"), "--minutes", "1"]) == 2
