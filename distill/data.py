@@ -16,6 +16,8 @@ given tokens[:j].
 """
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,6 +213,26 @@ def teacher_forced_shards(target, windows: list[np.ndarray], folder: Path, confi
 def feature_file(features_dir: Path, shard: Path) -> Path:
     """Where the features of a shard's tokens live: one [tokens, H] float16 array per shard."""
     return features_dir / shard.parent.name / f"{shard.stem}.npy"
+
+
+def link_features(source_dir: Path, shards: list[Path], features_dir: Path) -> int:
+    """The feature files of `shards` that `source_dir` holds and `features_dir` lacks, hard-linked (copied
+    where the file system cannot link); each appears whole or not at all. Returns how many."""
+    linked = 0
+    for shard in shards:
+        source, out = feature_file(source_dir, shard), feature_file(features_dir, shard)
+        if not source.is_file() or out.is_file():
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.stem + ".partial.npy")
+        partial.unlink(missing_ok=True)
+        try:
+            os.link(source, partial)
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(source, partial)
+        partial.replace(out)
+        linked += 1
+    return linked
 
 
 def feature_shards(target, shards: list[Path], features_dir: Path, deadline: float, progress=None) -> int:

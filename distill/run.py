@@ -109,8 +109,7 @@ def _open_state(config: DistillConfig) -> RunState:
         if not config.resume:
             raise ExportError(f"{config.out} already holds a distill run; pass --resume to continue it "
                               "or choose another --out")
-        # a run from before the onnx engine made its data with torch
-        saved["settings"] = {"engine": "torch", "data_quant": None, **saved["settings"]}
+        saved["settings"] = _with_engine(saved["settings"])
         if saved["settings"] != config.settings():
             changed = sorted(k for k in config.settings() if saved["settings"].get(k) != config.settings()[k])
             raise ExportError(f"cannot resume {config.out}: it was started with different settings ({', '.join(changed)})")
@@ -121,6 +120,28 @@ def _open_state(config: DistillConfig) -> RunState:
         raise ExportError(f"{config.out} exists and is not a distill run folder; choose an empty or new --out")
     config.out.mkdir(parents=True, exist_ok=True)
     return RunState(settings=config.settings())
+
+
+def _with_engine(settings: dict) -> dict:
+    """A run's saved settings; a run from before the onnx engine made its data with torch."""
+    return {"engine": "torch", "data_quant": None, **settings}
+
+
+def features_made_alike(config: DistillConfig) -> Path | None:
+    """The features folder of the run that owns `config.data_from`, when that run made them for the same
+    target with the same engine and quantization: a second round on its data (`--data`) reuses them."""
+    if config.data_from is None:
+        return None
+    source, state = config.data_from / "features", config.data_from.parent / "state.json"
+    if not source.is_dir() or not state.is_file():
+        return None
+    try:
+        made_by = _with_engine(json.loads(state.read_text())["settings"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None  # not a distill run's state: make the features anew
+    mine = config.settings()
+    same = all(made_by.get(key) == mine[key] for key in ("target", "engine", "data_quant"))
+    return source if same else None
 
 
 def _save_state(config: DistillConfig, state: RunState) -> None:
@@ -261,6 +282,10 @@ class Phases:
         self.log(f"corpus: {written} new shards")
 
     def features(self, deadline: float) -> None:
+        earlier = features_made_alike(self.config)
+        if earlier is not None:
+            reused = data.link_features(earlier, self.all_shards(), self.features_dir)
+            self.log(f"features: {reused} reused from {earlier} (the same target, engine and quantization)")
         with tqdm(desc="target features", unit="tok") as bar:
             written = data.feature_shards(self.target, self.all_shards(), self.features_dir, deadline,
                                           progress=bar.update)

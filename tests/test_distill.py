@@ -279,6 +279,50 @@ def test_an_eagle_draft_exports_packs_and_generates_losslessly(eagle, models, tm
     assert fit > 0.1
 
 
+def test_a_second_round_on_a_runs_data_reuses_the_features_it_made(models, corpus, tmp_path):
+    """--data of an eagle run that made its own data: its feature files are linked, not made again, and
+    the second round trains on them."""
+    from edgespec.distill.data import feature_file
+
+    training = replace(SMALL_TRAIN, eval_s=1e9, min_steps=20, max_steps=20)
+    first = DistillConfig(target=str(models["target"]), out=tmp_path / "first", minutes=0.4, corpus=(str(corpus),),
+                          seed=0, design="eagle", prompts=32, data=SMALL_DATA, training=training)
+    distill(first)
+    data_dir = first.out / "data"
+    shards = shard_paths(data_dir / "chat") + shard_paths(data_dir / "corpus")
+    made = [s for s in shards if feature_file(data_dir / "features", s).is_file()]
+    assert len(made) >= 2
+    second = replace(first, out=tmp_path / "second", minutes=0.1, data_from=data_dir, init=first.out)
+    distill(second)
+    log = (second.out / "log.txt").read_text()
+    assert f"features: {len(made)} reused from {data_dir / 'features'}" in log
+    assert "features: 0 new feature files" in log and "draft written" in log
+    for shard in made:
+        assert np.array_equal(np.load(feature_file(second.out / "data" / "features", shard)),
+                              np.load(feature_file(data_dir / "features", shard)))
+
+
+def test_features_are_reused_only_from_a_run_of_the_same_target_engine_and_quantization(tmp_path):
+    import json
+
+    from edgespec.distill.run import features_made_alike
+
+    data_dir = tmp_path / "run" / "data"
+    (data_dir / "features").mkdir(parents=True)
+    mine = DistillConfig(target="t", out=tmp_path / "new", design="eagle", data_from=data_dir)
+    assert features_made_alike(mine) is None  # no state.json: not a run's data folder
+    (tmp_path / "run" / "state.json").write_text("{not json")
+    assert features_made_alike(mine) is None
+    for settings, reused in ((mine.settings(), True), ({**mine.settings(), "target": "other"}, False),
+                             ({**mine.settings(), "data_quant": "int8"}, False),
+                             ({**mine.settings(), "engine": "torch", "data_quant": None}, False)):
+        (tmp_path / "run" / "state.json").write_text(json.dumps({"settings": settings}))
+        assert (features_made_alike(mine) == data_dir / "features") is reused
+    (tmp_path / "run" / "state.json").write_text(json.dumps({"settings": {"target": "t"}}))  # before the onnx engine
+    assert features_made_alike(replace(mine, engine="torch")) == data_dir / "features"
+    assert features_made_alike(replace(mine, data_from=None)) is None
+
+
 def test_eagle_needs_data_and_refuses_an_empty_data_folder(models, tmp_path):
     with pytest.raises(ExportError, match="holds no target data"):
         distill(DistillConfig(target=str(models["target"]), out=tmp_path / "d", minutes=0.2, design="eagle",
