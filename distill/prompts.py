@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+import textwrap
 from pathlib import Path
 
 TOPICS = (
@@ -22,6 +23,15 @@ TOPICS = (
     "the human heart", "solar panels", "earthquakes", "the Renaissance", "bread baking", "chess",
     "version control", "unit testing", "recycling", "the speed of light", "bicycles", "tea",
     "the Great Wall of China", "neural networks", "operating systems", "friendship", "running",
+    "the periodic table", "antibiotics", "the Industrial Revolution", "wind turbines", "jazz", "origami",
+    "the Pythagorean theorem", "the phases of the Moon", "the Silk Road", "glaciers", "caffeine",
+    "public speaking", "budgeting", "remote work", "composting", "the theory of evolution", "tides",
+    "3D printing", "blockchains", "the Olympic Games", "migratory birds", "the metric system", "allergies",
+    "hiking safety", "password managers", "central banks", "nuclear power", "desert ecosystems",
+    "the human brain", "probability", "the Cold War", "email etiquette", "job interviews", "gardening",
+    "the scientific method", "compilers", "cloud computing", "open source software", "coffee brewing",
+    "first aid", "negotiation", "the Amazon river", "comets", "electric circuits", "magnetism",
+    "photography", "learning a language", "sleep hygiene", "urban planning", "data privacy",
 )
 TASKS = (
     "Explain {topic} to a beginner.", "Explain {topic} in simple terms.", "What is {topic}?",
@@ -34,6 +44,15 @@ TASKS = (
     "How would you teach {topic} to a ten-year-old?", "Write a tweet about {topic}.",
     "What are common misconceptions about {topic}?", "Give me a step-by-step guide related to {topic}.",
     "Write an email to a friend recommending they learn about {topic}.",
+    "What is a surprising fact about {topic}?", "How has {topic} changed over time?",
+    "What should everyone know about {topic}?", "Write a limerick about {topic}.",
+    "Create a short FAQ about {topic}.", "Describe {topic} using an analogy.",
+)
+# how a composed request asks to be answered: each template reads with any of them, which multiplies the
+# distinct prompts a large run (a GPU's tens of thousands) needs without repeating one
+STYLES = (
+    "", " Answer in one sentence.", " Keep it short.", " Use bullet points.", " Explain step by step.",
+    " Answer in under 100 words.", " Give an example.", " Write it for a busy reader.",
 )
 CODE_TASKS = (
     "Write a Python function that {job}.", "Write a JavaScript function that {job}.",
@@ -69,17 +88,28 @@ def default_corpus() -> list[Path]:
     return [Path(sysconfig.get_paths()["stdlib"])]
 
 
-def _python_files(roots: list[Path]) -> list[Path]:
+# installed third-party packages nested under a corpus folder (the standard library's own site-packages
+# holds whatever this machine installed): their licences vary and they differ from machine to machine
+INSTALLED_PACKAGES = ("site-packages", "dist-packages")
+
+
+def python_files(roots: list[Path]) -> list[Path]:
+    """The .py files under each folder (a file root is taken as it is), leaving out installed packages
+    nested in a folder."""
     files = []
     for root in roots:
-        files.extend(sorted(root.rglob("*.py")) if root.is_dir() else [root])
+        if not root.is_dir():
+            files.append(root)
+            continue
+        files.extend(f for f in sorted(root.rglob("*.py"))
+                     if not set(f.relative_to(root).parts) & set(INSTALLED_PACKAGES))
     return files
 
 
 def corpus_snippets(roots: list[Path], rng: random.Random, limit: int) -> tuple[list[str], list[str]]:
     """(prose, code): docstrings and short functions from Python files; text files give prose paragraphs."""
     prose, code = [], []
-    files = _python_files(roots)
+    files = python_files(roots)
     rng.shuffle(files)
     for path in files:
         if len(prose) >= limit and len(code) >= limit:
@@ -95,23 +125,25 @@ def corpus_snippets(roots: list[Path], rng: random.Random, limit: int) -> tuple[
             tree = ast.parse(source)
         except (SyntaxError, ValueError):
             continue  # test fixtures in the standard library are deliberately broken Python
+        lines = source.splitlines(keepends=True)  # once per file: ast.get_source_segment splits it per call
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)):
                 doc = ast.get_docstring(node)
                 if doc and 200 < len(doc) < 900:
                     prose.append(doc)
             if isinstance(node, ast.FunctionDef) and 5 <= node.end_lineno - node.lineno <= 25:
-                code.append(ast.get_source_segment(source, node) or "")
+                code.append(textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).rstrip())
     return [p for p in prose if p], [c for c in code if c]
 
 
 def training_prompts(count: int, seed: int, corpus: list[Path]) -> list[str]:
     """`count` distinct user messages, half composed from templates and half quoting local text."""
     rng = random.Random(seed)
-    prose, code = corpus_snippets(corpus, rng, limit=min(count, 400))
+    # snippets in proportion to the prompts asked for: a few hundred cap a run at ~16 k distinct prompts
+    prose, code = corpus_snippets(corpus, rng, limit=max(400, count // 8))
     makers = [
-        lambda: rng.choice(TASKS).format(topic=rng.choice(TOPICS), other=rng.choice(TOPICS)),
-        lambda: rng.choice(CODE_TASKS).format(job=rng.choice(CODE_JOBS), job2=rng.choice(SQL_JOBS)),
+        lambda: rng.choice(TASKS).format(topic=rng.choice(TOPICS), other=rng.choice(TOPICS)) + rng.choice(STYLES),
+        lambda: rng.choice(CODE_TASKS).format(job=rng.choice(CODE_JOBS), job2=rng.choice(SQL_JOBS)) + rng.choice(STYLES),
     ]
     if prose:
         makers.append(lambda: rng.choice(TEXT_TASKS).format(text=rng.choice(prose)))

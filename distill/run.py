@@ -273,7 +273,7 @@ class Phases:
         self.log(f"chat: {written} new shards, {len(data.shard_paths(self.data_dir / 'chat'))} in all")
 
     def teacher_forced(self, deadline: float) -> None:
-        files = [f for root in self.corpus for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
+        files = prompts.python_files(self.corpus)
         # in file order from a seeded shuffle: a longer phase takes more of the same sequence
         windows = data.corpus_windows(self.tokenizer, files, window=256, limit=4000, seed=self.config.seed)
         with tqdm(desc="target over local text", unit="tok") as bar:

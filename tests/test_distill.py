@@ -323,6 +323,39 @@ def test_features_are_reused_only_from_a_run_of_the_same_target_engine_and_quant
     assert features_made_alike(replace(mine, data_from=None)) is None
 
 
+def test_training_prompts_are_distinct_at_a_gpus_scale_and_never_the_evaluation_prompts(corpus):
+    """A GPU run asks for tens of thousands of prompts; the composed ones alone must supply them, the same
+    ones for the same seed, and none may be a benchmark prompt (those measure held-out agreement)."""
+    import json
+    from pathlib import Path
+
+    from edgespec.distill.prompts import training_prompts
+
+    many = training_prompts(25000, 1, [corpus])
+    assert len(many) == len(set(many)) == 25000
+    assert training_prompts(25000, 1, [corpus]) == many and training_prompts(200, 2, [corpus]) != many[:200]
+    root = Path(__file__).resolve().parent.parent
+    held_out = {m["content"] for f in (root / "edgespec" / "data" / "prompts.jsonl",
+                                       root / "benchmarks" / "edit_prompts.jsonl")
+                for line in f.read_text().splitlines() if line.strip()
+                for m in json.loads(line).get("messages", [])}
+    assert held_out and not held_out & set(many)
+
+
+def test_a_corpus_folder_leaves_out_the_packages_installed_under_it(tmp_path):
+    """The default corpus is the standard library, whose folder also holds site-packages: what this
+    machine installed, under other licences, is not training text."""
+    from edgespec.distill.prompts import python_files
+
+    for name in ("mine.py", "pkg/inner.py", "site-packages/lib/x.py", "a/dist-packages/y.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    assert python_files([tmp_path]) == [tmp_path / "mine.py", tmp_path / "pkg" / "inner.py"]
+    named = tmp_path / "site-packages" / "lib" / "x.py"
+    assert python_files([named]) == [named]  # a file named as a root is the user's choice
+    assert python_files([tmp_path / "site-packages"]) == [named]  # so is a packages folder named as one
+
+
 def test_eagle_needs_data_and_refuses_an_empty_data_folder(models, tmp_path):
     with pytest.raises(ExportError, match="holds no target data"):
         distill(DistillConfig(target=str(models["target"]), out=tmp_path / "d", minutes=0.2, design="eagle",
