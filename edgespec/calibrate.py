@@ -97,9 +97,7 @@ def cached(folder: Path, cores: int, profile: str | None = None) -> Calibration 
 
 def placeable(folder: Path, profile: str | None) -> Manifest:
     """The bundle's manifest as read for `profile`, if it has a draft model to place."""
-    manifest = open_bundle(folder)
-    if profile is not None:
-        manifest = manifest.for_profile(profile)
+    manifest = open_bundle(folder, profile)
     if manifest.draft is None:
         raise InputError("this bundle has no draft model: there is nothing to place but the target (its provider "
                          "is the profile's), and a training-free drafter costs too little to run beside it")

@@ -399,9 +399,10 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
     partial.replace(path)
 
 
-def open_bundle(folder) -> Manifest:
-    """Reads and verifies a bundle; nothing is loaded before this returns."""
+def open_bundle(folder, profile: str | None = None) -> Manifest:
+    """Reads and verifies a bundle, as read for device `profile` (Manifest.for_profile; None: the profile
+    it was exported for first); nothing is loaded before this returns."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     verify_files(folder, manifest)
-    return manifest
+    return manifest if profile is None else manifest.for_profile(profile)

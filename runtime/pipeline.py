@@ -87,9 +87,7 @@ class Pipeline:
         self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else default_prepared_dir()
-        self.manifest: Manifest = open_bundle(self.folder)
-        if profile is not None:
-            self.manifest = self.manifest.for_profile(profile)
+        self.manifest: Manifest = open_bundle(self.folder, profile)
         self.memory = plan_memory(self.manifest, self.folder,
                                   None if memory_budget is None else parse_size(memory_budget))
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
