@@ -22,6 +22,9 @@ SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instru
 # quote's chain stands alone (runtime/lookup.py), so every tree is one path and the graph one lane (§49)
 DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 0,
                   "lookup_quote": 10, "quant": "int4", "symmetric": False, "lanes": 1}
+# Raised when the exporter writes the default recipe's graphs differently, so a cached bundle is rebuilt:
+# 2 = the int8 head on its Q8_0 grid without an offsets subgraph (history.md §53).
+DEFAULT_BUILD = 2
 
 
 def _shipped_draft_digest() -> str:
@@ -32,8 +35,11 @@ def _shipped_draft_digest() -> str:
 
 
 def default_bundle_path() -> Path:
-    """Named by edgespec's version, the recipe, the shipped draft and the bundle schema, so a change builds a new bundle."""
-    recipe = json.dumps({**DEFAULT_RECIPE, "draft": _shipped_draft_digest(), "schema": SCHEMA_VERSION}, sort_keys=True)
+    """Named by edgespec's version, the recipe and its quantization policy, the shipped draft, the bundle schema
+    and the build revision, so a change builds a new bundle."""
+    policy = hashlib.sha256(HEAD_INT8_POLICY.read_bytes()).hexdigest()[:8]
+    recipe = json.dumps({**DEFAULT_RECIPE, "draft": _shipped_draft_digest(), "schema": SCHEMA_VERSION,
+                         "policy": policy, "build": DEFAULT_BUILD}, sort_keys=True)
     return cache_dir() / "bundles" / f"default-{__version__}-{hashlib.sha256(recipe.encode()).hexdigest()[:8]}"
 
 

@@ -12,6 +12,11 @@ split:
 blocksum(x) is a ReduceSum over x viewed as [rows, K / block, block] (a third cheaper per matmul than
 the matmul with a 0/1 matrix it replaced: 12 against 19 us, history.md §40). Weights that already lie
 on such a grid — a model that came from a Q4_1/Q8_1 GGUF file — are reproduced exactly.
+
+A weight whose every block is d * q with |q| <= 2^(bits-1) - 1 (a Q8_0 tensor: the reference model's
+tied embedding, read as its int8 head) needs no offset: MatMulNBits' implied zero point holds it exactly,
+and the offsets' fp32 matrix and three nodes cost the reference target's step ~0.4 ms (history.md §53).
+A min-max fit would not even reproduce it: 255 levels over a block that spans at most 254 steps.
 """
 from __future__ import annotations
 
@@ -43,22 +48,51 @@ def quantize_block_minmax(weight: np.ndarray, bits: int, block: int):
     return np.ascontiguousarray(packed, dtype=np.uint8), scale.astype(np.float32).reshape(-1), np.ascontiguousarray(offsets)
 
 
+def on_symmetric_grid(weight: np.ndarray, bits: int, block: int):
+    """weight [K, N] -> (packed, scales) as quantize_block_minmax packs them, with the implied zero point
+    2^(bits-1), when every block is exactly d * q with |q| <= 2^(bits-1) - 1 (in fp32, as the kernel
+    dequantizes it); None otherwise."""
+    k, n = weight.shape
+    if k % block:
+        raise ValueError(f"input size {k} is not a multiple of the block size {block}")
+    zero = 1 << (bits - 1)
+    blocks = weight.T.reshape(n, k // block, block)
+    amax = np.abs(blocks).max(axis=-1).astype(np.float64)
+    scale = np.where(amax == 0, 1.0, amax / (zero - 1)).astype(np.float32)
+    q = np.rint(blocks / scale[..., None])
+    if not np.array_equal(scale[..., None] * q.astype(np.float32), blocks):
+        return None
+    q = (q + zero).astype(np.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4) if bits == 4 else q
+    return np.ascontiguousarray(packed, dtype=np.uint8), scale.reshape(-1)
+
+
 def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndarray, bits: int, block: int,
                    accuracy_level: int) -> None:
-    """Rewrites MatMul(x, W) in place as MatMulNBits(x) + MatMul(ReduceSum(x as blocks), offsets)."""
+    """Rewrites MatMul(x, W) in place as MatMulNBits(x) + MatMul(ReduceSum(x as blocks), offsets), or as
+    MatMulNBits(x) alone when W lies on a symmetric grid."""
     name = node.input[1]
     k, n = weight.shape
-    packed, scales, offsets = quantize_block_minmax(weight, bits, block)
     graph = model.graph
+    x, y = node.input[0], node.output[0]
+    nbits = dict(domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
+    symmetric = on_symmetric_grid(weight, bits, block)
+    if symmetric is not None:
+        packed, scales = symmetric
+        graph.initializer.extend([numpy_helper.from_array(packed, f"{name}_Q{bits}"),
+                                  numpy_helper.from_array(scales, f"{name}_scales")])
+        replace_node(graph, node, [helper.make_node("MatMulNBits", [x, f"{name}_Q{bits}", f"{name}_scales"], [y],
+                                                    name=f"{node.name}_nbits", **nbits)])
+        return
+    packed, scales, offsets = quantize_block_minmax(weight, bits, block)
     graph.initializer.extend([numpy_helper.from_array(packed, f"{name}_Q{bits}"),
                               numpy_helper.from_array(scales, f"{name}_scales"),
                               numpy_helper.from_array(offsets, f"{name}_offsets")])
     blocks_name, axis_name = f"blocks_{k}_{block}", "blocksum_axis"
     add_constants(graph, {blocks_name: np.array([-1, k // block, block], np.int64), axis_name: np.array([-1], np.int64)})
-    x, y = node.input[0], node.output[0]
     new_nodes = [
         helper.make_node("MatMulNBits", [x, f"{name}_Q{bits}", f"{name}_scales"], [f"{y}_sym"], name=f"{node.name}_nbits",
-                         domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level),
+                         **nbits),
         helper.make_node("Reshape", [x, blocks_name], [f"{y}_blocks"], name=f"{node.name}_blocks"),
         helper.make_node("ReduceSum", [f"{y}_blocks", axis_name], [f"{y}_blocksum"], name=f"{node.name}_blocksum",
                          keepdims=0),  # [rows, K / block]; the Add below broadcasts [rows, N] over [1, rows, N]
