@@ -136,3 +136,19 @@ def test_stop_strings_never_reach_the_stream(bundle_factory):
     assert result.stop_reason == "stop_string"
     assert "".join(shown) == result.text == text[:start]
     assert len(result.token_ids) == sum(1 for end in ends if end <= start)  # tokens wholly before the stop
+
+
+def test_the_default_bundles_cache_name_follows_its_policy_and_build(tmp_path, monkeypatch):
+    """A cached default bundle is rebuilt when the quantization policy or the exporter's build of it changes."""
+    from edgespec import defaults
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    policy = tmp_path / "policy.json"
+    policy.write_text(defaults.HEAD_INT8_POLICY.read_text())
+    monkeypatch.setattr(defaults, "HEAD_INT8_POLICY", policy)
+    first = defaults.default_bundle_path()
+    assert defaults.default_bundle_path() == first and first.parent == tmp_path / "bundles"
+    policy.write_text('{"tensors": {"lm_head": "fp16"}}')
+    second = defaults.default_bundle_path()
+    monkeypatch.setattr(defaults, "DEFAULT_BUILD", defaults.DEFAULT_BUILD + 1)
+    assert len({first, second, defaults.default_bundle_path()}) == 3

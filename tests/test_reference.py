@@ -66,3 +66,15 @@ def test_reply_is_coherent_english(pipeline):
 def test_every_node_of_a_tree_has_the_bits_of_plain_decoding_on_the_reference_model(pipeline):
     """SmolLM2's heads and widths, where a sibling between a node and its ancestors did change bits."""
     assert_tree_rows_match_plain_decoding(pipeline.target, seed=1, prefix=37)
+
+
+def test_the_default_heads_q8_0_grid_is_stored_without_offsets(pipeline):
+    """The GGUF's embedding (the tied head) is Q8_0: symmetric MatMulNBits holds it exactly, no offsets matmul."""
+    import onnx
+
+    graph = onnx.load(pipeline.folder / pipeline.manifest.target.graph.file, load_external_data=False).graph
+    head = [node for node in graph.node if node.op_type == "MatMulNBits" and node.input[1].startswith("lm_head")]
+    assert len(head) == 1 and len(head[0].input) == 3  # no zero points: the implied 128
+    assert {a.name: a.i for a in head[0].attribute}["bits"] == 8
+    assert not any(t.name.startswith("lm_head_offsets") for t in graph.initializer)
+    assert sum(node.op_type == "ReduceSum" for node in graph.node) == 4 * pipeline.manifest.target.facts.num_layers
