@@ -27,44 +27,46 @@ from onnx import helper, numpy_helper
 from .rewrite import add_constants, replace_node
 
 
-def quantize_block_minmax(weight: np.ndarray, bits: int, block: int):
-    """weight [K, N] (MatMul layout) -> (packed [N, K/block, block*bits/8] uint8, scales [N*K/block] float32,
-    offsets [K/block, N] float32)."""
+def _blocks(weight: np.ndarray, block: int) -> np.ndarray:
+    """weight [K, N] (MatMul layout) -> [N, K/block, block], MatMulNBits' order."""
     k, n = weight.shape
     if k % block:
         raise ValueError(f"input size {k} is not a multiple of the block size {block}")
+    return weight.T.reshape(n, k // block, block)
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Levels [N, K/block, block] (uint8) -> MatMulNBits' packed [N, K/block, block*bits/8]."""
+    packed = q[..., 0::2] | (q[..., 1::2] << 4) if bits == 4 else q
+    return np.ascontiguousarray(packed, dtype=np.uint8)
+
+
+def quantize_block_minmax(weight: np.ndarray, bits: int, block: int):
+    """weight [K, N] (MatMul layout) -> (packed [N, K/block, block*bits/8] uint8, scales [N*K/block] float32,
+    offsets [K/block, N] float32)."""
     levels = (1 << bits) - 1
-    blocks = weight.T.reshape(n, k // block, block).astype(np.float64)
+    blocks = _blocks(weight, block).astype(np.float64)
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
     scale = (high - low) / levels
     scale[scale == 0] = 1.0  # a constant block: q = 0, the offset carries the value
     q = np.clip(np.rint((blocks - low[..., None]) / scale[..., None]), 0, levels).astype(np.uint8)
     zero = 1 << (bits - 1)
     offsets = (low + scale * zero).astype(np.float32).T  # [K/block, N]
-    if bits == 4:
-        packed = q[..., 0::2] | (q[..., 1::2] << 4)
-    else:
-        packed = q
-    return np.ascontiguousarray(packed, dtype=np.uint8), scale.astype(np.float32).reshape(-1), np.ascontiguousarray(offsets)
+    return _pack(q, bits), scale.astype(np.float32).reshape(-1), np.ascontiguousarray(offsets)
 
 
 def on_symmetric_grid(weight: np.ndarray, bits: int, block: int):
     """weight [K, N] -> (packed, scales) as quantize_block_minmax packs them, with the implied zero point
     2^(bits-1), when every block is exactly d * q with |q| <= 2^(bits-1) - 1 (in fp32, as the kernel
     dequantizes it); None otherwise."""
-    k, n = weight.shape
-    if k % block:
-        raise ValueError(f"input size {k} is not a multiple of the block size {block}")
     zero = 1 << (bits - 1)
-    blocks = weight.T.reshape(n, k // block, block)
+    blocks = _blocks(weight, block)
     amax = np.abs(blocks).max(axis=-1).astype(np.float64)
     scale = np.where(amax == 0, 1.0, amax / (zero - 1)).astype(np.float32)
     q = np.rint(blocks / scale[..., None])
     if not np.array_equal(scale[..., None] * q.astype(np.float32), blocks):
         return None
-    q = (q + zero).astype(np.uint8)
-    packed = q[..., 0::2] | (q[..., 1::2] << 4) if bits == 4 else q
-    return np.ascontiguousarray(packed, dtype=np.uint8), scale.reshape(-1)
+    return _pack((q + zero).astype(np.uint8), bits), scale.reshape(-1)
 
 
 def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndarray, bits: int, block: int,
@@ -75,24 +77,21 @@ def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndar
     k, n = weight.shape
     graph = model.graph
     x, y = node.input[0], node.output[0]
-    nbits = dict(domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
     symmetric = on_symmetric_grid(weight, bits, block)
-    if symmetric is not None:
-        packed, scales = symmetric
-        graph.initializer.extend([numpy_helper.from_array(packed, f"{name}_Q{bits}"),
-                                  numpy_helper.from_array(scales, f"{name}_scales")])
-        replace_node(graph, node, [helper.make_node("MatMulNBits", [x, f"{name}_Q{bits}", f"{name}_scales"], [y],
-                                                    name=f"{node.name}_nbits", **nbits)])
-        return
-    packed, scales, offsets = quantize_block_minmax(weight, bits, block)
+    packed, scales, offsets = (*symmetric, None) if symmetric is not None else quantize_block_minmax(weight, bits, block)
     graph.initializer.extend([numpy_helper.from_array(packed, f"{name}_Q{bits}"),
-                              numpy_helper.from_array(scales, f"{name}_scales"),
-                              numpy_helper.from_array(offsets, f"{name}_offsets")])
+                              numpy_helper.from_array(scales, f"{name}_scales")])
+    matmul = helper.make_node("MatMulNBits", [x, f"{name}_Q{bits}", f"{name}_scales"],
+                              [y if offsets is None else f"{y}_sym"], name=f"{node.name}_nbits", domain="com.microsoft",
+                              K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
+    if offsets is None:
+        replace_node(graph, node, [matmul])
+        return
+    graph.initializer.append(numpy_helper.from_array(offsets, f"{name}_offsets"))
     blocks_name, axis_name = f"blocks_{k}_{block}", "blocksum_axis"
     add_constants(graph, {blocks_name: np.array([-1, k // block, block], np.int64), axis_name: np.array([-1], np.int64)})
     new_nodes = [
-        helper.make_node("MatMulNBits", [x, f"{name}_Q{bits}", f"{name}_scales"], [f"{y}_sym"], name=f"{node.name}_nbits",
-                         **nbits),
+        matmul,
         helper.make_node("Reshape", [x, blocks_name], [f"{y}_blocks"], name=f"{node.name}_blocks"),
         helper.make_node("ReduceSum", [f"{y}_blocks", axis_name], [f"{y}_blocksum"], name=f"{node.name}_blocksum",
                          keepdims=0),  # [rows, K / block]; the Add below broadcasts [rows, N] over [1, rows, N]
