@@ -23,8 +23,9 @@ SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instru
 DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 0,
                   "lookup_quote": 10, "quant": "int4", "symmetric": False, "lanes": 1}
 # Raised when the exporter writes the default recipe's graphs differently, so a cached bundle is rebuilt:
-# 2 = the int8 head on its Q8_0 grid without an offsets subgraph (history.md §53).
-DEFAULT_BUILD = 2
+# 2 = the int8 head on its Q8_0 grid without an offsets subgraph (history.md §53); 3 = a target graph
+# without an attention bias (§54).
+DEFAULT_BUILD = 3
 
 
 def _shipped_draft_digest() -> str:

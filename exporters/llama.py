@@ -12,7 +12,8 @@ returns logits.
              out_rows [N, H] int64      (which row of the op's output [L * B * H, head_dim] is each of a
                                          token's heads: its slot in the first lane that holds it)
              position_ids [1, L] int64  (the rotary position of each slot, the same in every lane)
-             attention_bias [1, 1, L, T] float32 (added to the scores; 0 or -inf; T = past + L)
+             attention_bias [1, 1, L, T] float32 (a draft's graph only: added to the scores, 0 or -inf;
+                                         T = past + L)
              seqlens_k [1] int32, total_sequence_length [] int32   (past + L - 1, past + L)
              past_key_{l}, past_value_{l} [1, B * kv_heads, capacity, head_dim] float32: the runtime's
                                          cache buffers, lane-major, bound as these inputs and as the
@@ -36,7 +37,9 @@ The matmuls run on the N tokens, not on the lanes' slots: q/k/v are gathered int
 their projection (one Gather of head rows) and the attention output gathered back (another).
 
 The draft's passes (rows that need not match anything) use one lane and attention_bias for their
-tree masks, with position_ids giving each row its depth.
+tree masks, with position_ids giving each row its depth. A target's passes are exact, every path in a
+lane of its own, so the op's causal mask is their whole mask: its graph takes no attention_bias (adding
+a zero bias cost 0.1-0.35 ms of a 7-10 ms step, history.md §54).
 
 A graph built with `sequences=True` runs S new tokens of each of B independent sequences, each at its
 own past length (distill's data engine, distill/engine.py): the N = B * S tokens still go through the
@@ -80,15 +83,17 @@ class LlamaBuilder:
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
                  feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
-                 lanes: int = 1):
+                 lanes: int = 1, attention_bias: bool = True):
         """`model` is a transformers *ForCausalLM in float32. `head_tokens` (a draft's trimmed head):
         the graph's logits cover only these vocabulary ids, in this order. `feature_fc` (a draft that
         reads the target's features): (weight [H, 2H], bias [H]) of the projection of [embedding, feature]
         to the first layer's input. `features_out`: return the final hidden states too. `lanes`: the
-        root-to-leaf paths a verifying pass can attend in (see the module's docstring)."""
+        root-to-leaf paths a verifying pass can attend in (see the module's docstring). `attention_bias`:
+        the graph takes one (a draft's tree masks); a target's, whose passes are exact, does not."""
         if lanes < 1:
             raise ExportError(f"a graph needs at least one lane (got {lanes})")
         self.lanes = lanes
+        self.attention_bias = attention_bias
         self.model = model
         cfg = model.config
         trained = getattr(cfg, "max_position_embeddings", None)
@@ -216,9 +221,9 @@ class LlamaBuilder:
             units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
             lanes, batch = (g.input("qkv_rows", INT64, ["slots", units]),
                             g.input("out_rows", INT64, [nodes, f.num_heads])), 1
-            attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]),
-                          bias=g.input("attention_bias", FLOAT, [1, 1, "slots", "total"]),
-                          seqlens=g.input("seqlens_k", INT32, [1]))
+            attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]), seqlens=g.input("seqlens_k", INT32, [1]))
+            if self.attention_bias or self.portable_attention:  # standard operators mask through the bias alone
+                attend["bias"] = g.input("attention_bias", FLOAT, [1, 1, "slots", "total"])
         attend["total"] = g.input("total_sequence_length", INT32, [])
         cos_table, sin_table = self.rope_tables()
         half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half

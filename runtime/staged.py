@@ -170,6 +170,8 @@ class StagedRunner:
                 exact_rows: bool = True) -> Pass:
         if features is not None:
             raise InputError("a staged target reads no features; only a draft does")
+        if not exact_rows or past_mask is not None:  # a stage written since history.md §54 takes no attention bias
+            raise InputError("a staged target runs exact passes without a mask over the past")
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
                            logit_rows, past_mask, exact_rows, self.min_rows)
         feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]

@@ -139,6 +139,15 @@ def test_a_token_computed_alone_or_inside_a_tree_has_the_same_bits(bundle_factor
     assert_rows_shape_invariant(Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target, seed=5, prefix=30, chunk=16)
 
 
+def test_the_targets_graph_attends_under_the_causal_mask_alone_and_the_drafts_takes_a_bias(bundle_factory):
+    """A target's exact passes need no attention bias (history.md §54); a draft masks its trees with one."""
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
+    target_inputs = {i.name for i in pipeline.target.session.get_inputs()}
+    assert "attention_bias" not in target_inputs and {"position_ids", "seqlens_k"} <= target_inputs
+    assert "attention_bias" in {i.name for i in pipeline.draft.session.get_inputs()}
+    # (test_unrelated_draft decodes this bundle speculatively, against plain decoding)
+
+
 def test_every_node_of_a_verified_tree_has_the_bits_plain_decoding_gives_it(bundle_factory):
     """A node's siblings sit between it and its ancestors in the pass; its row must not notice."""
     target = Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target
