@@ -215,7 +215,9 @@ class ModelDrafter:
         for depth, level in enumerate(topo.levels[1:], start=1):
             for parent in {topo.parents[n] for n in level}:
                 kids = list(topo.children[parent])
-                if sampler is None:  # greedy: the draft's top tokens, most likely first
+                if sampler is None and len(kids) == 1:  # a chain's: one argmax, not a partition of the vocabulary
+                    tokens[kids] = node_logits[parent].argmax()
+                elif sampler is None:  # greedy: the draft's top tokens, most likely first
                     top = np.argpartition(-node_logits[parent], len(kids))[: len(kids)]
                     tokens[kids] = top[np.argsort(-node_logits[parent][top], kind="stable")]
                 else:
