@@ -6,11 +6,12 @@ one KV buffer per layer that onnxruntime's fused GroupQueryAttention reads and w
 returns logits.
 
     inputs:  input_ids [1, N] int64
-             qkv_rows [L, B * (H + 2 kvH)] int64 (for each slot, which row of the N tokens' q/k/v heads,
-                                         viewed as [N * (H + 2 kvH), head_dim], fills each head of each
-                                         lane, in the op's packed order: all lanes' q, then k, then v)
-             out_rows [N, H] int64      (which row of the op's output [L * B * H, head_dim] is each of a
-                                         token's heads: its slot in the first lane that holds it)
+             qkv_rows [L, B * (H + 2 kvH)] int64 (graphs of B > 1 lanes: for each slot, which row of the N
+                                         tokens' q/k/v heads, viewed as [N * (H + 2 kvH), head_dim], fills
+                                         each head of each lane, in the op's packed order: all lanes' q,
+                                         then k, then v)
+             out_rows [N, H] int64      (B > 1: which row of the op's output [L * B * H, head_dim] is each
+                                         of a token's heads: its slot in the first lane that holds it)
              position_ids [1, L] int64  (the rotary position of each slot, the same in every lane)
              attention_bias [1, 1, L, T] float32 (a draft's graph only: added to the scores, 0 or -inf;
                                          T = past + L)
@@ -34,7 +35,10 @@ committed rows; the runtime copies an accepted path's rows from its lane to the 
 never the past). A chain or a prefill chunk is one lane; a graph of B lanes runs B lanes' attention
 on every pass (unused lanes repeat lane 0), so a bundle whose trees are chains is exported with one.
 The matmuls run on the N tokens, not on the lanes' slots: q/k/v are gathered into the lanes after
-their projection (one Gather of head rows) and the attention output gathered back (another).
+their projection (one Gather of head rows) and the attention output gathered back (another). In a
+graph of one lane, token k sits in slot k and the slots past the N tokens (a one-token step's second
+slot) come last, so a Pad of the N tokens' q/k/v and a Slice of the output do the same with four fewer
+nodes a layer (0.35-0.47 ms of a 6-8 ms step, history.md §54); the padding slot's zeros are never read.
 
 The draft's passes (rows that need not match anything) use one lane and attention_bias for their
 tree masks, with position_ids giving each row its depth. A target's passes are exact, every path in a
@@ -214,14 +218,21 @@ class LlamaBuilder:
                        sequences: bool = False):
         f = self.facts
         if sequences:
-            lanes, batch = None, "batch"
+            placement, batch = None, "batch"
             attend = dict(pos=g.input("position_ids", INT64, ["batch", "slots"]),
                           seqlens=g.input("seqlens_k", INT32, ["batch"]))
         else:
-            units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
-            lanes, batch = (g.input("qkv_rows", INT64, ["slots", units]),
-                            g.input("out_rows", INT64, [nodes, f.num_heads])), 1
             attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]), seqlens=g.input("seqlens_k", INT32, [1]))
+            if self.lanes > 1:
+                units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
+                placement = (g.input("qkv_rows", INT64, ["slots", units]),
+                             g.input("out_rows", INT64, [nodes, f.num_heads]))
+            else:  # the slots past the tokens, padded once for every layer: [0, 0, 0, 0, L - N, 0]
+                tokens = g.op("Slice", [g.op("Shape", [x]), g.const([1]), g.const([2])])  # [N]
+                slots = g.op("Slice", [g.op("Shape", [attend["pos"]]), g.const([1]), g.const([2])])  # [L]
+                placement = (tokens, g.op("Concat", [g.const([0, 0, 0, 0]), g.op("Sub", [slots, tokens]),
+                                                     g.const([0])], axis=0))
+            batch = 1
             if self.attention_bias or self.portable_attention:  # standard operators mask through the bias alone
                 attend["bias"] = g.input("attention_bias", FLOAT, [1, 1, "slots", "total"])
         attend["total"] = g.input("total_sequence_length", INT32, [])
@@ -236,7 +247,7 @@ class LlamaBuilder:
             if sequences:
                 attn, present_k, present_v = self.sequence_attention(g, h, w, past, attend)
             else:
-                attn, present_k, present_v = self.attention(g, h, w, past, lanes, attend)
+                attn, present_k, present_v = self.attention(g, h, w, past, placement, attend)
             g.output(present_k, f"present_key_{l}", FLOAT, buffer)
             g.output(present_v, f"present_value_{l}", FLOAT, buffer)
             h, x = self.add_and_norm(g, x, attn, w["post_norm"])
@@ -257,19 +268,25 @@ class LlamaBuilder:
         std = g.op("Sqrt", [g.op("Add", [var, g.const(self.facts.rms_norm_eps, np.float32)])])
         return g.op("Mul", [g.op("Div", [x, std]), weight], "norm")
 
-    def attention(self, g, h, w, past, lanes, attend):
+    def attention(self, g, h, w, past, placement, attend):
         """Attention of the N new tokens, each in its slot of one of B lanes (see the module's docstring):
-        one fused GroupQueryAttention node over the layer's KV buffer, rotary embedding included."""
+        one fused GroupQueryAttention node over the layer's KV buffer, rotary embedding included.
+        `placement`: (qkv_rows, out_rows) for B > 1 lanes; (N, the pads of the slots past them) for one."""
         f, lane_count = self.facts, self.lanes
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
-        qkv_rows, out_rows = lanes
         qkv = self.qkv_projection(g, h, w)
+        attention = self.standard_attention if self.portable_attention else self.fused_attention
+        if lane_count == 1:  # token k in slot k, the padding slots after them
+            tokens, pads = placement
+            out, present_k, present_v = attention(g, g.op("Pad", [qkv, pads]), past, attend, 1)  # [1, L, H * D]
+            out = g.op("Slice", [out, g.const([0]), tokens, g.const([1])])  # [1, N, H * D]
+            return g.op("MatMul", [out, w["o"]], "o_proj"), present_k, present_v
+        qkv_rows, out_rows = placement
         # one Gather lays the heads out as the op takes them: lanes folded into heads, q, k, v packed
         heads_of_tokens = g.op("Reshape", [qkv, g.const([-1, d])])  # [N * (H + 2 kvH), D]
         units = lane_count * (heads + 2 * kv_heads)
         packed = g.op("Reshape", [g.op("Gather", [heads_of_tokens, qkv_rows], axis=0),
                                   g.const([1, -1, units * d])])  # [L, units, D] -> [1, L, units * D]
-        attention = self.standard_attention if self.portable_attention else self.fused_attention
         out, present_k, present_v = attention(g, packed, past, attend, lane_count)  # [1, L, B * H * D]
         out = g.op("Gather", [g.op("Reshape", [out, g.const([-1, d])]), out_rows], axis=0)  # [N, H, D]
         out = g.op("Reshape", [out, g.const([1, -1, heads * d])])

@@ -109,8 +109,8 @@ class ModelRunner:
         self.lanes = graph_lanes(session, facts)
         self.static = StaticShape.of(session)  # fixed sizes every pass is padded to (None: dynamic shapes)
         self.explicit_mask = session.get_modelmeta().custom_metadata_map.get(ATTENTION_KEY) == STANDARD_ATTENTION
-        # a target's graph takes none: its exact passes need only the op's causal mask
-        self.takes_bias = ATTENTION_BIAS in {i.name for i in session.get_inputs()}
+        # the graph's input names: a target's has no attention bias, a one-lane graph no head gathers
+        self.graph_inputs = frozenset(i.name for i in session.get_inputs())
         self.graph_min_rows = exact_min_rows(session)  # what the graph guarantees on any device
         self.min_rows = self.graph_min_rows  # what a one-token step runs: set by the device's check
         self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
@@ -139,7 +139,7 @@ class ModelRunner:
         """
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
                            logit_rows, past_mask, exact_rows, self.min_rows, self.static, self.explicit_mask,
-                           self.takes_bias)
+                           self.graph_inputs)
         feed = layout.feed
         rows = feed["input_ids"].shape[1]
         if self.reads_features:
@@ -203,7 +203,7 @@ def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.n
 def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_mask: np.ndarray, logit_rows,
               past_mask=None, exact_rows: bool = True, exact_min_rows: int = MIN_ROWS,
               static: StaticShape | None = None, explicit_mask: bool = False,
-              attention_bias: bool = True) -> PassLayout:
+              graph_inputs: frozenset[str] | None = None) -> PassLayout:
     """The graph inputs of one pass, padded to `exact_min_rows` rows if exact (the graph's
     `exact_min_rows`); `heads`: the model's (query, kv) heads. `static`: a static-shape graph's sizes, to
     which rows, slots, logit rows and the attention bias are padded (the padding is never read).
@@ -213,9 +213,11 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     `tree_mask` must then be an ancestor mask, and each row's position is the cache length plus its
     depth. False puts all rows in one lane, at `positions`, masked by `tree_mask` and `past_mask`
     through the attention bias (a draft's passes, whose rows need not match anything).
-    attention_bias: False for a graph that takes none (a target's): the feed has no bias, and a pass that
-    would need one (rows that are not exact, a mask over the past) is refused.
+    graph_inputs: the graph's input names (None: every input a graph may take); what it does not take is
+    not built. A graph without an attention bias (a target's) is refused a pass that would need one (rows
+    that are not exact, a mask over the past); a graph of one lane takes no head gathers.
     """
+    attention_bias = graph_inputs is None or ATTENTION_BIAS in graph_inputs
     if not attention_bias and (not exact_rows or past_mask is not None or explicit_mask):
         raise InputError("this graph attends under the op's causal mask alone (a target's graph): it runs exact "
                          "passes without a mask over the past")
@@ -269,12 +271,12 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     wanted = np.asarray(logit_rows, dtype=np.int64)
     head_rows = np.concatenate([wanted, np.repeat(wanted[-1:], min_rows - len(wanted))]) if len(wanted) < min_rows \
         else wanted
-    qkv_rows, out_rows = head_rows_of(path_nodes, node_slots, heads)
     feed = dict(input_ids=ids, position_ids=position_ids, logit_rows=head_rows,
-                qkv_rows=qkv_rows, out_rows=out_rows, seqlens_k=np.array([total - 1], np.int32),
-                total_sequence_length=np.array(columns, np.int32))
+                seqlens_k=np.array([total - 1], np.int32), total_sequence_length=np.array(columns, np.int32))
     if attention_bias:
         feed[ATTENTION_BIAS] = bias
+    if graph_inputs is None or "qkv_rows" in graph_inputs:
+        feed["qkv_rows"], feed["out_rows"] = head_rows_of(path_nodes, node_slots, heads)
     return PassLayout(feed=feed, rows=n, wanted=wanted, path_nodes=path_nodes)
 
 

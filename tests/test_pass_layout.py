@@ -96,12 +96,17 @@ def test_a_draft_pass_keeps_one_lane_and_masks_through_the_bias():
 def test_a_graph_without_an_attention_bias_gets_no_bias_and_only_exact_passes():
     """A target's graph attends under the op's causal mask alone: its passes are exact."""
     tree = Topology((-1, 0, 0))
+    target_inputs = frozenset({"input_ids", "qkv_rows", "out_rows", "position_ids", "seqlens_k",
+                               "total_sequence_length", "logit_rows"})
     feed = pass_feed(cache_with(5, lanes=2), HEADS, [1, 2, 3], 5 + tree.depths, tree.ancestor_mask, range(3),
-                     attention_bias=False).feed
-    assert "attention_bias" not in feed and int(feed["total_sequence_length"]) == 5 + 2
+                     graph_inputs=target_inputs).feed
+    assert set(feed) == target_inputs and int(feed["total_sequence_length"]) == 5 + 2
     with pytest.raises(ValueError, match="causal mask alone"):
         pass_feed(cache_with(3), HEADS, [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], exact_rows=False,
-                  attention_bias=False)
+                  graph_inputs=target_inputs)
     with pytest.raises(ValueError, match="causal mask alone"):
         pass_feed(cache_with(3), HEADS, [1], [3], np.ones((1, 1), bool), [0], past_mask=np.ones((1, 3), bool),
-                  attention_bias=False)
+                  graph_inputs=target_inputs)
+    one_lane = pass_feed(cache_with(3), HEADS, [1], [3], np.ones((1, 1), bool), [0],
+                         graph_inputs=target_inputs - {"qkv_rows", "out_rows"}).feed
+    assert "qkv_rows" not in one_lane and list(one_lane["position_ids"][0]) == [3, 4]  # still two slots
