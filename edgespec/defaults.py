@@ -24,8 +24,9 @@ DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "co
                   "lookup_quote": 10, "quant": "int4", "symmetric": False, "lanes": 1}
 # Raised when the exporter writes the default recipe's graphs differently, so a cached bundle is rebuilt:
 # 2 = the int8 head on its Q8_0 grid without an offsets subgraph (history.md §53); 3 = a target graph
-# without an attention bias (§54); 4 = one-lane graphs pad their tokens into the slots instead of gathering.
-DEFAULT_BUILD = 4
+# without an attention bias (§54); 4 = one-lane graphs pad their tokens into the slots instead of gathering;
+# 5 = only a target's graph does (a draft's gathers again, for OpenVINO).
+DEFAULT_BUILD = 5
 
 
 def _shipped_draft_digest() -> str:

@@ -31,10 +31,10 @@ BUILDERS = {
 
 
 def builder_for(model, max_context: int, head_tokens=None, feature_fc=None, features_out: bool = False,
-                lanes: int = 1, attention_bias: bool = True) -> LlamaBuilder:
+                lanes: int = 1, exact_passes: bool = False) -> LlamaBuilder:
     names = list(getattr(model.config, "architectures", None) or [type(model).__name__])
     for name in names:
         if name in BUILDERS:
-            return BUILDERS[name](model, max_context, head_tokens, feature_fc, features_out, lanes, attention_bias)
+            return BUILDERS[name](model, max_context, head_tokens, feature_fc, features_out, lanes, exact_passes)
     raise UnsupportedArchitectureError(
         f"architecture {', '.join(names)} is not supported; edgespec exports {', '.join(sorted(BUILDERS))}")

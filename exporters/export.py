@@ -277,10 +277,9 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
     say(f"loading target: {target_source.description}")
     target, tokenizer = target_source.load()
-    # a draft that reads the target's features needs a target graph that returns them; the target's passes
-    # are exact, under the op's causal mask alone, so its graph takes no attention bias
+    # a draft that reads the target's features needs a target graph that returns them
     target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
-                                 lanes=plan.lanes, attention_bias=False)
+                                 lanes=plan.lanes, exact_passes=True)
     tokenizer_spec = write_tokenizer(folder, tokenizer, target)
     say(f"writing target graph ({target_builder.facts.num_layers} layers, "
         f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {plan.target_scheme.name})")

@@ -6,12 +6,12 @@ one KV buffer per layer that onnxruntime's fused GroupQueryAttention reads and w
 returns logits.
 
     inputs:  input_ids [1, N] int64
-             qkv_rows [L, B * (H + 2 kvH)] int64 (graphs of B > 1 lanes: for each slot, which row of the N
-                                         tokens' q/k/v heads, viewed as [N * (H + 2 kvH), head_dim], fills
-                                         each head of each lane, in the op's packed order: all lanes' q,
-                                         then k, then v)
-             out_rows [N, H] int64      (B > 1: which row of the op's output [L * B * H, head_dim] is each
-                                         of a token's heads: its slot in the first lane that holds it)
+             qkv_rows [L, B * (H + 2 kvH)] int64 (a draft's graph, and a target's of B > 1 lanes: for each
+                                         slot, which row of the N tokens' q/k/v heads, viewed as
+                                         [N * (H + 2 kvH), head_dim], fills each head of each lane, in the
+                                         op's packed order: all lanes' q, then k, then v)
+             out_rows [N, H] int64      (the same graphs: which row of the op's output [L * B * H, head_dim]
+                                         is each of a token's heads: its slot in the first lane that holds it)
              position_ids [1, L] int64  (the rotary position of each slot, the same in every lane)
              attention_bias [1, 1, L, T] float32 (a draft's graph only: added to the scores, 0 or -inf;
                                          T = past + L)
@@ -36,7 +36,7 @@ never the past). A chain or a prefill chunk is one lane; a graph of B lanes runs
 on every pass (unused lanes repeat lane 0), so a bundle whose trees are chains is exported with one.
 The matmuls run on the N tokens, not on the lanes' slots: q/k/v are gathered into the lanes after
 their projection (one Gather of head rows) and the attention output gathered back (another). In a
-graph of one lane, token k sits in slot k and the slots past the N tokens (a one-token step's second
+target's graph of one lane, token k sits in slot k and the slots past the N tokens (a one-token step's second
 slot) come last, so a Pad of the N tokens' q/k/v and a Slice of the output do the same with four fewer
 nodes a layer (0.35-0.47 ms of a 6-8 ms step, history.md §54); the padding slot's zeros are never read.
 
@@ -87,17 +87,19 @@ class LlamaBuilder:
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
                  feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
-                 lanes: int = 1, attention_bias: bool = True):
+                 lanes: int = 1, exact_passes: bool = False):
         """`model` is a transformers *ForCausalLM in float32. `head_tokens` (a draft's trimmed head):
         the graph's logits cover only these vocabulary ids, in this order. `feature_fc` (a draft that
         reads the target's features): (weight [H, 2H], bias [H]) of the projection of [embedding, feature]
         to the first layer's input. `features_out`: return the final hidden states too. `lanes`: the
-        root-to-leaf paths a verifying pass can attend in (see the module's docstring). `attention_bias`:
-        the graph takes one (a draft's tree masks); a target's, whose passes are exact, does not."""
+        root-to-leaf paths a verifying pass can attend in (see the module's docstring). `exact_passes`: a
+        target's graph, every pass of which is exact: it takes no attention bias, and in one lane pads its
+        tokens into the slots instead of gathering them. A draft's graph keeps both (its tree masks; and
+        OpenVINO's ONNX frontend, which runs drafts, cannot type that Pad and Slice: history.md §54)."""
         if lanes < 1:
             raise ExportError(f"a graph needs at least one lane (got {lanes})")
         self.lanes = lanes
-        self.attention_bias = attention_bias
+        self.exact_passes = exact_passes
         self.model = model
         cfg = model.config
         trained = getattr(cfg, "max_position_embeddings", None)
@@ -223,7 +225,7 @@ class LlamaBuilder:
                           seqlens=g.input("seqlens_k", INT32, ["batch"]))
         else:
             attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]), seqlens=g.input("seqlens_k", INT32, [1]))
-            if self.lanes > 1:
+            if self.lanes > 1 or not self.exact_passes:
                 units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
                 placement = (g.input("qkv_rows", INT64, ["slots", units]),
                              g.input("out_rows", INT64, [nodes, f.num_heads]))
@@ -233,7 +235,7 @@ class LlamaBuilder:
                 placement = (tokens, g.op("Concat", [g.const([0, 0, 0, 0]), g.op("Sub", [slots, tokens]),
                                                      g.const([0])], axis=0))
             batch = 1
-            if self.attention_bias or self.portable_attention:  # standard operators mask through the bias alone
+            if not self.exact_passes or self.portable_attention:  # standard operators mask through the bias alone
                 attend["bias"] = g.input("attention_bias", FLOAT, [1, 1, "slots", "total"])
         attend["total"] = g.input("total_sequence_length", INT32, [])
         cos_table, sin_table = self.rope_tables()
@@ -271,12 +273,12 @@ class LlamaBuilder:
     def attention(self, g, h, w, past, placement, attend):
         """Attention of the N new tokens, each in its slot of one of B lanes (see the module's docstring):
         one fused GroupQueryAttention node over the layer's KV buffer, rotary embedding included.
-        `placement`: (qkv_rows, out_rows) for B > 1 lanes; (N, the pads of the slots past them) for one."""
+        `placement`: (qkv_rows, out_rows), or (N, the pads of the slots past them) for a target's one lane."""
         f, lane_count = self.facts, self.lanes
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
         qkv = self.qkv_projection(g, h, w)
         attention = self.standard_attention if self.portable_attention else self.fused_attention
-        if lane_count == 1:  # token k in slot k, the padding slots after them
+        if lane_count == 1 and self.exact_passes:  # token k in slot k, the padding slots after them
             tokens, pads = placement
             out, present_k, present_v = attention(g, g.op("Pad", [qkv, pads]), past, attend, 1)  # [1, L, H * D]
             out = g.op("Slice", [out, g.const([0]), tokens, g.const([1])])  # [1, N, H * D]
