@@ -142,6 +142,11 @@ class LlamaBuilder:
                                         or head_tokens.min() < 0 or head_tokens.max() >= cfg.vocab_size):
             raise ExportError(f"head tokens must be at least 2 distinct ids below the vocabulary size {cfg.vocab_size}")
 
+    @property
+    def pads_slots(self) -> bool:
+        """A target's graph of one lane pads its tokens into the attention's slots; others gather them."""
+        return self.exact_passes and self.lanes == 1
+
     def parameter_count(self) -> int:
         tied = self.facts.tie_word_embeddings
         return sum(v.size for k, v in self.state.items() if not (tied and k == "lm_head.weight"))
@@ -225,7 +230,7 @@ class LlamaBuilder:
                           seqlens=g.input("seqlens_k", INT32, ["batch"]))
         else:
             attend = dict(pos=g.input("position_ids", INT64, [1, "slots"]), seqlens=g.input("seqlens_k", INT32, [1]))
-            if self.lanes > 1 or not self.exact_passes:
+            if not self.pads_slots:
                 units = self.lanes * (f.num_heads + 2 * f.num_kv_heads)
                 placement = (g.input("qkv_rows", INT64, ["slots", units]),
                              g.input("out_rows", INT64, [nodes, f.num_heads]))
@@ -278,7 +283,7 @@ class LlamaBuilder:
         heads, kv_heads, d = f.num_heads, f.num_kv_heads, f.head_dim
         qkv = self.qkv_projection(g, h, w)
         attention = self.standard_attention if self.portable_attention else self.fused_attention
-        if lane_count == 1 and self.exact_passes:  # token k in slot k, the padding slots after them
+        if self.pads_slots:  # token k in slot k, the padding slots after them
             tokens, pads = placement
             out, present_k, present_v = attention(g, g.op("Pad", [qkv, pads]), past, attend, 1)  # [1, L, H * D]
             out = g.op("Slice", [out, g.const([0]), tokens, g.const([1])])  # [1, N, H * D]

@@ -146,6 +146,10 @@ def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
                           for s in stages], pinned=range(len(stages)))
     staged = StagedRunner(window, manifest.target.facts, manifest.target.lanes)
     _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=True)), _first_pass(staged))
+    # its stages take no attention bias (a target's): a pass that would need one is refused, not run unmasked
+    cache = staged.new_cache(32)
+    with pytest.raises(ValueError, match="exact passes"):
+        staged.forward(cache, [1, 2], [0, 0], np.eye(2, dtype=bool), [0, 1], exact_rows=False)
     window.close()
 
 
