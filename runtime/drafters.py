@@ -40,9 +40,12 @@ class Drafter(Protocol):
 class NoDrafter:
     """Plain decoding: the tree is the root alone."""
 
+    def __init__(self):
+        self.root = Topology((-1,))  # one for every step: its depths and masks are computed once
+
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
-        return Tree.from_parents((-1,), [committed[-1]])
+        return Tree(self.root, np.array([committed[-1]], dtype=np.int64))
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass

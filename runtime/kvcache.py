@@ -22,11 +22,14 @@ state there, which a draft that reads the target's features (EAGLE-style) consum
 their token through commit, trim and evict, so they always describe the cached rows.
 
 The cache also memoizes, per onnxruntime session, an IOBinding with its buffers bound (`binding`):
-binding sixty buffers costs more than some passes' arithmetic. Growing the buffer forgets them.
+binding sixty buffers costs more than some passes' arithmetic. The pass's other inputs stay bound to
+arrays of their own, written in place while their shape holds (`BoundSession.bind`): a plain step binds
+nothing. Growing the buffer forgets them.
 """
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -37,6 +40,26 @@ from .facts import ModelFacts
 # Rows a pass may write past `capacity`: a one-token step's padding row (runtime/model.py, MIN_ROWS).
 KV_SLACK = 2
 INITIAL_ROWS = 256  # rows first allocated; `reserve` doubles them as the conversation grows
+
+
+@dataclass
+class BoundSession:
+    """An IOBinding of one session with a cache's buffers bound, and what its other inputs are bound to."""
+    binding: ort.IOBinding
+    inputs: tuple[str, ...]  # the session's inputs besides the KV buffers, which the caller binds per pass
+    held: dict[str, np.ndarray] = field(default_factory=dict)  # the array each input is bound to
+
+    def bind(self, name: str, value: np.ndarray) -> None:
+        """Binds input `name` to `value`'s contents: written into the array bound before when the shape and type
+        are the same (a one-token step's every input, step after step), else bound to a copy of its own. After
+        onnxruntime has evicted the caches, a new OrtValue and its binding cost ~15 us of Python a pass each."""
+        held = self.held.get(name)
+        if held is not None and held.shape == value.shape and held.dtype == value.dtype:
+            held[...] = value
+            return
+        held = np.array(value, order="C")  # the OrtValue reads this memory, not a copy of it, on every run
+        self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(held))
+        self.held[name] = held
 
 
 def kv_input_layers(names) -> list[int]:
@@ -58,7 +81,7 @@ class KVCache:
                               facts.head_dim), np.float32)
         self.features = np.zeros((capacity, feature_size), np.float32) if feature_size else None
         self.length = 0
-        self._bindings: dict[int, tuple[weakref.ref, ort.IOBinding, tuple[str, ...]]] = {}
+        self._bindings: dict[int, tuple[weakref.ref, BoundSession]] = {}
 
     def feature_rows(self) -> np.ndarray | None:
         """The features of the valid rows [length, feature_size], or None for a cache without them."""
@@ -83,13 +106,13 @@ class KVCache:
         grown[:, :, :, :, : self.length] = self.data[:, :, :, :, : self.length]
         self.data, self._bindings = grown, {}
 
-    def binding(self, session: ort.InferenceSession) -> tuple[ort.IOBinding, tuple[str, ...]]:
+    def binding(self, session: ort.InferenceSession) -> BoundSession:
         """An IOBinding of `session` with the buffers of every layer it reads bound as its past and
-        present keys/values, and the names of its other inputs, which the caller binds per pass."""
+        present keys/values, with the names of its other inputs, which the caller binds per pass."""
         key = id(session)
         known = self._bindings.get(key)
         if known is not None and known[0]() is session:
-            return known[1:]
+            return known[1]
         binding = session.io_binding()
         names = [i.name for i in session.get_inputs()]
         layers = kv_input_layers(names)
@@ -103,8 +126,9 @@ class KVCache:
                 binding.bind_ortvalue_output(f"present_{name}_{layer}", value)
         # a streamed stage makes a new session per fetch: forget bindings of sessions that are gone
         self._bindings = {k: v for k, v in self._bindings.items() if v[0]() is not None}
-        self._bindings[key] = (weakref.ref(session), binding, others)
-        return binding, others
+        bound = BoundSession(binding, others)
+        self._bindings[key] = (weakref.ref(session), bound)
+        return bound
 
     def commit(self, lane: int, count: int, features: np.ndarray | None = None) -> None:
         """Keeps the first `count` rows a pass wrote into `lane` after the valid ones, in every lane, with

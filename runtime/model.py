@@ -41,10 +41,11 @@ class Pass:
 
     def lane_of(self, rows: list[int]) -> int:
         """The lane whose first slots hold tree rows `rows` (a root-first path, or a chunk's rows in order)."""
-        count = len(rows)
-        for lane, nodes in enumerate(self.path_nodes):
-            if count <= len(nodes) and np.array_equal(nodes[:count], rows):
-                return lane
+        rows = [int(r) for r in rows]
+        if len(rows) <= self.path_nodes.shape[1]:
+            for lane, nodes in enumerate(self.path_nodes[:, : len(rows)].tolist()):  # lists: cheaper than numpy here
+                if nodes == rows:
+                    return lane
         raise InputError(f"rows {list(rows)} are no lane's first slots: keep a root-first path of the tree")
 
 
@@ -164,9 +165,10 @@ def run_bound(session: ort.InferenceSession, cache: KVCache, feed: dict,
     """Runs `session` with the cache's buffers bound (cache.binding) and the inputs in `feed` that it
     takes; returns the named outputs, each [rows, width] as given, written by onnxruntime straight into
     arrays allocated here."""
-    binding, inputs = cache.binding(session)
-    for name in inputs:
-        binding.bind_cpu_input(name, feed[name])
+    bound = cache.binding(session)
+    for name in bound.inputs:
+        bound.bind(name, feed[name])
+    binding = bound.binding
     arrays = {}
     for name, (rows, width) in outputs.items():
         arrays[name] = np.empty((rows, width), np.float32)
@@ -227,8 +229,7 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     if static and n > static.nodes:
         raise InputError(f"{n} tokens in one pass of a static-shape graph of {static.nodes} nodes")
     rows = max(n, min_rows)
-    ids = np.zeros((1, rows), dtype=np.int64)
-    ids[0, :n] = tokens
+    ids = np.array([[*tokens, *[0] * (rows - n)]], dtype=np.int64)
     tree_mask = np.asarray(tree_mask, dtype=bool)
     paths = [list(range(n))] if not exact_rows or _is_chain(tree_mask) else \
         [list(p) for p in Topology.from_ancestor_mask(tree_mask).root_to_leaf_paths]
@@ -239,20 +240,17 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     # the attention op's one-query path rounds unlike its multi-query one (5e-7, history.md §41): an exact
     # pass gives it two slots even when its matmuls run one row (the second repeats the first)
     slots = static.nodes if static else max(max(len(path) for path in paths), 2 if exact_rows else 1)
-    path_nodes = np.empty((cache.lanes, slots), dtype=np.int64)
-    node_slots = np.zeros(rows, dtype=np.int64)
-    for b, path in enumerate(paths):
-        path_nodes[b, : len(path)] = path
-        path_nodes[b, len(path):] = path[-1]  # unused slots repeat the last token (their rows are never read)
-        node_slots[path] = b * slots + np.arange(len(path))  # a node on several lanes has the same bits on each
-    path_nodes[len(paths):] = path_nodes[0]  # unused lanes repeat the first (the graph computes every lane)
+    # unused slots repeat the last token (their rows are never read); unused lanes repeat the first (the
+    # graph computes every lane). Lists, then one array: each numpy call costs microseconds after a run.
+    lane_nodes = [path + [path[-1]] * (slots - len(path)) for path in paths]
+    path_nodes = np.array(lane_nodes + lane_nodes[:1] * (cache.lanes - len(paths)), dtype=np.int64)
     cache.reserve(past_len + slots)
     total = past_len + slots
     # a static graph's bias covers the whole buffer; the op reads only the first `total` columns
     columns = static.capacity if static else total
     bias = np.zeros((1, 1, slots, columns), np.float32) if attention_bias else None  # only exact passes get None
     if exact_rows:
-        position_ids = (past_len + np.arange(slots, dtype=np.int64))[None]
+        position_ids = np.arange(past_len, past_len + slots, dtype=np.int64)[None]
         if past_mask is not None:
             if len(paths) > 1:
                 raise InputError("a mask over the past applies to one lane: give exact rows a chain")
@@ -276,6 +274,9 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
     if attention_bias:
         feed[ATTENTION_BIAS] = bias
     if graph_inputs is None or "qkv_rows" in graph_inputs:
+        node_slots = np.zeros(rows, dtype=np.int64)
+        for b, path in enumerate(paths):
+            node_slots[path] = b * slots + np.arange(len(path))  # a node on several lanes has the same bits on each
         feed["qkv_rows"], feed["out_rows"] = head_rows_of(path_nodes, node_slots, heads)
     return PassLayout(feed=feed, rows=n, wanted=wanted, path_nodes=path_nodes)
 

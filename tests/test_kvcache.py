@@ -77,3 +77,37 @@ def test_trim_is_a_pointer_move_and_overflow_is_refused():
     assert cache.length == 2 and cache.room() == 2
     with pytest.raises(ValueError):
         cache.trim(3)
+
+
+def test_one_token_steps_write_their_inputs_into_the_arrays_bound_before(bundle_factory):
+    from edgespec.runtime.model import commit, prefill
+    from edgespec.runtime.pipeline import Pipeline
+
+    target = Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target
+    tokens = [3, 5, 7, 11, 13, 2, 4, 9]
+
+    def steps(rebind: bool) -> tuple[list[np.ndarray], list[dict]]:
+        cache = target.new_cache(32)
+        prefill(target, cache, tokens[:3], 8)
+        logits, held = [], []
+        for token in tokens[3:]:
+            if rebind:  # every input bound afresh, as before any step had run
+                cache.binding(target.session).held.clear()
+            out = target.forward(cache, [token], [cache.length], np.ones((1, 1), bool), [0])
+            commit(cache, out, [0])
+            logits.append(out.logits[0])
+            held.append(dict(cache.binding(target.session).held))
+        return logits, held
+
+    reused, held = steps(rebind=False)
+    fresh, _ = steps(rebind=True)
+    assert set(held[0]) == set(cache_inputs(target))  # every input besides the KV buffers is held
+    for before, after in zip(held, held[1:]):  # a step of the same shapes binds nothing new
+        assert set(before) == set(after) and all(after[name] is before[name] for name in before)
+    for a, b in zip(reused, fresh):
+        assert np.array_equal(a, b)  # what each step wrote in place is what it would have bound
+    assert len({x.tobytes() for x in reused}) == len(reused)  # every step's logits differ: a stale input would show
+
+
+def cache_inputs(runner) -> tuple[str, ...]:
+    return runner.new_cache(8).binding(runner.session).inputs
