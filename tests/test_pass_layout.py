@@ -110,3 +110,18 @@ def test_a_graph_without_an_attention_bias_gets_no_bias_and_only_exact_passes():
     one_lane = pass_feed(cache_with(3), HEADS, [1], [3], np.ones((1, 1), bool), [0],
                          graph_inputs=target_inputs - {"qkv_rows", "out_rows"}).feed
     assert "qkv_rows" not in one_lane and list(one_lane["position_ids"][0]) == [3, 4]  # still two slots
+
+
+def test_a_chain_is_known_without_walking_its_paths(monkeypatch):
+    from edgespec.runtime import model
+
+    assert model._is_chain(np.tril(np.ones((4, 4), bool))) and model._is_chain(np.ones((1, 1), bool))
+    assert not model._is_chain(Topology((-1, 0, 0)).ancestor_mask)
+    assert not model._is_chain(np.eye(3, dtype=bool))  # rows that do not see their predecessors
+    assert not model._is_chain(np.ones((3, 3), bool))  # a row that sees a later one
+
+    def walked(mask):
+        raise AssertionError("a chain's one path was looked for among a tree's")
+    monkeypatch.setattr(model.Topology, "from_ancestor_mask", staticmethod(walked))
+    layout = pass_feed(cache_with(5), HEADS, [1, 2, 3], [5, 6, 7], np.tril(np.ones((3, 3), bool)), [0, 1, 2])
+    assert layout.path_nodes.tolist() == [[0, 1, 2]]
