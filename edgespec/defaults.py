@@ -25,9 +25,8 @@ DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "co
 # Raised when the exporter writes the default recipe's graphs differently, so a cached bundle is rebuilt:
 # 2 = the int8 head on its Q8_0 grid without an offsets subgraph (history.md §53); 3 = a target graph
 # without an attention bias (§54); 4 = one-lane graphs pad their tokens into the slots instead of gathering;
-# 5 = only a target's graph does (a draft's gathers again, for OpenVINO); 6 = the offsets' block sums as one
-# AveragePool (quant/offsets.py).
-DEFAULT_BUILD = 6
+# 5 = only a target's graph does (a draft's gathers again, for OpenVINO).
+DEFAULT_BUILD = 5
 
 
 def _shipped_draft_digest() -> str:

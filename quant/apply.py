@@ -26,7 +26,7 @@ def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
 def untie_head(model: onnx.ModelProto, head_name: str = "lm_head") -> None:
     """Gemm(x, E, transB=1) -> MatMul(x, E^T): MatMulNBits quantizes MatMul weights only."""
     inits = _initializers(model)
-    for node in list(model.graph.node):
+    for node in model.graph.node:
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
         if node.op_type != "Gemm" or trans_b != 1 or node.input[1] not in inits or len(node.input) > 2:
             continue
@@ -37,22 +37,6 @@ def untie_head(model: onnx.ModelProto, head_name: str = "lm_head") -> None:
         node.op_type = "MatMul"
         node.input[1] = head_name
         del node.attribute[:]
-        _unflatten(model.graph, node)
-
-
-def _unflatten(graph: onnx.GraphProto, node: onnx.NodeProto) -> None:
-    """Reshape(x) -> MatMul -> Reshape(y) becomes MatMul(x) -> y: the Gemm read the head's rows [1, R, H]
-    flattened to two axes and gave them back as [1, R, V] (exporters/llama.py: lm_head); a MatMul reads
-    them as they are, as every other matmul does (offsets.py pools over [1, rows, K]), in one node."""
-    before = next((n for n in graph.node if node.input[0] in n.output), None)
-    after = [n for n in graph.node if node.output[0] in n.input]
-    if before is None or before.op_type != "Reshape" or len(after) != 1 or after[0].op_type != "Reshape":
-        return
-    if sum(before.output[0] in n.input for n in graph.node) > 1:  # the flattened rows feed something else too
-        return
-    node.input[0], node.output[0] = before.input[0], after[0].output[0]
-    graph.node.remove(before)
-    graph.node.remove(after[0])
 
 
 def _drop_unused_initializers(model: onnx.ModelProto) -> None:

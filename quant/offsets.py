@@ -9,12 +9,9 @@ split:
             ---------------------    -----------------------------
             symmetric MatMulNBits    a small fp32 matmul: [K / block] x N offsets
 
-blocksum(x) is block x AveragePool(x) over the input's last axis, kernel and stride `block`: one node on
-[1, rows, K], where a Reshape and a ReduceSum took two, and each of a graph's small nodes costs ~2 us
-after a run has evicted the caches (the default target's 120: 0.22 ms a step, history.md §55; the
-ReduceSum had replaced a matmul with a 0/1 matrix, §40). The factor `block`, a power of two, is folded
-into the stored offsets, so mean x (block x m) is sum x m bit for bit. Weights that already lie on such
-a grid — a model that came from a Q4_1/Q8_1 GGUF file — are reproduced exactly.
+blocksum(x) is a ReduceSum over x viewed as [rows, K / block, block] (a third cheaper per matmul than
+the matmul with a 0/1 matrix it replaced: 12 against 19 us, history.md §40). Weights that already lie
+on such a grid — a model that came from a Q4_1/Q8_1 GGUF file — are reproduced exactly.
 
 A weight whose every block is d * q with |q| <= 2^(bits-1) - 1 (a Q8_0 tensor: the reference model's
 tied embedding, read as its int8 head) needs no offset: MatMulNBits' implied zero point holds it exactly,
@@ -27,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .rewrite import replace_node
+from .rewrite import add_constants, replace_node
 
 
 def _blocks(weight: np.ndarray, block: int) -> np.ndarray:
@@ -74,11 +71,8 @@ def on_symmetric_grid(weight: np.ndarray, bits: int, block: int):
 
 def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndarray, bits: int, block: int,
                    accuracy_level: int) -> None:
-    """Rewrites MatMul(x, W) in place as MatMulNBits(x) + MatMul(AveragePool(x), block x offsets), or as
-    MatMulNBits(x) alone when W lies on a symmetric grid. x is [batch, rows, K], as the exporter's graphs
-    give every matmul (the pool reads axis 1 as its channels)."""
-    if block & (block - 1):
-        raise ValueError(f"the block size {block} is not a power of two: the offsets would not scale exactly")
+    """Rewrites MatMul(x, W) in place as MatMulNBits(x) + MatMul(ReduceSum(x as blocks), offsets), or as
+    MatMulNBits(x) alone when W lies on a symmetric grid."""
     name = node.input[1]
     k, n = weight.shape
     graph = model.graph
@@ -93,12 +87,15 @@ def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndar
     if offsets is None:
         replace_node(graph, node, [matmul])
         return
-    graph.initializer.append(numpy_helper.from_array(offsets * np.float32(block), f"{name}_offsets"))
+    graph.initializer.append(numpy_helper.from_array(offsets, f"{name}_offsets"))
+    blocks_name, axis_name = f"blocks_{k}_{block}", "blocksum_axis"
+    add_constants(graph, {blocks_name: np.array([-1, k // block, block], np.int64), axis_name: np.array([-1], np.int64)})
     new_nodes = [
         matmul,
-        helper.make_node("AveragePool", [x], [f"{y}_blockmean"], name=f"{node.name}_blockmean",
-                         kernel_shape=[block], strides=[block]),  # [batch, rows, K / block]
-        helper.make_node("MatMul", [f"{y}_blockmean", f"{name}_offsets"], [f"{y}_offset"], name=f"{node.name}_offset"),
+        helper.make_node("Reshape", [x, blocks_name], [f"{y}_blocks"], name=f"{node.name}_blocks"),
+        helper.make_node("ReduceSum", [f"{y}_blocks", axis_name], [f"{y}_blocksum"], name=f"{node.name}_blocksum",
+                         keepdims=0),  # [rows, K / block]; the Add below broadcasts [rows, N] over [1, rows, N]
+        helper.make_node("MatMul", [f"{y}_blocksum", f"{name}_offsets"], [f"{y}_offset"], name=f"{node.name}_offset"),
         helper.make_node("Add", [f"{y}_sym", f"{y}_offset"], [y], name=f"{node.name}_add"),
     ]
     replace_node(graph, node, new_nodes)

@@ -77,4 +77,4 @@ def test_the_default_heads_q8_0_grid_is_stored_without_offsets(pipeline):
     assert len(head) == 1 and len(head[0].input) == 3  # no zero points: the implied 128
     assert {a.name: a.i for a in head[0].attribute}["bits"] == 8
     assert not any(t.name.startswith("lm_head_offsets") for t in graph.initializer)
-    assert sum(node.op_type == "AveragePool" for node in graph.node) == 4 * pipeline.manifest.target.facts.num_layers
+    assert sum(node.op_type == "ReduceSum" for node in graph.node) == 4 * pipeline.manifest.target.facts.num_layers
