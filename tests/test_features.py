@@ -168,3 +168,26 @@ def test_a_feature_draft_pass_can_be_timed(feature_bundles):
     assert pipeline.draft.reads_features
     seconds = pass_seconds(pipeline.draft, pipeline.manifest.prefill_chunk, (1, 3), past=5, repeats=2)
     assert set(seconds) == {1, 3} and all(s > 0 for s in seconds.values())
+
+
+def test_graph_ab_compares_graphs_in_processes_of_every_load_order(feature_bundles, tmp_path):
+    """`benchmarks/graph_ab.py` on two copies of one graph: a line per graph, the first the baseline."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bundle = feature_bundles["chain:3"]
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy)
+    script = Path(__file__).parent.parent / "benchmarks" / "graph_ab.py"
+    done = subprocess.run([sys.executable, str(script), str(bundle), str(bundle / "target.onnx"),
+                           str(copy / "target.onnx"), "--past", "6", "--rounds", "1", "--steps", "2", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "2 processes" in lines[0] and len(lines) == 3
+    assert lines[1].startswith("0:target.onnx") and "x1.000" in lines[1] and lines[2].startswith("1:target.onnx")
+    missing = subprocess.run([sys.executable, str(script), str(bundle), str(tmp_path / "none.onnx")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "no graph at" in missing.stderr
