@@ -101,13 +101,9 @@ def test_one_token_steps_write_their_inputs_into_the_arrays_bound_before(bundle_
 
     reused, held = steps(rebind=False)
     fresh, _ = steps(rebind=True)
-    assert set(held[0]) == set(cache_inputs(target))  # every input besides the KV buffers is held
+    assert set(held[0]) == set(target.new_cache(8).binding(target.session).inputs)  # every input besides the KV buffers
     for before, after in zip(held, held[1:]):  # a step of the same shapes binds nothing new
         assert set(before) == set(after) and all(after[name] is before[name] for name in before)
     for a, b in zip(reused, fresh):
         assert np.array_equal(a, b)  # what each step wrote in place is what it would have bound
     assert len({x.tobytes() for x in reused}) == len(reused)  # every step's logits differ: a stale input would show
-
-
-def cache_inputs(runner) -> tuple[str, ...]:
-    return runner.new_cache(8).binding(runner.session).inputs
