@@ -215,35 +215,37 @@ class ModelDrafter:
         q_draft = None if sampler is None else np.zeros((topo.size, len(logits)))
         node_logits = {0: logits}
         fed: list[int] = []  # tree nodes whose rows are in the cache, in row order
-        for depth, level in enumerate(topo.levels[1:], start=1):
-            for parent in {topo.parents[n] for n in level}:
-                kids = list(topo.children[parent])
-                if sampler is None and len(kids) == 1:  # a chain's: one argmax, not a partition of the vocabulary
-                    tokens[kids] = node_logits[parent].argmax()
-                elif sampler is None:  # greedy: the draft's top tokens, most likely first
-                    top = np.argpartition(-node_logits[parent], len(kids))[: len(kids)]
-                    tokens[kids] = top[np.argsort(-node_logits[parent][top], kind="stable")]
-                else:
-                    path = [int(tokens[i]) for i in topo.path_to(parent)[1:]]
-                    q_draft[parent] = sampler.distributions(node_logits[parent][None], committed, [path])[0]
-                    drawn = sample_without_replacement(q_draft[parent], len(kids), sampler.rng)
-                    drawn += [drawn[-1]] * (len(kids) - len(drawn))  # support smaller than the fan-out
-                    tokens[kids] = drawn
-            if depth == topo.max_depth:
-                break
-            level = list(level)
-            anc = topo.ancestor_mask
-            past_mask = np.concatenate([np.ones((len(level), committed_len), bool),
-                                        anc[np.ix_(level, fed)]], axis=1)
-            root_position = committed_len - 1
-            features = own_features(cache, committed_len, fed, [topo.parents[n] for n in level])
-            out = self.runner.forward(cache, tokens[level], root_position + topo.depths[level],
-                                      anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask,
-                                      features=features, exact_rows=False)
-            commit(cache, out, range(len(level)))
-            fed += level
-            node_logits.update(zip(level, out.logits))
-        cache.trim(committed_len)
+        try:  # tree rows leave the draft cache however drafting ends
+            for depth, level in enumerate(topo.levels[1:], start=1):
+                for parent in {topo.parents[n] for n in level}:
+                    kids = list(topo.children[parent])
+                    if sampler is None and len(kids) == 1:  # a chain's: one argmax, not a partition of the vocabulary
+                        tokens[kids] = node_logits[parent].argmax()
+                    elif sampler is None:  # greedy: the draft's top tokens, most likely first
+                        top = np.argpartition(-node_logits[parent], len(kids))[: len(kids)]
+                        tokens[kids] = top[np.argsort(-node_logits[parent][top], kind="stable")]
+                    else:
+                        path = [int(tokens[i]) for i in topo.path_to(parent)[1:]]
+                        q_draft[parent] = sampler.distributions(node_logits[parent][None], committed, [path])[0]
+                        drawn = sample_without_replacement(q_draft[parent], len(kids), sampler.rng)
+                        drawn += [drawn[-1]] * (len(kids) - len(drawn))  # support smaller than the fan-out
+                        tokens[kids] = drawn
+                if depth == topo.max_depth:
+                    break
+                level = list(level)
+                anc = topo.ancestor_mask
+                past_mask = np.concatenate([np.ones((len(level), committed_len), bool),
+                                            anc[np.ix_(level, fed)]], axis=1)
+                root_position = committed_len - 1
+                features = own_features(cache, committed_len, fed, [topo.parents[n] for n in level])
+                out = self.runner.forward(cache, tokens[level], root_position + topo.depths[level],
+                                          anc[np.ix_(level, level)], range(len(level)), past_mask=past_mask,
+                                          features=features, exact_rows=False)
+                commit(cache, out, range(len(level)))
+                fed += level
+                node_logits.update(zip(level, out.logits))
+        finally:
+            cache.trim(committed_len)
         return Tree(topo, tokens, q_draft)
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:

@@ -67,40 +67,47 @@ class DynamicDrafter:
         committed_len = cache.length
         parents, tokens, scores, depths = [-1], [committed[-1]], [1.0], [0]
         frontier, node_logits, fed = [0], {0: logits}, []
-        for depth in range(1, cfg.max_depth + 1):
-            new = []  # 2. children of the frontier, scored by cumulative confidence
-            for parent in frontier:
-                for token, prob in zip(*top_candidates(node_logits[parent], cfg.width)):
-                    parents.append(parent), tokens.append(int(token)), depths.append(depth)
-                    scores.append(scores[parent] * float(prob))
-                    new.append(len(tokens) - 1)
-            ranked = sorted(scores[1:], reverse=True)
-            cut = ranked[budget - 2] if len(ranked) >= budget - 1 else -1.0
-            expand = [n for n in sorted(new, key=lambda n: -scores[n])[: cfg.width]
-                      if scores[n] >= cfg.min_confidence and scores[n] > cut]
-            if budget <= 2 or not expand or depth == cfg.max_depth:
-                break
-            # 3. feed the most confident new nodes; each sees the committed rows and its fed ancestors
-            ancestors = [self._ancestors(parents, n) for n in expand]
-            past_mask = np.array([[True] * committed_len + [f in anc for f in fed] for anc in ancestors])
-            features = own_features(cache, committed_len, fed, [parents[n] for n in expand])
-            out = self.runner.forward(cache, [tokens[n] for n in expand], [committed_len - 1 + depth] * len(expand),
-                                      np.eye(len(expand), dtype=bool), range(len(expand)), past_mask=past_mask,
-                                      features=features, exact_rows=False)
-            commit(cache, out, range(len(expand)))
-            fed += expand
-            node_logits.update(zip(expand, out.logits))
-            frontier = expand
-        cache.trim(committed_len)
+        try:  # tree rows leave the draft cache however drafting ends
+            for depth in range(1, cfg.max_depth + 1):
+                new = []  # 2. children of the frontier, scored by cumulative confidence
+                for parent in frontier:
+                    for token, prob in zip(*top_candidates(node_logits[parent], cfg.width)):
+                        parents.append(parent), tokens.append(int(token)), depths.append(depth)
+                        scores.append(scores[parent] * float(prob))
+                        new.append(len(tokens) - 1)
+                ranked = sorted(scores[1:], reverse=True)
+                cut = ranked[budget - 2] if len(ranked) >= budget - 1 else -1.0
+                # fed rows live in the draft cache until we return: near the end of the context it has room
+                # for fewer than the pruning rule alone would feed (the cut bounds the tree, not the rows fed)
+                expand = [n for n in sorted(new, key=lambda n: -scores[n])[: min(cfg.width, cache.room())]
+                          if scores[n] >= cfg.min_confidence and scores[n] > cut]
+                if budget <= 2 or not expand or depth == cfg.max_depth:
+                    break
+                # 3. feed the most confident new nodes; each sees the committed rows and its fed ancestors
+                out = self._feed(expand, parents, tokens, fed, committed_len, depth)
+                fed += expand
+                node_logits.update(zip(expand, out.logits))
+                frontier = expand
+        finally:
+            cache.trim(committed_len)
         # 4. the budget's most confident nodes, parents first
         chosen = [0] + sorted(range(1, len(tokens)), key=lambda n: (-scores[n], depths[n]))[: budget - 1]
         order = sorted(chosen, key=lambda n: (depths[n], n))
         index = {n: i for i, n in enumerate(order)}
         return Tree.from_parents(tuple(-1 if n == 0 else index[parents[n]] for n in order), [tokens[n] for n in order])
 
-    @staticmethod
-    def _ancestors(parents: list[int], node: int) -> set[int]:
-        return set(path_from_root(parents, node)[:-1])
+    def _feed(self, expand: list[int], parents: list[int], tokens: list[int], fed: list[int], committed_len: int,
+              depth: int):
+        """One draft pass over the nodes in `expand`, their rows kept after the committed and fed ones."""
+        cache = self.cache
+        ancestors = [set(path_from_root(parents, n)[:-1]) for n in expand]
+        past_mask = np.array([[True] * committed_len + [f in anc for f in fed] for anc in ancestors])
+        features = own_features(cache, committed_len, fed, [parents[n] for n in expand])
+        out = self.runner.forward(cache, [tokens[n] for n in expand], [committed_len - 1 + depth] * len(expand),
+                                  np.eye(len(expand), dtype=bool), range(len(expand)), past_mask=past_mask,
+                                  features=features, exact_rows=False)
+        commit(cache, out, range(len(expand)))
+        return out
 
     def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
         pass

@@ -189,6 +189,59 @@ def both_with(pipeline, config, **ask):
             pipeline.generate(**ask, config=config, speculate=True))
 
 
+def test_a_dynamic_tree_feeds_no_more_rows_than_the_draft_cache_has_room_for(bundle_factory):
+    """The pruning cut bounds the tree, not the rows fed while growing it: a confident draft goes one node
+    deeper per level, past the room left near the end of the context. It must stop at that room and leave
+    the draft cache holding the committed rows only."""
+    import dataclasses
+
+    from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
+
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="dynamic:8", context=64))
+    vocab = pipeline.manifest.target.facts.vocab_size
+    confident = np.full((vocab, vocab), -4.0, np.float32)  # every token's successor at p > 0.99
+    confident[np.arange(vocab), (np.arange(vocab) + 1) % vocab] = 8.0
+    forward, fed = pipeline.draft.forward, []
+
+    def confident_forward(cache, tokens, positions, tree_mask, logit_rows, **kwargs):
+        out = forward(cache, tokens, positions, tree_mask, logit_rows, **kwargs)
+        fed.append(len(tokens))
+        return dataclasses.replace(out, logits=confident[np.asarray(tokens)[list(logit_rows)]])
+
+    pipeline.draft.forward = confident_forward
+    committed = (pipeline.encode("a b c d e f g h " * 20) * 2)[:57]
+    cache = pipeline.new_draft_cache()
+    drafter = DynamicDrafter(pipeline.draft, cache, DynamicTreeConfig(budget=8, width=4, max_depth=6,
+                                                                      min_confidence=0.0), 16)
+    tree = drafter.propose(committed, 64 - len(committed) + 1, None)  # the target's room, as the engine passes
+    assert cache.length == len(committed) and tree.size == 8
+    assert sum(fed) == 64  # the catch-up's 57 rows, then tree rows 4 + 1 + 1 + 1: the room, and no more
+    pipeline.draft.forward = forward
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:8"])
+def test_a_draft_that_fails_while_drafting_leaves_only_committed_rows(tree, bundle_factory):
+    """A later call starts from the draft cache's length: tree rows left behind would pass for committed ones."""
+    pipeline = Pipeline(bundle_factory(draft="draft", tree=tree))
+    drafter = pipeline.make_drafter(True)
+    if tree.startswith("dynamic"):
+        drafter.config = type(drafter.config)(budget=8, width=2, max_depth=4, min_confidence=0.0)
+    committed = pipeline.encode("def add(a, b): return a + b")
+    forward, calls = pipeline.draft.forward, []
+
+    def failing_forward(cache, tokens, *args, **kwargs):
+        calls.append(len(tokens))
+        if cache.length >= len(committed) + 1:  # a tree level after one was fed
+            raise RuntimeError("the draft's session failed")
+        return forward(cache, tokens, *args, **kwargs)
+
+    pipeline.draft.forward = failing_forward
+    with pytest.raises(RuntimeError, match="session failed"):
+        drafter.propose(committed, 8, None)
+    pipeline.draft.forward = forward
+    assert drafter.cache.length == len(committed)
+
+
 @pytest.mark.parametrize("budget", [3, 6, 12])
 def test_dynamic_tree_skips_only_expansions_that_cannot_reach_the_budget(budget, bundle_factory):
     """Against the unpruned construction: expand the `width` most confident new nodes at every level
