@@ -126,7 +126,8 @@ def test_a_feature_draft_without_target_features_is_refused(feature_bundles):
         pipeline.make_drafter(True).propose([3, 4, 5], 4, None, None)
 
 
-def test_sliding_keeps_features_with_their_rows(feature_bundles):
+def test_sliding_with_a_feature_draft_stays_lossless(feature_bundles):
+    """(That the features move with their rows: tests/test_sliding.py.)"""
     from edgespec.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1, memory_budget=None)

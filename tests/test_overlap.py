@@ -91,7 +91,8 @@ def test_the_next_conversation_turn_after_overlapped_steps(bundle_factory):
     for follow_up in (" and then", " so"):
         ours = overlapped.generate(text, config=config, session=session, drafter=drafter)
         reference = plain.generate(text, config=config, speculate=False, session=plain_session)
-        assert ours.token_ids == reference.token_ids and ours.stats.cached_tokens > 0 or text == "Hello there"
+        assert ours.token_ids == reference.token_ids
+        assert ours.stats.cached_tokens > 0 or text == "Hello there"  # a follow-up reuses the cache
         text += ours.text + follow_up
 
 

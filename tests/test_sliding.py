@@ -21,16 +21,18 @@ def test_evicted_cache_holds_keys_as_if_computed_at_their_new_positions():
     dim = 8
     freqs = 1 / 10000 ** (np.arange(0, dim, 2) / dim)
     facts = ModelFacts("llama", 1, dim, 1, 1, dim, dim, 10, 64, 1e-5, 1e4, True)
-    cache = KVCache(facts, 16)
+    cache = KVCache(facts, 16, feature_size=3)  # an EAGLE draft's target features move with their rows
     raw = np.random.default_rng(0).normal(size=(10, dim)).astype(np.float32)
     for p in range(10):
         cache.data[0, 0, 0, 0, p], cache.data[0, 1, 0, 0, p] = _rope(raw[p], p, freqs), raw[p]
+    cache.features[:10] = np.arange(30, dtype=np.float32).reshape(10, 3)
     cache.length = 10
     cache.evict(2, 3, freqs)
     kept = [0, 1, 5, 6, 7, 8, 9]
     expected = [_rope(raw[p], row, freqs) for row, p in enumerate(kept)]
     np.testing.assert_allclose(cache.data[0, 0, 0, 0, :7], expected, atol=1e-6)
     np.testing.assert_array_equal(cache.data[0, 1, 0, 0, :7], raw[kept])
+    np.testing.assert_array_equal(cache.feature_rows(), np.arange(30, dtype=np.float32).reshape(10, 3)[kept])
     assert cache.length == 7
     with pytest.raises(ValueError):
         cache.evict(5, 3, freqs)
