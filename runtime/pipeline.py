@@ -182,11 +182,7 @@ class Pipeline:
 
     def make_drafter(self, speculate: bool) -> Drafter:
         m = self.manifest
-        if not speculate:
-            return NoDrafter()
-        if not self.exactness.exact:
-            warnings.warn(f"speculation is off for this bundle here: {self.exactness.reason}; decoding plainly, "
-                          "which gives the same output", RuntimeWarning, stacklevel=2)
+        if not speculate or not self._exact_here():
             return NoDrafter()
         ngram = NgramDrafter.from_config(self.tree, m.ngram) if m.ngram is not None else None
         if m.drafter is DrafterKind.NGRAM:
@@ -201,6 +197,22 @@ class Pipeline:
         else:
             drafter = ModelDrafter(self.draft, cache, self.tree, m.prefill_chunk)
         return drafter if self.lookup is None else WithLookup(drafter, self.lookup)
+
+    def _checked(self, drafter: Drafter, speculate: bool) -> Drafter:
+        """A caller's own drafter (one that keeps a conversation's draft cache), held to what make_drafter
+        decides: speculation off is asked with no drafter, and a device that is not exact decodes plainly."""
+        if isinstance(drafter, NoDrafter):
+            return drafter
+        if not speculate:
+            raise InputError("a drafter was given with speculate=False: give one or the other")
+        return drafter if self._exact_here() else NoDrafter()
+
+    def _exact_here(self) -> bool:
+        """Whether speculation is exact on this device; warns where it is not (decoding plainly instead)."""
+        if not self.exactness.exact:
+            warnings.warn(f"speculation is off for this bundle here: {self.exactness.reason}; decoding plainly, "
+                          "which gives the same output", RuntimeWarning, stacklevel=4)
+        return self.exactness.exact
 
     def check_exact(self) -> tuple[int, list[RowMismatch]]:
         """Whether this device gives every token of the target plain decoding's bits in any pass, which
@@ -223,7 +235,7 @@ class Pipeline:
         _ = self.exactness  # plain decoding too: it sets how many rows a one-token step runs here
         owned = session is None  # the request's own caches: freed when it ends
         session = session or self.new_session()
-        drafter = drafter or self.make_drafter(speculate)
+        drafter = self.make_drafter(speculate) if drafter is None else self._checked(drafter, speculate)
         overlap = Overlap() if self.overlaps(drafter) else None
         try:
             result = generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk,

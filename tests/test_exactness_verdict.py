@@ -121,6 +121,24 @@ def test_a_device_that_rounds_differently_decodes_plainly_and_says_why(elsewhere
     assert spec.stats.target_passes == 0 or spec.stats.accepted_drafts == 0
 
 
+def test_a_callers_own_drafter_is_held_to_the_same_rules(bundle_factory, elsewhere, monkeypatch):
+    """A drafter passed in (a conversation's, which keeps its draft cache) neither overrides speculate=False
+    nor speculates where the device is not exact."""
+    pipeline = Pipeline(bundle_factory())
+    config = GenerationConfig(max_new_tokens=6)
+    with pytest.raises(ValueError, match="speculate=False"):
+        pipeline.generate("a b c", config=config, speculate=False, drafter=pipeline.make_drafter(True))
+    assert pipeline.generate("a b c", config=config, speculate=False, drafter=NoDrafter()).token_ids
+    monkeypatch.setattr(exactness_module, "check_exact_rows", lambda runner: (48, ["row 3"]))
+    inexact = Pipeline(elsewhere)
+    drafter, proposed = Pipeline(bundle_factory()).make_drafter(True), []
+    propose = drafter.propose
+    drafter.propose = lambda *args, **kwargs: proposed.append(1) or propose(*args, **kwargs)
+    with pytest.warns(RuntimeWarning, match="speculation is off"):
+        spec = inexact.generate("a b c a b c", config=config, drafter=drafter)
+    assert spec.token_ids and not proposed
+
+
 def test_a_cache_that_cannot_be_written_costs_a_check_not_the_generation(elsewhere, monkeypatch):
     monkeypatch.setenv("EDGESPEC_CACHE", "/proc/edgespec-cannot-write-here")
     pipeline = Pipeline(elsewhere)
