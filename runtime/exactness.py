@@ -190,10 +190,13 @@ def fewest_exact_rows(runner, check=None) -> tuple[int, int, list[RowMismatch]]:
     graph_rows = runner.graph_min_rows
     if graph_rows > 1 and runner.static is None:  # a static graph always runs all its rows
         runner.min_rows = 1
-        compared, differ = check(runner)
+        try:
+            compared, differ = check(runner)
+        finally:  # one row stays only if proven: a check that fails midway leaves the graph's own minimum
+            runner.min_rows = graph_rows
         if not differ:
+            runner.min_rows = 1
             return 1, compared, differ
-    runner.min_rows = graph_rows
     compared, differ = check(runner)
     return graph_rows, compared, differ
 

@@ -68,6 +68,16 @@ def test_a_one_token_step_runs_one_row_only_where_the_check_proves_it(differ_at,
     assert bool(differ) == (2 in differ_at)
 
 
+def test_a_check_that_fails_midway_leaves_the_padding_row():
+    def check(runner):
+        raise MemoryError("the check ran out of memory")
+
+    runner = _stub_runner(2)
+    with pytest.raises(MemoryError):
+        exactness_module.fewest_exact_rows(runner, check)
+    assert runner.min_rows == 2  # one row was never proven
+
+
 def test_a_graph_exact_at_one_row_is_checked_at_one_row_only():
     calls = []
     runner = _stub_runner(1)  # integer matmuls: one row on any device (quant/integer.py)
