@@ -145,12 +145,15 @@ def verdict_here(recorded: dict | None, target_checksum: str, runner, cache_root
     release and CPU), else one cached by an earlier load here, else the check runs now (seconds) and its
     verdict is cached for the next load."""
     here = machine_key()
+    # the export checked the single graph on packed weights; stages read unpacked round otherwise (runtime/staged.py)
+    packed = runner.kernels == "packed"
     # a device whose CPU features cannot be read cannot tell itself from another of its kind: check it
-    if recorded and features_known() and recorded.get("machine") == here and isinstance(recorded.get("exact"), bool) \
-            and _valid_rows(recorded.get("min_rows")):
+    if packed and recorded and features_known() and recorded.get("machine") == here \
+            and isinstance(recorded.get("exact"), bool) and _valid_rows(recorded.get("min_rows")):
         return Verdict(recorded["exact"], f"checked at export, {describe()}", recorded["min_rows"])
     # "rows": verdicts from before the one-row trial (they name no min_rows) are checked again
-    place = Path(cache_root) / "exactness" / f"{target_checksum[:32]}-{here}-rows.json"
+    kernels = "" if packed else f"-{runner.kernels}"
+    place = Path(cache_root) / "exactness" / f"{target_checksum[:32]}-{here}{kernels}-rows.json"
     cached = _cached_verdict(place)
     if cached is not None:
         return cached

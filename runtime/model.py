@@ -116,6 +116,8 @@ class ModelRunner:
         self.min_rows = self.graph_min_rows  # what a one-token step runs: set by the device's check
         self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
 
+    kernels = "packed"  # onnxruntime prepacks the graph's weights: the kernels its exactness verdict was measured on
+
     def new_cache(self, capacity: int, feature_size: int = 0) -> KVCache:
         """A cache this graph can run on: `capacity` tokens, or a static graph's own context."""
         if self.static is None:

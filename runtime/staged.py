@@ -162,6 +162,12 @@ class StagedRunner:
     static = None  # stages are written with dynamic shapes only
     pass_limit = None
 
+    @property
+    def kernels(self) -> str:
+        """"packed" where every stage runs the single graph's kernels, else "unpacked": mapped stages round
+        unlike them (a one-row step among them too), so the single graph's exactness verdict is not theirs."""
+        return "unpacked" if any(isinstance(stage, MappedStage) for stage in self.window.stages) else "packed"
+
     def new_cache(self, capacity: int, feature_size: int = 0) -> KVCache:
         return KVCache(self.facts, capacity, feature_size, lanes=self.lanes)
 

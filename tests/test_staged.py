@@ -9,6 +9,7 @@ from edgespec.runtime import prepacked
 from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.exactness import check_exact_rows
 from edgespec.runtime.errors import BudgetError
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import pass_feed, run_bound
@@ -128,6 +129,9 @@ def test_without_packed_mapping_streamed_stages_read_unpacked_weights(staged_bun
     streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle), prepared_dir=prepared)
     assert all(isinstance(s, MappedStage) for s in streamed.target.window.stages)
     _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=False)), _first_pass(streamed.target))
+    # the export's verdict was the packed single graph's: these stages get one of their own, which holds for them
+    assert streamed.exactness.reason.startswith("checked on first load")
+    assert check_exact_rows(streamed.target)[1] == []
     _assert_speculation_exact(streamed)
     roomy = Pipeline(staged_bundle, threads=1, memory_budget=_roomy_budget(staged_bundle), prepared_dir=prepared)
     kinds = {i: type(s) for i, s in enumerate(roomy.target.window.stages)}
