@@ -62,13 +62,16 @@ def accept_sampled(tokens: np.ndarray, children: tuple[tuple[int, ...], ...], p_
         p = p_target[node].astype(np.float64, copy=True)
         q = None if q_draft is None else q_draft[node].astype(np.float64, copy=True)
         accepted = None
-        rejected: set[int] = set()
+        rejected: dict[int, bool] = {}  # token -> whether it was drawn from q
         for child in children[node]:
             t = int(tokens[child])
-            if t in rejected:  # a repeated sibling (the draft's support was smaller than the fan-out)
-                continue
-            rejected.add(t)
             from_q = q is not None and (drawn is None or bool(drawn[child]))
+            if t in rejected:  # a repeated sibling (the draft's support was smaller than the fan-out)
+                if from_q and not rejected[t]:  # skipping it would leave q's draw uncorrected
+                    raise ValueError("a drawn proposal follows a point mass with the same token: "
+                                     "point masses go after a node's drawn children (lookup.graft_chain)")
+                continue
+            rejected[t] = from_q
             q_t = q[t] if from_q else 1.0
             if q_t > 0 and rng.random() < min(1.0, p[t] / q_t):
                 accepted = child

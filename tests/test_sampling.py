@@ -209,6 +209,17 @@ def test_the_statistical_test_detects_point_masses_taken_as_drawn():
     assert fit_pvalue(samples, 3) < 1e-6
 
 
+def test_a_drawn_proposal_after_a_point_mass_of_its_token_is_refused():
+    """Skipped as a repeat, its draw from q would go uncorrected: the tree builders put point masses last."""
+    tokens, children = np.array([0, 1, 1]), ((1, 2), (), ())
+    p, q = np.full((3, 4), 0.25), np.full((3, 4), 0.25)
+    with pytest.raises(ValueError, match="point mass"):
+        for seed in range(50):  # until the point mass is rejected and its drawn twin comes up
+            accept_sampled(tokens, children, p, q, np.random.default_rng(seed), drawn=np.array([False, False, True]))
+    path, _ = accept_sampled(tokens, children, p, q, np.random.default_rng(0), drawn=np.array([False, True, False]))
+    assert path[0] == 0  # drawn first, point mass after: fine
+
+
 def test_residual_is_the_normalized_positive_part():
     p, q = np.array([0.5, 0.3, 0.2, 0.0]), np.array([0.2, 0.5, 0.3, 0.0])
     assert np.allclose(_residual(p, q, 1), [1.0, 0, 0, 0])
