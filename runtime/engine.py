@@ -18,7 +18,7 @@ import numpy as np
 
 from .accept import accept_greedy, accept_sampled
 from .drafters import Drafter
-from .errors import ContextOverflowError, InputError
+from .errors import BundleError, ContextOverflowError, InputError
 from .kvcache import KVCache
 from .model import ModelRunner, commit, prefill
 from .sampling import Sampler, SamplingConfig, sample
@@ -95,7 +95,7 @@ class Result:
     token_ids: list[int]
     text: str
     stats: Stats
-    stop_reason: str  # "eos", "stop_string", "max_new_tokens", "cancelled"
+    stop_reason: str  # "eos", "stop_string", "max_new_tokens", "cancelled"; "context_full" on an error's partial
 
 
 @dataclass
@@ -247,7 +247,7 @@ def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids:
             f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "
             f"shorten the prompt or export with a larger --context")
     if config.kv_policy == "sliding" and target.facts.rope_frequencies is None:
-        raise ContextOverflowError("this bundle's manifest has no rope frequencies, which the sliding KV policy "
+        raise BundleError("this bundle's manifest has no rope frequencies, which the sliding KV policy "
                                    "needs: export it again with this edgespec")
     stats = Stats(prompt_tokens=len(context_ids))
     started = time.perf_counter()

@@ -65,3 +65,17 @@ def test_the_sinks_stay_and_the_cache_never_grows(bundle_factory):
     # the next turn cannot reuse a slid cache: it starts again, and still decodes
     again = pipeline.generate(prompt="The quick brown fox", config=SLIDING, session=session, speculate=False)
     assert again.token_ids == result.token_ids
+
+
+def test_a_bundle_without_rope_frequencies_cannot_slide(bundle_factory):
+    """An older manifest: a bundle error that says to re-export, not a context overflow."""
+    import dataclasses
+
+    from edgespec.runtime.errors import BundleError
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(bundle_factory(), threads=1)
+    pipeline.target.facts = dataclasses.replace(pipeline.target.facts, rope_frequencies=None)
+    with pytest.raises(BundleError, match="export it again"):
+        pipeline.generate(prompt="The quick brown fox", config=SLIDING)
+    assert pipeline.generate(prompt="The quick brown fox", config=GenerationConfig(max_new_tokens=4)).token_ids
