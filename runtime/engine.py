@@ -154,9 +154,10 @@ class TextSink:
 
     def push(self, token: int) -> bool:
         """Adds a token; returns True when a stop string has appeared."""
+        searched = len(self.text)  # no stop string lies wholly before this: only one ending after it is new
         self.text += self.stream.push(token)
         self.token_ends.append(len(self.text))
-        hits = [self.text.find(s) for s in self.stops if s in self.text]
+        hits = [i for i in (self.text.find(s, max(0, searched - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             self.stopped_at = min(hits)
             self._show(self.stopped_at)
