@@ -239,27 +239,28 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
 def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids: list[int], config: GenerationConfig,
            prefill_chunk: int, sampler: Sampler | None) -> Stats:
     """Checks the prompt, keeps what the session already holds of it, prefills the rest and commits the
-    first new token."""
-    cache = session.cache
+    first new token. Under the sliding policy the conversation is one stream: a prompt longer than the
+    cache slides as it is read, and a follow-up turn continues a slid cache."""
+    cache, sliding = session.cache, config.kv_policy == "sliding"
     if not context_ids:
         raise InputError("the prompt is empty")
-    if len(context_ids) > cache.capacity:
+    if len(context_ids) > cache.capacity and not sliding:
         raise ContextOverflowError(
             f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "
-            f"shorten the prompt or export with a larger --context")
-    if config.kv_policy == "sliding" and target.facts.rope_frequencies is None:
+            f"shorten the prompt, export with a larger --context or use --kv-policy sliding")
+    if sliding and target.facts.rope_frequencies is None:
         raise BundleError("this bundle's manifest has no rope frequencies, which the sliding KV policy "
-                                   "needs: export it again with this edgespec")
+                          "needs: export it again with this edgespec")
     stats = Stats(prompt_tokens=len(context_ids))
     started = time.perf_counter()
-    # a slid cache no longer holds a prefix of the conversation: nothing of it can be reused
-    reusable = session.window if session.window == session.committed else []
-    keep = min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
+    keep = _reuse(session, context_ids, sliding, config.attention_sinks)
     cache.trim(keep)
     drafter.rewind(keep)
     stats.cached_tokens = keep
-    session.begin(context_ids)
-    logits = prefill(target, cache, context_ids[keep:], prefill_chunk)
+    if sliding:
+        logits = _prefill_sliding(target, session, drafter, prefill_chunk, config.attention_sinks)
+    else:
+        logits = prefill(target, cache, context_ids[keep:], prefill_chunk)
     first = int(np.argmax(logits)) if sampler is None else \
         sample(sampler.distributions(logits[None], session.committed, [[]])[0], sampler.rng)
     session.committed.append(first)
@@ -267,6 +268,37 @@ def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids:
     drafter.observe(session.committed[-1:])
     stats.prefill_s = stats.first_token_s = time.perf_counter() - started
     return stats
+
+
+def _reuse(session: Session, context_ids: list[int], sliding: bool, sinks: int) -> int:
+    """Makes `context_ids` the session's conversation; returns how many of the cache's rows stay valid."""
+    prior, window, cache = session.committed, session.window, session.cache
+    shift, same = len(prior) - len(window), _common_prefix(prior, context_ids)  # shift: tokens slid out
+    if sliding and shift > 0 and sinks <= min(same - shift, cache.length) and same < len(context_ids) \
+            and window[:sinks] == prior[:sinks] and window[sinks:] == prior[sinks + shift:]:
+        # a slid conversation goes on from where it agrees with the cache's rows: past the sinks, window
+        # index i holds conversation token i + shift (checked: the turns before slid with these sinks)
+        keep = min(same - shift, cache.length)
+        session.window = window[:keep] + context_ids[keep + shift:]
+        session.committed = list(context_ids)
+        return keep
+    # otherwise a slid cache holds no prefix of the conversation: nothing of it can be reused
+    reusable = window if window == prior else []
+    session.begin(context_ids)
+    return min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
+
+
+def _prefill_sliding(target: ModelRunner, session: Session, drafter: Drafter, chunk: int, sinks: int) -> np.ndarray:
+    """Feeds the window's tokens the cache does not hold, in chunks cut to its room, sliding it (as
+    generation does) when it is full; returns the last token's logits."""
+    cache, window = session.cache, session.window
+    logits = None
+    while cache.length < len(window):
+        if cache.room() < 1:
+            slide(session, drafter, sinks, target.facts.rope_frequencies)  # drops rows, and their tokens from window
+        n = min(chunk, len(window) - cache.length, cache.room())
+        logits = prefill(target, cache, window[cache.length : cache.length + n], chunk)
+    return logits
 
 
 def _forget_unseen(session: Session, seen: int) -> None:

@@ -62,7 +62,7 @@ def test_the_sinks_stay_and_the_cache_never_grows(bundle_factory):
     assert session.window[:4] == prompt_ids[:4]
     assert session.committed == prompt_ids + result.token_ids
     assert len(session.window) < len(session.committed)
-    # the next turn cannot reuse a slid cache: it starts again, and still decodes
+    # the same prompt again continues nothing of the slid conversation: it starts again, and still decodes
     again = pipeline.generate(prompt="The quick brown fox", config=SLIDING, session=session, speculate=False)
     assert again.token_ids == result.token_ids
 
@@ -79,3 +79,38 @@ def test_a_bundle_without_rope_frequencies_cannot_slide(bundle_factory):
     with pytest.raises(BundleError, match="export it again"):
         pipeline.generate(prompt="The quick brown fox", config=SLIDING)
     assert pipeline.generate(prompt="The quick brown fox", config=GenerationConfig(max_new_tokens=4)).token_ids
+
+
+def test_a_prompt_longer_than_the_cache_slides_as_it_is_read(bundle_factory):
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="chain:3", context=64), threads=1)
+    prompt = "the quick brown fox jumps over the lazy dog " * 12
+    ids = pipeline.encode(prompt)
+    assert len(ids) > 64
+    config = GenerationConfig(max_new_tokens=20, stop_at_eos=False, kv_policy="sliding")
+    session = pipeline.new_session()
+    plain = pipeline.generate(prompt, config=config, speculate=False, session=session)
+    spec = pipeline.generate(prompt, config=config)
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 20
+    assert session.window[:4] == ids[:4] and session.cache.length == len(session.window) - 1 <= 64
+    assert session.committed == ids + plain.token_ids
+
+
+def test_a_conversation_goes_on_past_the_cache_turn_after_turn(bundle_factory):
+    """Each follow-up continues the slid cache (its rows are reused, not recomputed), and speculative
+    decoding keeps plain decoding's tokens turn after turn."""
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="chain:3", context=64), threads=1)
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False, kv_policy="sliding")
+    sessions = {speculate: pipeline.new_session() for speculate in (False, True)}
+    text, slid_and_reused = "Once upon a time", 0
+    for turn in range(5):
+        plain = pipeline.generate(text, config=config, speculate=False, session=sessions[False])
+        spec = pipeline.generate(text, config=config, speculate=True, session=sessions[True])
+        assert spec.token_ids == plain.token_ids, turn
+        slid = len(sessions[False].window) < len(sessions[False].committed)
+        slid_and_reused += slid and plain.stats.cached_tokens > 0
+        text += plain.text + " and then"
+    assert len(sessions[False].committed) > 2 * 64 and slid_and_reused >= 2
