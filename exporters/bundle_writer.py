@@ -225,7 +225,12 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
                 out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                if old is not None and not out.exists():
+                    old.rename(out)  # the bundle that was there stays where it was
+                raise
             if old is not None:
                 shutil.rmtree(old)
     except BaseException:

@@ -13,7 +13,7 @@ import onnxruntime
 from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.budget import MAX_LANES, lanes_for
-from edgespec.runtime.bundle import ProfileGraphs
+from edgespec.runtime.bundle import MAX_PREFILL_CHUNK, ProfileGraphs
 from edgespec.runtime.coreml_package import compute_units_for
 from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
@@ -184,8 +184,8 @@ def plan_export(config: ExportConfig) -> ExportPlan:
     lanes = config.lanes if config.lanes is not None else graph_lanes(topology, dynamic, config.lookup > 0)
     if not 1 <= lanes <= MAX_LANES:
         raise ExportError(f"--lanes must be between 1 and {MAX_LANES} (got {lanes})")
-    if config.prefill_chunk < 2:
-        raise ExportError("the prefill chunk must be at least 2 tokens")
+    if not 2 <= config.prefill_chunk <= MAX_PREFILL_CHUNK:
+        raise ExportError(f"the prefill chunk must be 2 to {MAX_PREFILL_CHUNK} tokens (got {config.prefill_chunk})")
     training_free = DrafterKind.training_free(config.draft)
     if dynamic is not None and training_free is not None:
         raise ExportError("a dynamic tree grows by a draft model's confidence: give --draft a model")

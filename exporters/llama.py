@@ -131,6 +131,7 @@ class LlamaBuilder:
         self.facts = replace(self.facts, rope_frequencies=tuple(
             float(a) for a in np.arctan2(sin[1, :half].astype(np.float64), cos[1, :half].astype(np.float64))))
         self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+        self._refuse_what_the_graph_omits(cfg)
         self.head_tokens = head_tokens
         self.features_out = features_out
         self.feature_fc = feature_fc
@@ -141,6 +142,19 @@ class LlamaBuilder:
         if head_tokens is not None and (len(head_tokens) < 2 or len(np.unique(head_tokens)) != len(head_tokens)
                                         or head_tokens.min() < 0 or head_tokens.max() >= cfg.vocab_size):
             raise ExportError(f"head tokens must be at least 2 distinct ids below the vocabulary size {cfg.vocab_size}")
+
+    def _refuse_what_the_graph_omits(self, cfg) -> None:
+        """A config the graph would silently get wrong (an activation it does not compute, a bias it does
+        not add) is refused here, not exported into wrong logits."""
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ExportError(f"the model's MLP uses {act!r}; edgespec's {self.architecture} graph computes SiLU only")
+        read = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
+        unread = sorted({k.split("layers.")[-1].split(".", 1)[-1] for k in self.state
+                         if k.endswith(".bias") and not k.endswith(read)})
+        if unread:
+            raise ExportError(f"the model has biases edgespec's {self.architecture} graph does not add "
+                              f"({', '.join(unread)}): attention_bias / mlp_bias models are not supported")
 
     @property
     def pads_slots(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from .tree import Topology
 
 SCHEMA_VERSION = 3  # 3: GroupQueryAttention over per-layer KV buffers bound as past and present (lanes)
 MANIFEST = "manifest.json"
+MAX_PREFILL_CHUNK = 1 << 16  # tokens per prefill pass a manifest may ask for
 
 
 @dataclass(frozen=True)
@@ -287,14 +289,15 @@ def _other_profiles(data) -> tuple[ProfileGraphs, ...]:
 
 def _files(files) -> dict[str, str]:
     if not isinstance(files, dict) or not all(
-            isinstance(name, str) and isinstance(digest, str) and len(digest) == 64 for name, digest in files.items()):
-        raise ValueError("files must map each file name to its sha256 (64 hex digits)")
+            isinstance(name, str) and isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)
+            for name, digest in files.items()):
+        raise ValueError("files must map each file name to its sha256 (64 lowercase hex digits)")
     return dict(files)
 
 
 def _prefill_chunk(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 1 << 16:
-        raise ValueError(f"steps.prefill_chunk = {value!r}: expected an integer from 2 up")
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_PREFILL_CHUNK:
+        raise ValueError(f"steps.prefill_chunk = {value!r}: expected an integer from 2 to {MAX_PREFILL_CHUNK}")
     return value
 
 
@@ -394,8 +397,10 @@ def verify_files(folder: Path, manifest: Manifest) -> None:
 def write_manifest(folder: Path, manifest: Manifest) -> None:
     """Writes the manifest into `folder`, atomically: a reader sees the old one or the new one."""
     path = Path(folder) / MANIFEST
+    data = manifest.to_dict()
+    Manifest.from_dict(data)  # what the reader would refuse is never written
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(manifest.to_dict(), indent=2), encoding="utf-8")
+    partial.write_text(json.dumps(data, indent=2), encoding="utf-8")
     partial.replace(path)
 
 

@@ -73,6 +73,28 @@ def test_unknown_schema_version_is_named(bundle_factory, tmp_path):
         open_bundle(bundle)
 
 
+@pytest.mark.parametrize("field,message", [({"attention_bias": True}, "biases .*o_proj.bias"),
+                                           ({"mlp_bias": True}, "biases .*down_proj.bias"),
+                                           ({"hidden_act": "gelu"}, "uses 'gelu'.*SiLU only")])
+def test_a_config_the_graph_would_get_wrong_is_refused(field, message, tmp_path):
+    """Exported as plain Llama, these would give other logits than the model's, without a word."""
+    from tiny import make_model
+
+    make_model(tmp_path / "m", **field)
+    with pytest.raises(ExportError, match=message):
+        export(ExportConfig(model=str(tmp_path / "m"), draft="ngram", out=tmp_path / "b", context=128,
+                            cache_dir=tmp_path))
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("chunk", [1, (1 << 16) + 1])
+def test_a_prefill_chunk_the_reader_would_refuse_is_refused_at_export(chunk, models, tmp_path):
+    with pytest.raises(ExportError, match="prefill chunk must be 2 to 65536"):
+        export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", context=128,
+                            cache_dir=tmp_path, prefill_chunk=chunk))
+    assert not (tmp_path / "b").exists()
+
+
 def test_unsupported_architecture_writes_nothing(tmp_path):
     import transformers
 
@@ -232,7 +254,29 @@ def test_force_replaces_only_a_bundle_as_it_was_written(models, tmp_path, damage
         (out / "tokenizer.json").write_text("{}")
     with pytest.raises(ExportError, match="does not list|differ from the bundle's checksums"):
         exported(models, out, force=True)
-    assert (out / ("notes.txt" if damage == "extra file" else "tokenizer.json")).read_text() in ("mine", "{}")
+    assert (out / ("notes.txt" if damage == "extra file" else "tokenizer.json")).read_text() == \
+        ("mine" if damage == "extra file" else "{}")
+    assert (out / "manifest.json").exists() and not list(tmp_path.glob(".b.*"))
+
+
+def test_a_replacement_that_fails_at_the_last_step_keeps_the_old_bundle(models, tmp_path, monkeypatch):
+    import pathlib
+
+    out = exported(models, tmp_path / "b")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rename = pathlib.Path.rename
+
+    def failing(path, target):
+        if path.name.startswith(".b.") and not path.name.endswith(".replaced"):  # the new bundle moving in
+            raise OSError("no space left on device")
+        return rename(path, target)
+
+    monkeypatch.setattr(pathlib.Path, "rename", failing)
+    with pytest.raises(OSError, match="no space"):
+        exported(models, out, force=True)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".b")) == []
 
 
 def test_sigterm_during_an_export_leaves_nothing_behind(models, tmp_path):

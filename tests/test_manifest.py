@@ -80,6 +80,8 @@ def test_an_older_schema_is_refused_with_what_to_do(various, tmp_path):
     (("target", "graph", "outputs", "logits", "shape"), [], "logits"),
     (("tokenizer", "file"), 7, "tokenizer"),
     (("files", "tokenizer.json"), None, "sha256"),
+    (("files", "tokenizer.json"), "g" * 64, "hex digits"),
+    (("steps", "prefill_chunk"), (1 << 16) + 1, "from 2 to 65536"),
     (("draft",), {"kind": "oracle"}, "unknown drafter"),
     (("tokenizer",), [], "malformed"),
     (("profile",), {"name": "cpu"}, "malformed"),

@@ -33,9 +33,9 @@ def make_tokenizer(folder: Path):
 
 
 def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
-               tie: bool = True):
+               tie: bool = True, **config_extra):
     """A random decoder of the given architecture with make_tokenizer's vocabulary, saved to `folder`.
-    Heads are 16 wide, the narrowest onnxruntime's fused attention takes."""
+    Heads are 16 wide, the narrowest onnxruntime's fused attention takes. `config_extra`: more config fields."""
     import torch
     import transformers
 
@@ -52,7 +52,7 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 2
     }[arch]
     extra = {"sliding_window": 512} if arch == "mistral" else {}
     torch.manual_seed(seed)
-    model = cls(config(**common, **extra)).eval()
+    model = cls(config(**common, **extra, **config_extra)).eval()
     with torch.no_grad():  # random weights large enough that outputs vary and argmax ties never occur
         for param in model.parameters():
             param.normal_(0, 0.3) if param.dim() > 1 else None
