@@ -46,7 +46,8 @@ def _sampling_args(p):
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="CTRL-style penalty on tokens already in the context (sampling: needs --temperature > 0)")
     p.add_argument("--seed", type=int, default=None, help="the same seed reproduces the same output")
 
 
@@ -88,7 +89,7 @@ def _add_export(sub) -> None:
     p.add_argument("--accuracy-level", type=int, default=4,
                    help="MatMulNBits activations: 4 = int8 (fast), 1 = fp32")
     p.add_argument("--quant-policy", default=None,
-                   help='JSON {"tensors": {"embed_tokens": "int8", "layers.0.*": "fp32"}} for the target')
+                   help='JSON {"tensors": {"lm_head": "int8", "layers.0.*": "fp32"}} for the target')
     p.add_argument("--stages", type=int, default=0,
                    help="also write the target as stages with this many groups of layers, so that a memory budget "
                         "smaller than its weights streams them (0: single graph only)")

@@ -90,6 +90,9 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
     applied = {name: policy.scheme_for(name).name for name in users}
     for name, nodes in users.items():
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
+            if dict(policy.overrides).get(name) == "int8":  # asked for by name, not by a default or a glob
+                raise ValueError(f"the quantization policy asks for {name}: int8, but onnxruntime's "
+                                 "GatherBlockQuantized stores 4-bit tables only: use int4, fp16 or fp32")
             applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
     _store_half(model, [n for n, s in applied.items() if s == "fp16"])
     if policy.default.integer_matmul:

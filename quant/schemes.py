@@ -72,7 +72,7 @@ class QuantPolicy:
 
     @classmethod
     def load(cls, path: Path | None, default: QuantScheme) -> "QuantPolicy":
-        """A policy file: {"tensors": {"embed_tokens": "int8", "layers.0.*": "fp32", ...}}."""
+        """A policy file: {"tensors": {"lm_head": "int8", "layers.0.*": "fp32", ...}}."""
         if path is None:
             return cls(default=default)
         try:

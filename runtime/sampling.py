@@ -48,6 +48,8 @@ class SamplingConfig:
             raise InputError(f"min_p must be in [0, 1) (got {self.min_p})")
         if self.repetition_penalty <= 0:
             raise InputError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if self.greedy and self.repetition_penalty != 1.0:  # it would be ignored: greedy takes the raw argmax
+            raise InputError("repetition_penalty applies when sampling: give a temperature above 0 with it")
 
     @property
     def greedy(self) -> bool:

@@ -123,6 +123,7 @@ def test_policy_keeps_named_tensors_at_higher_precision(quantized, tmp_path):
     ('{"tensors": {"layer.0.*": "int8"}}', "names no weight of this model: layer.0"),
     ('{"tensors": {"lm_head": "int3"}}', "asks for 'int3'"),
     ('{"layers": {}}', "a policy holds"),
+    ('{"tensors": {"embed_tokens": "int8"}}', "4-bit tables only"),  # was stored fp32 without a word
 ])
 def test_bad_policy_files(content, message, models, tmp_path):
     policy = tmp_path / "policy.json"
@@ -181,7 +182,7 @@ def test_the_head_gets_the_scheme_the_manifest_says(model, quant, policy, head, 
     head_inputs = {name for node in graph.node if node.op_type in ("MatMul", "Gemm", "MatMulNBits") for name in node.input}
     stored = {t.name: t.data_type for t in graph.initializer}
     if head == "fp16":
-        assert stored.get("lm_head.fp16") == onnx.TensorProto.FLOAT16 or stored.get("embed_tokens.fp16")
+        assert stored.get("lm_head.fp16") == onnx.TensorProto.FLOAT16 and "lm_head" in head_inputs  # via its Cast
     elif head == "fp32":
         assert stored.get("lm_head") == onnx.TensorProto.FLOAT and "lm_head" in head_inputs
     else:

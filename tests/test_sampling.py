@@ -44,7 +44,8 @@ def test_repetition_penalty_lowers_seen_tokens():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
                                  dict(min_p=1.0), dict(repetition_penalty=0), dict(temperature=float("nan")),
-                                 dict(repetition_penalty=float("inf")), dict(temperature=1e-320), dict(seed=-1)])
+                                 dict(repetition_penalty=float("inf")), dict(temperature=1e-320), dict(seed=-1),
+                                 dict(repetition_penalty=1.2)])  # greedy would ignore it
 def test_bad_sampling_settings(bad):
     with pytest.raises(ValueError):
         SamplingConfig(**bad)
