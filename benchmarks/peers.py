@@ -160,7 +160,7 @@ def peak_rss_mb() -> float:
     if status.is_file():
         line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
         return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
 def measure(kind: str, folder: Path, prompts: Path, args) -> dict:

@@ -11,6 +11,9 @@ from edgespec.runtime.engine import GenerationConfig, Stats
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.sampling import SamplingConfig
 
+# getrusage's ru_maxrss is in kilobytes on Linux, in bytes on macOS
+RU_MAXRSS_PER_MB = 1024 * 1024 if sys.platform == "darwin" else 1024
+
 
 def load_prompts(path: Path | None) -> list[dict]:
     try:
@@ -99,7 +102,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         lookup_quote=pipeline.lookup.quote_tokens if pipeline.lookup else 0,
         ngram=pipeline.manifest.ngram.to_dict() if pipeline.manifest.ngram else None,
         step_rows=pipeline.target.min_rows,  # 1, or 2 where this device's one-row kernels round differently
-        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RU_MAXRSS_PER_MB, 1),
     )
     return report
 

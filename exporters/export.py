@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from edgespec.runtime.exactness import fewest_exact_rows
 from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.model import ModelRunner
+from edgespec.runtime.paths import cache_dir as default_cache_dir
 from edgespec.runtime.pipeline import default_threads
 from edgespec.runtime.sessions import make_session
 from edgespec.runtime.tree import Topology, parse_tree_spec
@@ -40,7 +41,7 @@ from .bundle_writer import (
     write_tokenizer,
 )
 from .coreml import CoreMLOptions
-from .quality import write_quality_report
+from .quality import Written, write_quality_report
 from .sources import resolve_source
 
 
@@ -69,7 +70,7 @@ class ExportConfig:
     lookup: int = 0  # > 0: a prompt-lookup chain of up to this many tokens beside the draft model's tree
     lookup_quote: int = 0  # > lookup: the chain may run this long where the context's last 4 tokens occurred before
     lanes: int | None = None  # root-to-leaf paths the target graph verifies at once; None: the tree's (`graph_lanes`)
-    cache_dir: Path = Path.home() / ".cache" / "edgespec"
+    cache_dir: Path = field(default_factory=default_cache_dir)  # EDGESPEC_CACHE when set, read when the config is made
     formats: tuple[str, ...] = ("onnx",)  # + "coreml": CoreML packages beside the ONNX graphs
     coreml_kv: tuple[str, ...] = ("state", "io")
     coreml_compress: str = "int8"
@@ -312,7 +313,11 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     quality = None
     if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
         say("measuring quality against the fp32 export (perplexity, greedy agreement)")
-        quality = {"file": "quality.json", **write_quality_report(folder, tokenizer_spec, target_builder, draft_builder)}
+        draft_written = None if draft_entry is None else \
+            Written(draft_builder, draft_entry.graph.file, static if plan.main_static[1] else None)
+        quality = {"file": "quality.json", **write_quality_report(
+            folder, tokenizer_spec, Written(target_builder, target_entry.graph.file,
+                                            static if plan.main_static[0] else None), draft_written)}
     coreml = ()
     if plan.coreml is not None:
         coreml = _write_coreml(folder, config, plan, target_builder, draft_builder, say)

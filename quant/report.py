@@ -10,14 +10,14 @@ import numpy as np
 from edgespec.runtime.drafters import NoDrafter
 from edgespec.runtime.engine import Session, speculative_step
 from edgespec.runtime.features import draft_inputs
-from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import ModelRunner, commit, prefill
 
 
 def _passes(runner: ModelRunner, ids: list[int], chunk: int, features: np.ndarray | None = None):
     """Every position of `ids` teacher-forced, chunk by chunk: yields each chunk's Pass (logits [n, V]).
     `features` [len(ids), H]: the input features of a draft that reads them."""
-    cache = KVCache(runner.facts, len(ids) + 1, lanes=runner.lanes)
+    cache = runner.new_cache(len(ids) + 1)  # a static graph's own buffer
+    chunk = min(chunk, runner.pass_limit or chunk)  # and at most its nodes a pass
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
         n = len(part)
@@ -51,7 +51,7 @@ def perplexity_of(logits: np.ndarray, ids: list[int]) -> float:
 
 
 def greedy_continuation(runner: ModelRunner, prompt: list[int], new_tokens: int, chunk: int = 64) -> list[int]:
-    session = Session(cache=KVCache(runner.facts, len(prompt) + new_tokens + 2, lanes=runner.lanes))
+    session = Session(cache=runner.new_cache(len(prompt) + new_tokens + 2))
     logits = prefill(runner, session.cache, prompt, chunk)
     session.begin(list(prompt) + [int(np.argmax(logits))])
     while len(session.committed) < len(prompt) + new_tokens:

@@ -103,6 +103,19 @@ def test_a_static_bundle_fixes_every_dimension(exported):
     assert result.stats.prompt_tokens > nodes  # prefilled in several passes
 
 
+@pytest.mark.parametrize("profile", [NPU_DRAFT, NPU_BOTH])
+def test_a_quantized_static_bundle_measures_its_quality_in_its_own_shapes(profile, models, tmp_path):
+    """The fp32 reference of a static graph is built static too, and both run in passes of the graph's nodes."""
+    out = export(ExportConfig(model=str(models["target"]), draft=str(models["draft"]), out=tmp_path / "b",
+                              tree="chain:3", context=128, profile=profile, quant="int4"))
+    quality = json.loads((out / "quality.json").read_text())
+    assert quality["heldout_tokens"] > 100 and 0 <= quality["draft_agreement"]["quantized"] <= 1
+    static = pipeline(out)
+    assert static.draft.static is not None and (static.target.static is not None) == (profile == NPU_BOTH)
+    assert static.generate(PROMPTS[0], config=CONFIG).token_ids == static.generate(
+        PROMPTS[0], config=CONFIG, speculate=False).token_ids
+
+
 def test_what_a_static_bundle_cannot_do_is_refused(models, tmp_path):
     with pytest.raises(ExportError, match="stages"):
         export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", context=128,
