@@ -70,8 +70,8 @@ def _add_export(sub) -> None:
     p.add_argument("--tree", default=None,
                    help="chain:K, topk:BxD, parents:-1,0,..., auto (measured on this device, as `tune` does) "
                         "or dynamic:N (a draft model grows each step's tree within N nodes). Default: chain:4 "
-                        "for a draft model; chain:11 for an n-gram drafter, cut at depth 5 unless the answer "
-                        "quotes its context (with int4 weights every node costs: chain:5 is faster there)")
+                        "for a draft model; chain:11 for an n-gram drafter, cut unless the context's last tokens "
+                        "occurred before (at depth 5; at depth 1 with int4/int8 weights, where every node costs)")
     p.add_argument("--context", type=int, default=2048, help="maximum context in tokens")
     p.add_argument("--profile", action="append", default=None,
                    help="device profile (targets/; default cpu); repeat it for one bundle that serves several: "

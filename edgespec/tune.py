@@ -28,6 +28,7 @@ from edgespec.bench import load_prompts, prompt_kwargs, run_bench
 from edgespec.runtime.bundle import read_manifest, write_manifest
 from edgespec.runtime.drafters import DrafterKind
 from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.errors import ContextOverflowError
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.model import ModelRunner, prefill
@@ -149,7 +150,7 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
         pipeline.lookup = config
         tree, chain = choose_tree(counter.acceptance, {n: verify[n + k] for n in range(1, max_nodes + 1)},
                                   draft_per_level, {n: leaf.get(n + k, 0.0) for n in range(1, max_nodes + 1)},
-                                  extra_leaves=int(k > 0))
+                                  extra_leaves=int(k > 0), max_paths=pipeline.target.lanes)
         pipeline.tree, pipeline.recycling_table = tree.topology, None
         runs[config] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
     best = max(runs, key=lambda c: runs[c][2]["speedup"])  # against plain decoding in the same run: drift cancels
@@ -246,19 +247,32 @@ def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None) ->
 
 
 AUTO_TREE_START = "chain:4"  # what `--tree auto` exports before tune replaces it
+AUTO_NEW_TOKENS = 64  # the answers it measures
 
 
 def export_tuned(config) -> Path:
     """`edgespec export --tree auto`: exports a short chain, then measures this device and writes the
     tree `tune` chooses before the bundle is moved into place."""
-    from edgespec.exporters.export import (
-        export,  # the export extra is optional for the runtime
+    from edgespec.exporters.export import (  # the export extra is optional for the runtime
+        ExportError,
+        export,
+        plan_export,
     )
+
+    start = replace(config, tree=AUTO_TREE_START)
+    if plan_export(start).static_nodes is not None:  # refused before the export's work, not after it
+        raise ExportError("--tree auto rewrites the tree after measuring it, but static-shape graphs (NPU profiles) "
+                          "fix their node count at export: give --tree")
 
     def finish(folder: Path, say) -> None:
         say("choosing the tree for this device (edgespec tune)")
-        result = tune(folder, None, max_nodes=12, max_new_tokens=64, threads=None, write=True)
+        try:
+            result = tune(folder, None, max_nodes=12, max_new_tokens=AUTO_NEW_TOKENS, threads=None, write=True)
+        except ContextOverflowError as err:
+            raise ExportError(f"--tree auto measures {AUTO_NEW_TOKENS}-token answers to the built-in prompts, "
+                              f"which do not fit --context {config.context}: export with a larger --context "
+                              "or give --tree") from err
         say(f"tree: parents {result['tree']['parents']}, predicted {result['predicted_tokens_per_s']} tokens/s, "
             f"measured {result['measured_tokens_per_s']}")
 
-    return export(replace(config, tree=AUTO_TREE_START), finish=finish)
+    return export(start, finish=finish)

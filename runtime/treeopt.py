@@ -104,10 +104,13 @@ def chain_value(accept, length: int) -> float:
 
 
 def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level: float = 0.0,
-                leaf_seconds: dict[int, float] | None = None, extra_leaves: int = 0) -> tuple[TreeChoice, TreeChoice]:
+                leaf_seconds: dict[int, float] | None = None, extra_leaves: int = 0,
+                max_paths: int | None = None) -> tuple[TreeChoice, TreeChoice]:
     """The best tree over the measured node counts, and the best chain (for comparison).
     pass_seconds[n]: the measured time of one target pass over n chained nodes; leaf_seconds[n]: what
-    each root-to-leaf path beyond the first adds to it; extra_leaves: paths every step adds (a lookup chain)."""
+    each root-to-leaf path beyond the first adds to it; extra_leaves: paths every step adds (a lookup chain);
+    max_paths: the root-to-leaf paths the target graph verifies (its lanes): a tree with more would be cut
+    to its first paths at run time, so only trees that fit are candidates (a chain always is)."""
     def cost(topology: Topology) -> float:
         leaves = topology.leaves - 1 + extra_leaves
         return (pass_seconds[topology.size] + (leaf_seconds or {}).get(topology.size, 0.0) * leaves
@@ -118,6 +121,7 @@ def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level:
     chain = max((TreeChoice(c, chain_value(accept, c.size - 1), cost(c)) for c in chains), key=lambda c: c.tokens_per_s)
     # the program maximizes E[T] per size and depth, not counting leaves: a chain it passed over for a
     # bushier tree of the same size may still be faster once each leaf is paid for
-    tree = max([TreeChoice(t, value, cost(t)) for value, t in trees.values() if t.size in pass_seconds] + [chain],
-               key=lambda c: c.tokens_per_s)
+    paths = max_paths if max_paths is not None else max(pass_seconds) + extra_leaves
+    tree = max([TreeChoice(t, value, cost(t)) for value, t in trees.values()
+                if t.size in pass_seconds and t.leaves + extra_leaves <= paths] + [chain], key=lambda c: c.tokens_per_s)
     return tree, chain

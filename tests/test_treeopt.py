@@ -118,6 +118,20 @@ def test_each_leaf_beyond_the_first_is_charged_so_costly_paths_make_the_choice_a
     assert np.isclose(lookup.step_seconds, 0.010 + 0.002 * lookup.topology.leaves)
 
 
+def test_only_trees_the_graphs_lanes_can_verify_are_chosen():
+    """A tree with more root-to-leaf paths than the target graph's lanes is cut to its first paths at run
+    time: leaves it predicts for never come. With one lane (what --tree auto exports) only chains fit."""
+    accept = np.array([0.6, 0.3, 0.1])
+    flat = {n: 0.010 for n in range(1, 9)}
+    unlimited, _ = choose_tree(accept, flat)
+    assert unlimited.topology.leaves > 2
+    for lanes in (1, 2):
+        tree, _ = choose_tree(accept, flat, max_paths=lanes)
+        assert tree.topology.leaves <= lanes
+    with_lookup, chain = choose_tree(accept, flat, extra_leaves=1, max_paths=1)
+    assert with_lookup.topology == chain.topology  # nothing fits beside the lookup's path but the chain fallback
+
+
 def test_a_chain_the_program_passed_over_is_chosen_when_leaves_make_the_tree_slower():
     """The program ranks trees by E[T] per size, leaves unpaid; the chains are candidates too."""
     accept = np.array([[0.5, 0.4, 0.05]])

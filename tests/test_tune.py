@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from edgespec.cli import main
 from edgespec.runtime.bundle import open_bundle, read_manifest
 from edgespec.runtime.engine import GenerationConfig
@@ -78,6 +80,20 @@ def test_export_with_an_automatic_tree(models, tmp_path):
     tree = open_bundle(out).tree
     assert 1 <= tree.size <= 12
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+
+
+@pytest.mark.parametrize("extra,message", [({"profile": "ai-pc-intel", "draft": "draft"}, "static-shape graphs"),
+                                           ({"context": 64}, "do not fit --context 64")])
+def test_an_automatic_tree_that_cannot_be_tuned_is_refused_with_what_to_do(extra, message, models, tmp_path):
+    from edgespec.exporters.export import ExportConfig, ExportError
+    from edgespec.tune import export_tuned
+
+    settings = {"draft": "ngram", "context": 256, **extra}
+    settings["draft"] = str(models[settings["draft"]]) if settings["draft"] in models else settings["draft"]
+    with pytest.raises(ExportError, match=message):
+        export_tuned(ExportConfig(model=str(models["target"]), out=tmp_path / "auto", tree="auto", cache_dir=tmp_path,
+                                  **settings))
+    assert not (tmp_path / "auto").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_a_dynamic_tree_bundle_is_refused_before_any_work(bundle_factory, capsys):
