@@ -27,30 +27,19 @@ def print_bundle(folder: Path) -> None:
         print(f"  {role}: {entry.source}")
         print(f"    {f.architecture}, {f.num_layers} layers, hidden {f.hidden_size}, heads {f.num_heads}/"
               f"{f.num_kv_heads} kv, head dim {f.head_dim}, vocab {f.vocab_size}, context {f.max_context}")
-        q = entry.graph.quantization
-        detail = "" if "block_size" not in q else \
-            f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']})"
-        kept = sorted({s for s in q.get("tensors", {}).values()} - {q.get("scheme")})
-        print(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, quantization {q.get('scheme')}{detail}"
-              + (f", some tensors {'/'.join(kept)} by policy" if kept else ""))
+        print(_described(f"    graph {entry.graph.file} + {', '.join(entry.graph.weights)}, quantization ",
+                         _quantization, entry.graph.quantization))
         for name, spec in entry.graph.inputs.items():
             if not name.startswith("past_"):
-                print(f"      in  {name:16s} {spec['dtype']:8s} {spec['shape']}")
+                print(_described(f"      in  {name:16s} ", _io, spec))
         layers = sum(1 for n in entry.graph.inputs if n.startswith("past_key_"))
         print(f"      in  past_key/value_0..{layers - 1} (token-major KV cache, valid rows only)")
         for name, spec in entry.graph.outputs.items():
-            print(f"      out {name:16s} {spec['dtype']:8s} {spec['shape']}")
+            print(_described(f"      out {name:16s} ", _io, spec))
     if manifest.draft is None:
         print(f"  drafter: {manifest.drafter.value} (training-free)")
-    quality = manifest.quality
-    if quality:
-        ppl, agree = quality["perplexity"], quality["greedy_agreement"]
-        print(f"  quality vs the fp32 export ({quality['heldout_tokens']} held-out tokens, {agree['tokens']} greedy tokens):")
-        print(f"    perplexity {ppl['fp32']:.3f} -> {ppl['quantized']:.3f} ({ppl['increase_percent']:+.1f}%), "
-              f"greedy top-1 agreement {agree['top1_agreement']:.1%}")
-        if "draft_agreement" in quality:
-            d = quality["draft_agreement"]
-            print(f"    draft agrees with the target: {d['fp32']:.1%} in fp32, {d['quantized']:.1%} quantized")
+    if manifest.quality:
+        print(_described("  quality vs the fp32 export ", _quality, manifest.quality))
     recorded = manifest.exactness
     if recorded:
         where = "this device" if recorded.get("machine") == machine_key() else "another device"
@@ -97,3 +86,34 @@ def check_exact(folder: Path) -> None:
     print(f"  exact rows: {compared} of {compared} tokens have plain decoding's bits in prefill chunks, one-token "
           f"steps and a verified tree, with {where}; a one-token step runs "
           + ("one row" if rows == 1 else f"{rows} rows (one alone would round differently here)"))
+
+
+def _described(head: str, describe, section) -> str:
+    """`head` + `describe(section)`; a section the manifest's reader does not check (it only informs) may be
+    malformed in a hand-edited manifest: that is said, not raised."""
+    try:
+        return head + describe(section)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        return f"{head}malformed in the manifest ({type(err).__name__}: {err})"
+
+
+def _quantization(q: dict) -> str:
+    detail = "" if "block_size" not in q else \
+        f" (block {q['block_size']}, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']})"
+    kept = sorted({s for s in q.get("tensors", {}).values()} - {q.get("scheme")})
+    return f"{q.get('scheme')}{detail}" + (f", some tensors {'/'.join(kept)} by policy" if kept else "")
+
+
+def _io(spec: dict) -> str:
+    return f"{spec['dtype']:8s} {spec['shape']}"
+
+
+def _quality(quality: dict) -> str:
+    ppl, agree = quality["perplexity"], quality["greedy_agreement"]
+    text = (f"({quality['heldout_tokens']} held-out tokens, {agree['tokens']} greedy tokens):\n"
+            f"    perplexity {ppl['fp32']:.3f} -> {ppl['quantized']:.3f} ({ppl['increase_percent']:+.1f}%), "
+            f"greedy top-1 agreement {agree['top1_agreement']:.1%}")
+    if "draft_agreement" in quality:
+        d = quality["draft_agreement"]
+        text += f"\n    draft agrees with the target: {d['fp32']:.1%} in fp32, {d['quantized']:.1%} quantized"
+    return text

@@ -36,6 +36,23 @@ def test_inspect_prints_manifest_and_verifies(bundle_factory, capsys):
     assert "exactness: checked at export on this device" in out and "0 differ" in out
 
 
+def test_inspect_says_what_is_malformed_in_sections_only_it_reads(bundle_factory, tmp_path, capsys):
+    """The quantization and quality sections inform; a hand-edited one is named, not a traceback."""
+    import json
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(bundle_factory(), bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["target"]["graph"]["quantization"] = {"scheme": "int4", "block_size": 32}
+    manifest["quality"] = {"file": "quality.json"}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "quantization malformed in the manifest (KeyError: 'symmetric')" in out
+    assert "quality vs the fp32 export malformed in the manifest" in out
+
+
 def test_inspect_checks_on_this_device_that_rows_keep_their_bits(bundle_factory, monkeypatch, capsys):
     bundle = str(bundle_factory(draft="draft"))
     assert main(["inspect", bundle, "--check-exact"]) == 0
