@@ -8,6 +8,8 @@ import time
 import traceback
 from pathlib import Path
 
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
 from edgespec.bench import load_prompts, print_report, run_bench
 from edgespec.calibrate import CALIBRATION_PROMPTS, auto_placement, calibrate, placeable
 from edgespec.coreml_backend import coreml_predictor, coreml_refusal, preferred_kv
@@ -335,6 +337,10 @@ def cmd_demo(args) -> None:
             messages=[{"role": "user", "content": DEMO_QUESTION}])
 
 
+# what onnxruntime raises (its own classes derive from Exception alone; its Python layer raises RuntimeError)
+ONNXRUNTIME_ERRORS = (RuntimeError, ort_state.Fail, ort_state.InvalidArgument, ort_state.NoSuchFile,
+                      ort_state.RuntimeException, ort_state.InvalidGraph, ort_state.NotImplemented, ort_state.EPFail)
+
 # what each command of the grammar (parser.py) does
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune,
             "inspect": cmd_inspect, "distill": cmd_distill, "plan": cmd_plan, "serve": cmd_serve, "doctor": cmd_doctor,
@@ -349,6 +355,13 @@ def main(argv=None) -> int:
         if args.debug:
             traceback.print_exc()
         print(f"edgespec: error: {err}", file=sys.stderr)
+        return 2
+    except ONNXRUNTIME_ERRORS as err:  # a graph or provider onnxruntime refused: a line, not a traceback
+        if args.debug:
+            traceback.print_exc()
+        print(f"edgespec: onnxruntime failed ({type(err).__name__}): {err}\n"
+              "(run again with --debug for where; if the bundle verifies with `edgespec inspect`, this is a bug: "
+              "please report it)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nedgespec: interrupted", file=sys.stderr)

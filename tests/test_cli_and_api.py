@@ -53,6 +53,19 @@ def test_inspect_says_what_is_malformed_in_sections_only_it_reads(bundle_factory
     assert "quality vs the fp32 export malformed in the manifest" in out
 
 
+def test_an_onnxruntime_failure_is_a_line_not_a_traceback(bundle_factory, monkeypatch, capsys):
+    """What onnxruntime raises mid-run (its classes are not RuntimeErrors) ends the command with a line and 2."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+    def failing(*args, **kwargs):
+        raise Fail("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running MatMulNBits")
+
+    monkeypatch.setattr(Pipeline, "generate", failing)
+    assert main(["generate", str(bundle_factory()), "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "edgespec: onnxruntime failed (Fail)" in err and "MatMulNBits" in err and "Traceback" not in err
+
+
 def test_inspect_checks_on_this_device_that_rows_keep_their_bits(bundle_factory, monkeypatch, capsys):
     bundle = str(bundle_factory(draft="draft"))
     assert main(["inspect", bundle, "--check-exact"]) == 0
