@@ -2,8 +2,9 @@
 results and stream chunks as the objects OpenAI's clients read. Pure functions, no server here.
 
 Every field a request may carry is known: a field edgespec supports is checked by type and range; a
-field it does not support is refused unless it holds the value that means "not used", so nothing a
-client asked for is ignored silently.
+field it does not support is refused unless it holds the value that means "not used" (of that type:
+`n: true` is not `n: 1`), so nothing a client asked for is ignored silently. Labels (`user`, a
+message's `name`) are accepted and do not reach the model.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def _check_fields(body, own: tuple[str, ...]) -> None:
         if inert is None:
             if not isinstance(value, str):
                 raise APIError(f"'{name}' must be a string", name)
-        elif value not in inert and value is not None:
+        elif value is not None and not any(type(value) is type(v) and value == v for v in inert):  # True is not 1
             raise APIError(f"'{name}' = {value!r} is not supported by this server (only {inert[0]!r})", name,
                            "unsupported_parameter")
 
@@ -104,7 +105,7 @@ def _message(message, index: int) -> dict:
     if message["role"] not in ("system", "developer", "user", "assistant"):
         raise APIError(f"{param}.role {message['role']!r} is not supported (system, developer, user, assistant)",
                        f"{param}.role")
-    unknown = set(message) - {"role", "content", "name"}
+    unknown = set(message) - {"role", "content", "name"}  # name: a participant's label, as `user` (not shown)
     if unknown:
         raise APIError(f"{param} has unsupported fields: {', '.join(sorted(unknown))}", param, "unsupported_parameter")
     content = message.get("content")
