@@ -133,6 +133,9 @@ def calibrate(folder: Path, prompts: list[dict], cores: int | None = None, max_n
                                  round(kept / ahead, 3) if ahead else 0.0))
         say(f"  {placement.describe()}: {measured[-1].tokens_per_s:.1f} tokens/s")
         del pipeline
+    if not measured:  # not cached: a later run, with the provider installed, measures again
+        raise InputError(f"no placement of the {manifest.profile.name} profile could start here: its providers "
+                         "are missing (see `edgespec doctor`)")
     result = Calibration(tuple(measured), cores, describe())
     _write(cache_file(folder, cores, profile), result)
     return result

@@ -172,6 +172,17 @@ def test_calibrate_measures_every_placement_caches_the_fastest_and_auto_reads_it
     assert "placement: " in capsys.readouterr().err
 
 
+def test_a_calibration_where_no_placement_starts_is_refused_not_cached(bundle_factory, monkeypatch, tmp_path):
+    from edgespec import calibrate as calibration
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    folder = bundle_factory(draft="target", tree="chain:3")
+    monkeypatch.setattr(calibration, "candidates", lambda profile, cores: [])  # as if no provider started
+    with pytest.raises(InputError, match="no placement .* could start"):
+        calibration.calibrate(folder, [], 2)
+    assert not calibration.cache_file(folder, 2).exists()
+
+
 def test_placement_options_refuse_what_cannot_be_placed(bundle_factory, capsys):
     from edgespec.cli import main
 
