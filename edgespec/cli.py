@@ -24,7 +24,7 @@ from edgespec.runtime.coreml import open_coreml
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ContextOverflowError, EdgespecError, InputError
 from edgespec.runtime.paths import cache_dir
-from edgespec.runtime.pipeline import Pipeline, default_prepared_dir, default_threads, packed_copies
+from edgespec.runtime.pipeline import MAX_THREADS, Pipeline, default_prepared_dir, default_threads, packed_copies
 from edgespec.runtime.placement import Placement, candidates
 from edgespec.runtime.sampling import SamplingConfig
 from edgespec.runtime.tokenizer import TextCodec
@@ -40,6 +40,8 @@ def _stats_line(stats) -> str:
 
 
 def _pipeline(args):
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:  # before a calibration would run
+        raise InputError(f"--threads must be between 1 and {MAX_THREADS} (got {args.threads})")
     folder = resolve_bundle(args.bundle)
     profile = getattr(args, "profile", None)
     return Pipeline(folder, args.threads, getattr(args, "memory_budget", None),
@@ -223,8 +225,6 @@ def cmd_serve(args) -> None:
         from edgespec.serve import ServeConfig, serve
     except ImportError as err:
         raise ValueError(f"edgespec serve needs the serve extra (pip install 'edgespec[serve]'): {err}") from err
-    if args.threads is not None and args.threads < 1:
-        raise ValueError("--threads must be at least 1")
     name = args.model_name or ("default" if args.bundle == "default" else Path(args.bundle).resolve().name)
     config = ServeConfig(model=name, host=args.host, port=args.port, api_key=args.api_key, queue=args.queue)
     serve(_pipeline(args), config)

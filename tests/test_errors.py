@@ -330,6 +330,11 @@ def test_thread_counts_out_of_range_are_refused(bundle_factory, threads, capsys)
         Pipeline(bundle_factory(), threads=threads)
     assert main(["generate", str(bundle_factory()), "--prompt", "x", "--threads", str(threads)]) == 2
     assert "threads must be between 1" in capsys.readouterr().err
+    # refused before --placement auto would calibrate (seconds) with another thread count
+    assert main(["generate", str(bundle_factory(draft="draft")), "--prompt", "x", "--threads", str(threads),
+                 "--placement", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "threads must be between 1" in err and "calibrating" not in err
 
 
 def test_text_that_is_not_utf8_is_a_clear_error(bundle_factory):
