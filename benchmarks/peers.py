@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from edgespec.bench import RU_MAXRSS_PER_MB
 from edgespec.runtime.paths import cache_dir
 
 PEER_NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}  # the mode the fast-engine issue compared against
@@ -160,7 +161,7 @@ def peak_rss_mb() -> float:
     if status.is_file():
         line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
         return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RU_MAXRSS_PER_MB
 
 
 def measure(kind: str, folder: Path, prompts: Path, args) -> dict:

@@ -24,7 +24,13 @@ from edgespec.runtime.coreml import open_coreml
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ContextOverflowError, EdgespecError, InputError
 from edgespec.runtime.paths import cache_dir
-from edgespec.runtime.pipeline import MAX_THREADS, Pipeline, default_prepared_dir, default_threads, packed_copies
+from edgespec.runtime.pipeline import (
+    Pipeline,
+    check_threads,
+    default_prepared_dir,
+    default_threads,
+    packed_copies,
+)
 from edgespec.runtime.placement import Placement, candidates
 from edgespec.runtime.sampling import SamplingConfig
 from edgespec.runtime.tokenizer import TextCodec
@@ -40,8 +46,7 @@ def _stats_line(stats) -> str:
 
 
 def _pipeline(args):
-    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:  # before a calibration would run
-        raise InputError(f"--threads must be between 1 and {MAX_THREADS} (got {args.threads})")
+    check_threads(args.threads)  # before --placement auto would calibrate with another count
     folder = resolve_bundle(args.bundle)
     profile = getattr(args, "profile", None)
     return Pipeline(folder, args.threads, getattr(args, "memory_budget", None),

@@ -90,9 +90,7 @@ class Pipeline:
         self.manifest: Manifest = open_bundle(self.folder, profile)
         self.memory = plan_memory(self.manifest, self.folder,
                                   None if memory_budget is None else parse_size(memory_budget))
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                    or not 1 <= threads <= MAX_THREADS):
-            raise InputError(f"threads must be between 1 and {MAX_THREADS} (got {threads!r})")
+        check_threads(threads)
         self.threads = threads or self.manifest.profile.threads or default_threads()
         profile = self.manifest.profile  # what the bundle was exported for: the providers per role
         self.placement = placement
@@ -255,6 +253,13 @@ class Pipeline:
         (a training-free drafter costs too little to hide)."""
         return bool(self.placement and self.placement.overlap and self.draft is not None
                     and not isinstance(drafter, NoDrafter))
+
+
+def check_threads(threads) -> None:
+    """A thread count a session can take (None: the profile's or the machine's)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= MAX_THREADS):
+        raise InputError(f"threads must be between 1 and {MAX_THREADS} (got {threads!r})")
 
 
 def load(folder, threads: int | None = None, memory_budget: int | str | None = None) -> Pipeline:

@@ -121,7 +121,7 @@ def choose_tree(accept, pass_seconds: dict[int, float], draft_seconds_per_level:
     chain = max((TreeChoice(c, chain_value(accept, c.size - 1), cost(c)) for c in chains), key=lambda c: c.tokens_per_s)
     # the program maximizes E[T] per size and depth, not counting leaves: a chain it passed over for a
     # bushier tree of the same size may still be faster once each leaf is paid for
-    paths = max_paths if max_paths is not None else max(pass_seconds) + extra_leaves
-    tree = max([TreeChoice(t, value, cost(t)) for value, t in trees.values()
-                if t.size in pass_seconds and t.leaves + extra_leaves <= paths] + [chain], key=lambda c: c.tokens_per_s)
+    tree = max([TreeChoice(t, value, cost(t)) for value, t in trees.values() if t.size in pass_seconds
+                and (max_paths is None or t.leaves + extra_leaves <= max_paths)] + [chain],
+               key=lambda c: c.tokens_per_s)
     return tree, chain
