@@ -65,7 +65,8 @@ def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export a target (+ draft) model to a device bundle")
     p.add_argument("model", help="Hugging Face folder, GGUF file, hub id, or 'default'")
     p.add_argument("--draft", required=True,
-                   help="draft model (same forms as MODEL), or a training-free drafter: ngram, recycling, ngram+recycling")
+                   help="draft model (same forms as MODEL), or a training-free drafter: ngram, recycling, ngram+recycling, "
+                        "suffix (suffix drafting alone, as --suffix)")
     p.add_argument("--out", required=True, help="bundle folder to write")
     p.add_argument("--tree", default=None,
                    help="chain:K, topk:BxD, parents:-1,0,..., auto (measured on this device, as `tune` does) "
@@ -99,6 +100,10 @@ def _add_export(sub) -> None:
     p.add_argument("--lanes", type=int, default=None,
                    help="root-to-leaf paths the target graph verifies in one pass (default: the tree's paths, with "
                         "the lookup chain's; every lane's attention runs on every pass, trees with more are cut)")
+    p.add_argument("--suffix", action="store_true",
+                   help="suffix drafting beside the drafter: continuations of the longest earlier occurrence of the "
+                        "context's suffix, in the conversation and in earlier outputs, and each step's tree (down to "
+                        "a plain step) chosen from the measured pass costs and acceptance (replaces --lookup)")
     p.add_argument("--lookup-quote", type=int, default=0,
                    help="with a draft model: draft up to this many lookup tokens (more than --lookup, which may be 0) "
                         "where the context's last 4 tokens occurred before, as when the answer quotes its input "

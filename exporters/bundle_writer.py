@@ -34,6 +34,7 @@ from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.lookup import LookupConfig
+from edgespec.runtime.suffix import SuffixConfig
 from edgespec.runtime.model import ATTENTION_KEY, EXACT_ROWS_KEY, MIN_ROWS, STANDARD_ATTENTION
 from edgespec.runtime.tokenizer import TokenizerSpec
 from edgespec.runtime.tree import Topology
@@ -187,6 +188,7 @@ class TreeSettings:
     dynamic: DynamicTreeConfig | None = None
     lookup: LookupConfig | None = None
     ngram: NgramConfig | None = None
+    suffix: SuffixConfig | None = None
 
 
 def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: TreeSettings, prefill_chunk: int,
@@ -210,7 +212,7 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
                 files={name: sha256_file(tmp / name) for name in bundle_files(tmp) if name != EXPORT_OWNER},
                 edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 quality=contents.quality, exactness=contents.exactness, coreml=contents.coreml,
-                other_profiles=contents.other_profiles)
+                other_profiles=contents.other_profiles, suffix=tree.suffix)
             write_manifest(tmp, manifest)
             if finish is not None:
                 finish(tmp)

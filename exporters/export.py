@@ -26,6 +26,7 @@ from edgespec.runtime.model import ModelRunner
 from edgespec.runtime.paths import cache_dir as default_cache_dir
 from edgespec.runtime.pipeline import default_threads
 from edgespec.runtime.sessions import make_session
+from edgespec.runtime.suffix import SuffixConfig
 from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import DeviceProfile, get_profile
 
@@ -70,6 +71,7 @@ class ExportConfig:
     lookup: int = 0  # > 0: a prompt-lookup chain of up to this many tokens beside the draft model's tree
     lookup_quote: int = 0  # > lookup: the chain may run this long where the context's last 4 tokens occurred before
     lanes: int | None = None  # root-to-leaf paths the target graph verifies at once; None: the tree's (`graph_lanes`)
+    suffix: bool = False  # suffix drafting beside the drafter, each step's tree chosen by the step controller
     cache_dir: Path = field(default_factory=default_cache_dir)  # EDGESPEC_CACHE when set, read when the config is made
     formats: tuple[str, ...] = ("onnx",)  # + "coreml": CoreML packages beside the ONNX graphs
     coreml_kv: tuple[str, ...] = ("state", "io")
@@ -82,6 +84,8 @@ def default_tree(draft: str) -> str:
     occurred before, and 12 nodes is the last count before fp32's pass cost steps up
     (benchmarks/history.md §25, §33)."""
     kind = DrafterKind.training_free(draft)
+    if kind is DrafterKind.SUFFIX:
+        return "chain:1"  # suffix drafting grows each step's chain; the manifest's tree only sizes the pass
     return "chain:11" if kind is not None and kind.looks_up_ngrams else "chain:4"
 
 
@@ -196,6 +200,14 @@ def plan_export(config: ExportConfig) -> ExportPlan:
     if config.integer_matmul and (config.quant != "int8" or not config.symmetric):
         raise ExportError("--integer-matmul is a scheme of --quant int8 (symmetric activations, a zero point per "
                           "weight channel): drop --asymmetric/--integer-zero-points, or use MatMulNBits' int4/int8")
+    suffix = None
+    if config.suffix or training_free is DrafterKind.SUFFIX:
+        if lookup_tokens:
+            raise ExportError("suffix drafting replaces prompt lookup (it matches the longest earlier suffix in the "
+                              "conversation and earlier outputs): drop --lookup/--lookup-quote or --suffix")
+        if training_free is DrafterKind.SUFFIX and config.tree is not None:
+            raise ExportError("the suffix drafter grows each step's chain itself: drop --tree")
+        suffix = SuffixConfig()
     ngram = None
     if training_free is not None and training_free.looks_up_ngrams:
         # quantized weights make every verified row cost (int8 compute): without a full match, one token,
@@ -225,7 +237,10 @@ def plan_export(config: ExportConfig) -> ExportPlan:
                               "as stages: drop --stages")
         # the tree's nodes (a dynamic tree's budget) with the lookup chain's, padded to when fewer
         static_nodes = max(2, (dynamic.budget if dynamic is not None else topology.size) + lookup_tokens)
-    return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram), lanes, target_scheme, draft_scheme, target_policy,
+    if suffix is not None and any(any(roles) for roles in shapes):
+        raise ExportError(f"suffix drafting verifies a tree of a new size every step, which static-shape graphs "
+                          f"({', '.join(p.name for p, roles in zip(profiles, shapes) if any(roles))}) cannot: drop --suffix")
+    return ExportPlan(TreeSettings(topology, dynamic, lookup, ngram, suffix), lanes, target_scheme, draft_scheme, target_policy,
                       coreml, tuple(profiles), shapes, static_nodes)
 
 

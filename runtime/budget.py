@@ -59,6 +59,7 @@ class MemoryPlan:
     stage_bytes: tuple[int, ...] = ()  # the target's stages that load as sessions, when it runs as stages
     pinned_stages: tuple[int, ...] = ()  # of those, the ones that stay loaded; the others stream
     mapped_embedding: int = 0  # at most this much of a memory-mapped embedding table is resident
+    suffix_store: int = 0  # suffix drafting's store of earlier outputs (runtime/suffix.py)
 
     @property
     def streams(self) -> bool:
@@ -78,7 +79,8 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.runtime + self.target_weights + self.draft_weights + self.scratch + self.target_kv + self.draft_kv
+        return (self.runtime + self.target_weights + self.draft_weights + self.scratch + self.target_kv + self.draft_kv
+                + self.suffix_store)
 
     def describe(self) -> str:
         lines = [f"memory budget   {'none (the bundle full context)' if self.budget is None else mib(self.budget)}",
@@ -92,6 +94,8 @@ class MemoryPlan:
                  f"  target KV      {mib(self.target_kv):>12}  {self.context} tokens",
                  f"  draft KV       {mib(self.draft_kv):>12}  {self.context} tokens",
                  f"  scratch        {mib(self.scratch):>12}  activations of the largest pass",
+                 *([f"  suffix store   {mib(self.suffix_store):>12}  earlier outputs suffix drafting continues"]
+                   if self.suffix_store else []),
                  f"  total          {mib(self.total):>12}",
                  f"context that fits: {self.context} tokens ({self.tree_slots} of them reserved for tree nodes)"]
         return "\n".join(lines)
@@ -124,8 +128,8 @@ def lanes_for(paths: int) -> int:
 def largest_tree(manifest: Manifest) -> tuple[int, int, int]:
     """(nodes, root-to-leaf paths, slots per path) a verification pass may take at most: the manifest's
     tree, or any tree within a dynamic budget (at worst a star for paths, a chain for depth), plus the
-    prompt-lookup chain grafted at the root."""
-    lookup = manifest.lookup.longest if manifest.lookup else 0
+    prompt-lookup or suffix-drafting chain grafted at the root."""
+    lookup = manifest.lookup.longest if manifest.lookup else manifest.suffix.max_depth if manifest.suffix else 0
     if manifest.dynamic:
         nodes, paths, depth = manifest.dynamic.budget, manifest.dynamic.budget - 1, manifest.dynamic.max_depth
     else:
@@ -144,12 +148,13 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
     target_kv_token = target.facts.kv_bytes_per_token() * target.lanes + 4 * target.feature_size
     per_token = target_kv_token + draft_kv_token
     scratch = scratch_bytes(manifest)
-    others = RUNTIME_BASE_BYTES + draft_weights + scratch
+    suffix_store = 4 * (manifest.suffix.store_tokens + 1) if manifest.suffix else 0  # int32 tokens
+    others = RUNTIME_BASE_BYTES + draft_weights + scratch + suffix_store
     full = target.facts.max_context
     least = min(MIN_CONTEXT, full)
     plan = dict(budget=budget, runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights,
                 scratch=scratch, target_kv_per_token=target_kv_token,
-                draft_kv_per_token=draft_kv_token, tree_slots=largest_tree(manifest)[0])
+                draft_kv_per_token=draft_kv_token, tree_slots=largest_tree(manifest)[0], suffix_store=suffix_store)
     if budget is None:
         return MemoryPlan(target_weights=target_weights, context=full, **plan)
     if budget >= others + target_weights + least * per_token:

@@ -22,6 +22,7 @@ from .errors import BundleError, InputError
 from .facts import ModelFacts
 from .features import FEATURES_OUT
 from .lookup import LookupConfig
+from .suffix import SuffixConfig
 from .tokenizer import TokenizerSpec
 from .tree import Topology
 
@@ -183,6 +184,8 @@ class Manifest:
     # `export --profile A --profile B ...`: the profiles after the first (`profile`, whose graphs are `target`'s
     # and `draft`'s), each with its own graphs where it needs other shapes
     other_profiles: tuple[ProfileGraphs, ...] = ()
+    # set: suffix drafting beside the drafter, and each step's tree chosen by the step controller (runtime/controller.py)
+    suffix: SuffixConfig | None = None
 
     @property
     def profile_names(self) -> tuple[str, ...]:
@@ -230,6 +233,10 @@ class Manifest:
             drafter = _drafter_kind(draft)
             if data["tree"].get("lookup") and drafter is not DrafterKind.MODEL:
                 raise BundleError("the manifest adds prompt lookup to a training-free drafter: it is for a draft model")
+            if drafter is DrafterKind.SUFFIX and not data["tree"].get("suffix"):
+                raise BundleError("the manifest names the suffix drafter but gives no tree.suffix settings")
+            if data["tree"].get("suffix") and data["tree"].get("lookup"):
+                raise BundleError("the manifest gives both prompt lookup and suffix drafting: suffix drafting replaces it")
             if data["tree"].get("ngram") and not drafter.looks_up_ngrams:
                 raise BundleError(f"the manifest gives n-gram settings to the {drafter.value!r} drafter, which has no "
                                   "n-grams")
@@ -251,6 +258,7 @@ class Manifest:
                 exactness=data.get("exactness") if isinstance(data.get("exactness"), dict) else None,
                 coreml=tuple(CoreMLPackage.from_dict(p) for p in data.get("coreml", {}).get("packages", ())),
                 other_profiles=_other_profiles(data.get("other_profiles", [])),
+                suffix=SuffixConfig(**data["tree"]["suffix"]) if data["tree"].get("suffix") else None,
             )
             for other in manifest.other_profiles:  # their graphs agree with the models' facts too
                 view = manifest.for_profile(other.profile.name)
@@ -265,7 +273,8 @@ class Manifest:
         tree = {**self.tree.to_dict(),
                 **({"dynamic": self.dynamic.to_dict()} if self.dynamic is not None else {}),
                 **({"lookup": self.lookup.to_dict()} if self.lookup is not None else {}),
-                **({"ngram": self.ngram.to_dict()} if self.ngram is not None else {})}
+                **({"ngram": self.ngram.to_dict()} if self.ngram is not None else {}),
+                **({"suffix": self.suffix.to_dict()} if self.suffix is not None else {})}
         draft = {"kind": self.drafter.value, **(self.draft.to_dict() if self.draft is not None else {})}
         return {"schema_version": SCHEMA_VERSION, "edgespec_version": self.edgespec_version, "created": self.created,
                 "profile": self.profile.to_dict(), "tree": tree, "steps": {"prefill_chunk": self.prefill_chunk},

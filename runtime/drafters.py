@@ -262,6 +262,7 @@ class DrafterKind(Enum):
     NGRAM = "ngram"  # prompt lookup over the context
     RECYCLING = "recycling"  # Token Recycling: the target's own recent successors
     NGRAM_RECYCLING = "ngram+recycling"  # context matches first, recycled candidates fill the other branches
+    SUFFIX = "suffix"  # suffix drafting alone (runtime/suffix.py), under the step controller
 
     @classmethod
     def training_free(cls, name: str) -> "DrafterKind | None":

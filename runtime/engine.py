@@ -70,6 +70,8 @@ class Stats:
     first_token_s: float = 0.0
     drafted_ahead: int = 0  # trees drafted while the target verified (runtime/overlap.py)
     kept_ahead: int = 0  # of those, the ones whose guess came true and were verified next
+    # the step controller's choices (plain, suffix, draft, draft+suffix): steps taken and tokens committed by each
+    steps_by_choice: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,7 +89,8 @@ class Stats:
                 "mean_accepted_per_pass": round(self.mean_accepted_per_pass, 3),
                 "time_to_first_token_s": round(self.first_token_s, 4), "prefill_s": round(self.prefill_s, 4),
                 "decode_s": round(self.decode_s, 4),
-                **({"drafted_ahead": self.drafted_ahead, "kept_ahead": self.kept_ahead} if self.drafted_ahead else {})}
+                **({"drafted_ahead": self.drafted_ahead, "kept_ahead": self.kept_ahead} if self.drafted_ahead else {}),
+                **({"steps_by_choice": self.steps_by_choice} if self.steps_by_choice else {})}
 
 
 @dataclass

@@ -8,6 +8,7 @@ from pathlib import Path
 from . import prepacked
 from .budget import parse_size, plan_memory
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
+from .controller import Controller
 from .device import describe
 from .drafters import (
     Drafter,
@@ -38,6 +39,7 @@ from .staged import (
     StagedRunner,
     StageWindow,
 )
+from .suffix import SuffixDrafter, SuffixStore
 from .tokenizer import TextCodec
 
 MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxruntime's pools thrash
@@ -117,6 +119,8 @@ class Pipeline:
         self._exactness: Verdict | None = None
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
+        # earlier outputs that suffix drafting continues from: one store per pipeline, for all its requests
+        self.suffix_store = SuffixStore(m.suffix.store_tokens) if m.suffix is not None else None
         if m.drafter is DrafterKind.MODEL:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
@@ -179,9 +183,19 @@ class Pipeline:
         return self._exactness
 
     def make_drafter(self, speculate: bool) -> Drafter:
+        """The bundle's drafter; with suffix drafting, under the step controller (runtime/controller.py)."""
         m = self.manifest
         if not speculate or not self._exact_here():
             return NoDrafter()
+        if m.suffix is None:
+            return self._main_drafter()
+        main = None if m.drafter is DrafterKind.SUFFIX else self._main_drafter()
+        main_size = m.dynamic.budget if m.dynamic is not None else self.tree.size
+        return Controller(SuffixDrafter(m.suffix, self.suffix_store, self.target.lanes), main, self.target.lanes,
+                          main_size)
+
+    def _main_drafter(self) -> Drafter:
+        m = self.manifest
         ngram = NgramDrafter.from_config(self.tree, m.ngram) if m.ngram is not None else None
         if m.drafter is DrafterKind.NGRAM:
             return ngram
@@ -235,11 +249,16 @@ class Pipeline:
         session = session or self.new_session()
         drafter = self.make_drafter(speculate) if drafter is None else self._checked(drafter, speculate)
         overlap = Overlap() if self.overlaps(drafter) else None
+        counted = drafter.counts.copy() if isinstance(drafter, Controller) else None
         try:
             result = generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk,
                               on_text, should_stop, step=overlap.step if overlap else speculative_step)
             if overlap:
                 result.stats.drafted_ahead, result.stats.kept_ahead = overlap.drafted_ahead, overlap.kept
+            if isinstance(drafter, Controller):
+                result.stats.steps_by_choice = drafter.counts.since(counted)
+            if self.suffix_store is not None:
+                self.suffix_store.add(result.token_ids)
             return result
         finally:
             if overlap:
@@ -250,9 +269,9 @@ class Pipeline:
 
     def overlaps(self, drafter: Drafter) -> bool:
         """Whether `drafter` drafts while the target verifies: the placement says so and a draft model proposes
-        (a training-free drafter costs too little to hide)."""
+        (a training-free drafter costs too little to hide; the step controller times each pass alone)."""
         return bool(self.placement and self.placement.overlap and self.draft is not None
-                    and not isinstance(drafter, NoDrafter))
+                    and not isinstance(drafter, (NoDrafter, Controller)))
 
 
 def check_threads(threads) -> None:

@@ -35,13 +35,13 @@ def bundle_factory(models, tmp_path_factory):
     made = {}
     root = tmp_path_factory.mktemp("bundles")
 
-    def make(target="target", draft="ngram", tree="chain:4", context=256, lookup=0, lookup_quote=0):
-        key = (target, draft, tree, context, lookup, lookup_quote)
+    def make(target="target", draft="ngram", tree="chain:4", context=256, lookup=0, lookup_quote=0, suffix=False):
+        key = (target, draft, tree, context, lookup, lookup_quote, suffix)
         if key not in made:
             out = root / f"b{len(made)}"
-            draft_spec = draft if draft in ("ngram", "recycling", "ngram+recycling") else str(models[draft])
+            draft_spec = draft if draft in ("ngram", "recycling", "ngram+recycling", "suffix") else str(models[draft])
             export(ExportConfig(model=str(models[target]), draft=draft_spec, out=out, tree=tree, context=context,
-                                lookup=lookup, lookup_quote=lookup_quote, cache_dir=root / "cache"))
+                                lookup=lookup, lookup_quote=lookup_quote, suffix=suffix, cache_dir=root / "cache"))
             made[key] = out
         return made[key]
 

@@ -1,0 +1,222 @@
+"""The step controller: each step verifies the tree, down to the root alone (a plain step), with the most
+expected tokens per second, from this device's measured pass costs and each source's running acceptance.
+
+Sources: suffix drafting (runtime/suffix.py), free to ask, so its candidates are computed every step and
+scored against what the target commits even when they are not verified; and a main drafter (a draft
+model, n-gram or Token Recycling), asked only when what it has yielded per pass pays for its drafting
+time and its pass, and tried again now and then when it does not (its acceptance may have changed).
+
+Expected tokens of a suffix chain c_1..c_k: 1 + sum_i prod_{j<=i} p_j with p_j = rate(match length,
+depth j) x the trie's probability of c_j given c_{j-1}, `rate` counted (with decay) over earlier steps;
+cost: the measured seconds of a pass of k + 1 rows. Greedy output does not depend on which tree is
+verified, and sampling stays exact because the choice depends only on earlier steps.
+
+State: the controller owns its measurements (they describe the device and the workload, and outlive a
+request: a pipeline's drafter keeps them across turns); the sources own theirs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .drafters import Drafter
+from .lookup import graft_chain
+from .sampling import Sampler
+from .suffix import SuffixDrafter, SuffixProposal
+from .tree import Tree
+
+DECAY = 0.98  # each count keeps this share per new observation: acceptance follows the workload
+EXTRA_ROW_PRIOR = 0.25  # a pass's extra row, as a share of a one-row pass, until passes of that size are timed
+EXPLORE_EVERY = 16  # a main drafter left out this many steps in a row is asked once more
+
+
+def bucket(value: int, buckets: int = 4) -> int:
+    """0 for 1, 1 for 2-3, 2 for 4-7, ... capped at buckets - 1."""
+    return min(buckets - 1, max(0, int(value).bit_length() - 1))
+
+
+class PassCosts:
+    """Seconds of a verify pass by its rows, timed in the loop (a moving average per row count);
+    counts never timed are interpolated, or extrapolated at EXTRA_ROW_PRIOR of a one-row pass per row."""
+
+    def __init__(self, smoothing: float = 0.1):
+        self.smoothing = smoothing
+        self.seconds_by_rows: dict[int, float] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.seconds_by_rows.get(rows)
+        self.seconds_by_rows[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def seconds(self, rows: int) -> float:
+        known = self.seconds_by_rows
+        if rows in known:
+            return known[rows]
+        if not known:
+            return 1.0 + EXTRA_ROW_PRIOR * (rows - 1)  # in one-row passes: only ratios matter until timed
+        below = max((r for r in known if r < rows), default=None)
+        above = min((r for r in known if r > rows), default=None)
+        if below is not None and above is not None:
+            share = (rows - below) / (above - below)
+            return known[below] + share * (known[above] - known[below])
+        one_row = known.get(1, known[below if below is not None else above] / (
+            1 + EXTRA_ROW_PRIOR * ((below or above) - 1)))
+        anchor = below if below is not None else above
+        return known[anchor] + EXTRA_ROW_PRIOR * one_row * (rows - anchor)
+
+
+class DecayedMean:
+    """Weighted means per cell over recent observations (older ones fade by DECAY each), starting from
+    `prior` worth `weight` observations: acceptance rates (hits per try) and mean costs alike."""
+
+    def __init__(self, shape: tuple[int, ...], prior: float, weight: float = 2.0):
+        self.total = np.full(shape, prior * weight)
+        self.weight = np.full(shape, float(weight))
+
+    def add(self, cell, value: float, weight: float = 1.0) -> None:
+        self.total[cell] = self.total[cell] * DECAY + value
+        self.weight[cell] = self.weight[cell] * DECAY + weight
+
+    def mean(self, cell=0) -> float:
+        return float(self.total[cell] / self.weight[cell])
+
+
+@dataclass
+class SourceCounts:
+    """What each choice did, for `bench`: steps taken and tokens committed by each."""
+    steps: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, choice: str, tokens: int) -> None:
+        self.steps[choice] = self.steps.get(choice, 0) + 1
+        self.tokens[choice] = self.tokens.get(choice, 0) + tokens
+
+    def since(self, before: "SourceCounts") -> dict:
+        return {c: {"steps": n - before.steps.get(c, 0), "tokens": self.tokens[c] - before.tokens.get(c, 0)}
+                for c, n in self.steps.items() if n > before.steps.get(c, 0)}
+
+    def copy(self) -> "SourceCounts":
+        return SourceCounts(dict(self.steps), dict(self.tokens))
+
+
+class Controller:
+    """A Drafter that chooses, each step, among a plain step, the suffix drafter's chain (of the best
+    length), the main drafter's tree, and where the graph has lanes for it the main tree with the suffix
+    chain grafted on."""
+
+    def __init__(self, suffix: SuffixDrafter | None, main: Drafter | None, lanes: int, main_size: int):
+        """`main_size`: the nodes of the main drafter's usual tree (its topology's or budget's)."""
+        self.suffix, self.main, self.lanes = suffix, main, lanes
+        self.costs = PassCosts()
+        # the suffix chain's acceptance per [match-length bucket, depth bucket], per unit of the trie's probability
+        self.suffix_rates = DecayedMean((4, 4), prior=0.6)
+        # the main drafter: tokens a pass with its tree yields, its tree's nodes, its drafting seconds; a hopeful
+        # start (it is measured within a few steps, and a pessimistic one might never be)
+        self.main_tokens = DecayedMean((1,), prior=1.8)
+        self.main_size = DecayedMean((1,), prior=float(main_size))
+        self.main_draft_s = DecayedMean((1,), prior=0.0, weight=1e-9)
+        self.counts = SourceCounts()
+        self.left_out = 0
+        self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start)
+
+    # 1. choose and draft
+    def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
+                target_features: np.ndarray | None = None) -> Tree:
+        proposal = self.suffix.proposal(committed, max_nodes) if self.suffix is not None else None
+        expected, k = self._best_chain(proposal)
+        options = {"plain": 1.0 / self.costs.seconds(1)}
+        if k:
+            options["suffix"] = expected / self.costs.seconds(k + 1)
+        if self.main is not None:
+            main_tokens, main_s = self.main_tokens.mean(), self.main_draft_s.mean()
+            size = max(1, round(self.main_size.mean()))
+            options["draft"] = main_tokens / (main_s + self.costs.seconds(size))
+            if k and self.lanes > 1:
+                options["draft+suffix"] = (main_tokens + expected - 1) / (main_s + self.costs.seconds(size + k))
+        choice = max(options, key=options.get)
+        if self.main is not None and "draft" not in choice and self.left_out >= EXPLORE_EVERY:
+            choice = "draft+suffix" if "draft+suffix" in options else "draft"
+        self.left_out = 0 if "draft" in choice else self.left_out + 1
+        tree, main_nodes = self._draft(choice, proposal, k, committed, max_nodes, sampler, target_features)
+        self._step = (choice, tree, proposal, main_nodes, time.perf_counter())
+        return tree
+
+    def _best_chain(self, proposal: SuffixProposal | None) -> tuple[float, int]:
+        """(expected tokens, length) of the suffix chain's best prefix by expected tokens per pass second."""
+        if proposal is None or proposal.tree.size < 2:
+            return 1.0, 0
+        chain = proposal.chain(proposal.tree.size)
+        nodes = [0] + self._first_children(proposal, chain.size - 1)
+        length_bucket = bucket(proposal.match_length)
+        expected, reach, best = 1.0, 1.0, (1.0 / self.costs.seconds(1), 1.0, 0)
+        for depth in range(1, chain.size):
+            reach *= min(1.0, self.suffix_rates.mean((length_bucket, bucket(depth))) * proposal.parent_probability[nodes[depth]])
+            expected += reach
+            value = expected / self.costs.seconds(depth + 1)
+            if value > best[0]:
+                best = (value, expected, depth)
+        return best[1], best[2]
+
+    @staticmethod
+    def _first_children(proposal: SuffixProposal, count: int) -> list[int]:
+        nodes, node = [], 0
+        while len(nodes) < count:
+            node = proposal.tree.topology.children[node][0]
+            nodes.append(node)
+        return nodes
+
+    def _draft(self, choice, proposal, k, committed, max_nodes, sampler, target_features) -> tuple[Tree, int]:
+        if choice == "plain" or (choice == "suffix" and not k):
+            return proposal.chain(0) if proposal is not None else Tree.from_parents((-1,), [committed[-1]]), 0
+        if choice == "suffix":
+            return proposal.chain(k), 0
+        started = time.perf_counter()
+        tree = self.main.propose(committed, max_nodes, sampler, target_features).within_paths(self.lanes)
+        self.main_draft_s.add(0, time.perf_counter() - started)
+        main_nodes = tree.size
+        if choice == "draft+suffix":
+            tree = graft_chain(tree, [int(t) for t in proposal.chain(k).tokens[1:]], max_nodes).within_paths(self.lanes)
+        return tree, main_nodes
+
+    # 2. learn from what the target kept
+    def observe(self, accepted: list[int], tokens: np.ndarray | None = None, logits: np.ndarray | None = None) -> None:
+        if self.main is not None:
+            self.main.observe(accepted, tokens, logits)
+        if tokens is None or self._step is None:
+            return
+        choice, tree, proposal, main_nodes, verify_start = self._step
+        self._step = None
+        self.costs.record(tree.size, time.perf_counter() - verify_start)
+        self.counts.add(choice, len(accepted))
+        if proposal is not None and proposal.tree.size > 1:
+            self._score_suffix(proposal, accepted)
+        if main_nodes:
+            path = self._accepted_nodes(tree, accepted)
+            self.main_tokens.add(0, 1 + sum(1 for node in path if node < main_nodes))
+            self.main_size.add(0, main_nodes)
+
+    def _score_suffix(self, proposal: SuffixProposal, accepted: list[int]) -> None:
+        """Counts the suffix chain's tokens against the committed ones, as far as those are known."""
+        chain = proposal.chain(proposal.tree.size)
+        nodes = self._first_children(proposal, chain.size - 1)
+        length_bucket = bucket(proposal.match_length)
+        for depth, (node, token) in enumerate(zip(nodes, accepted), start=1):
+            hit = int(chain.tokens[depth]) == token
+            self.suffix_rates.add((length_bucket, bucket(depth)), hit, float(proposal.parent_probability[node]))
+            if not hit:
+                break
+
+    @staticmethod
+    def _accepted_nodes(tree: Tree, accepted: list[int]) -> list[int]:
+        node, path = 0, []
+        for token in accepted[:-1]:
+            node = next(c for c in tree.topology.children[node] if int(tree.tokens[c]) == token)
+            path.append(node)
+        return path
+
+    def rewind(self, length: int) -> None:
+        self._step = None
+        for source in (self.suffix, self.main):
+            if source is not None:
+                source.rewind(length)
