@@ -70,8 +70,8 @@ class DecayedMean:
     """Weighted means per cell over recent observations (older ones fade by DECAY each), starting from
     `prior` worth `weight` observations: acceptance rates (hits per try) and mean costs alike."""
 
-    def __init__(self, shape: tuple[int, ...], prior: float, weight: float = 2.0):
-        self.total = np.full(shape, prior * weight)
+    def __init__(self, shape: tuple[int, ...], prior, weight: float = 2.0):
+        self.total = np.broadcast_to(np.asarray(prior, dtype=float) * weight, shape).copy()
         self.weight = np.full(shape, float(weight))
 
     def add(self, cell, value: float, weight: float = 1.0) -> None:
@@ -110,10 +110,11 @@ class Controller:
         self.suffix, self.main, self.lanes = suffix, main, lanes
         self.costs = PassCosts()
         # the suffix chain's acceptance per [match-length bucket, depth bucket], per unit of the trie's probability
-        self.suffix_rates = DecayedMean((4, 4), prior=0.6)
+        # (a longer match is a quote more often: a hopeful start that grows with it, history.md §32)
+        self.suffix_rates = DecayedMean((4, 4), prior=np.array([0.4, 0.6, 0.75, 0.85])[:, None])
         # the main drafter: tokens a pass with its tree yields, its tree's nodes, its drafting seconds; a hopeful
         # start (it is measured within a few steps, and a pessimistic one might never be)
-        self.main_tokens = DecayedMean((1,), prior=1.8)
+        self.main_tokens = DecayedMean((1,), prior=1.0 + 0.5 * (main_size - 1))
         self.main_size = DecayedMean((1,), prior=float(main_size))
         self.main_draft_s = DecayedMean((1,), prior=0.0, weight=1e-9)
         self.counts = SourceCounts()
