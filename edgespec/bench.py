@@ -66,20 +66,24 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1 (got {rounds})")
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
-    pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8))  # warm-up: first-run allocations
+    pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8), remember=False)  # first-run allocations
     runs = {"plain": [], "speculative": []}
     engine_s = {mode: 0.0 for mode in runs}  # inside onnxruntime, target and draft
     runners = [r for r in (pipeline.target, pipeline.draft) if r is not None]
     by_round = []
     identical = True
     for _ in range(rounds):
+        # suffix drafting continues earlier outputs: each round, each prompt sees the speculative outputs of the
+        # prompts before it, never its own (plain runs, the reference, are not remembered)
+        pipeline.forget_outputs()
         this_round = {mode: [] for mode in runs}
         for item in prompts:
             ask = prompt_kwargs(item)
             outputs = {}
             for mode in runs:  # alternate per prompt so machine noise falls on both modes alike
                 before = sum(r.run_seconds for r in runners)
-                result = pipeline.generate(**ask, config=config, speculate=(mode == "speculative"))
+                result = pipeline.generate(**ask, config=config, speculate=(mode == "speculative"),
+                                           remember=(mode == "speculative"))
                 engine_s[mode] += sum(r.run_seconds for r in runners) - before
                 this_round[mode].append(result.stats)
                 outputs[mode] = result.token_ids

@@ -29,7 +29,7 @@ from .tree import Tree
 
 DECAY = 0.98  # each count keeps this share per new observation: acceptance follows the workload
 EXTRA_ROW_PRIOR = 0.25  # a pass's extra row, as a share of a one-row pass, until passes of that size are timed
-EXPLORE_EVERY = 16  # a main drafter left out this many steps in a row is asked once more
+EXPLORE_EVERY = 16  # a main drafter left out for plain steps this many steps in a row is asked once more
 
 
 def bucket(value: int, buckets: int = 4) -> int:
@@ -38,32 +38,36 @@ def bucket(value: int, buckets: int = 4) -> int:
 
 
 class PassCosts:
-    """Seconds of a verify pass by its rows, timed in the loop (a moving average per row count);
-    counts never timed are interpolated, or extrapolated at EXTRA_ROW_PRIOR of a one-row pass per row."""
+    """Seconds of a verify pass by its rows, timed in the loop: a moving average per row count, read
+    through a line fitted over the counts of two rows or more (passes are noisy on a shared machine, and
+    the line also prices counts never timed); with one count timed, EXTRA_ROW_PRIOR of a one-row pass
+    per extra row. A one-row pass is priced alone: it may take other kernels (docs/exactness.md)."""
 
     def __init__(self, smoothing: float = 0.1):
         self.smoothing = smoothing
         self.seconds_by_rows: dict[int, float] = {}
+        self.timed: dict[int, int] = {}
 
     def record(self, rows: int, seconds: float) -> None:
         old = self.seconds_by_rows.get(rows)
         self.seconds_by_rows[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.timed[rows] = self.timed.get(rows, 0) + 1
 
     def seconds(self, rows: int) -> float:
         known = self.seconds_by_rows
-        if rows in known:
-            return known[rows]
         if not known:
             return 1.0 + EXTRA_ROW_PRIOR * (rows - 1)  # in one-row passes: only ratios matter until timed
-        below = max((r for r in known if r < rows), default=None)
-        above = min((r for r in known if r > rows), default=None)
-        if below is not None and above is not None:
-            share = (rows - below) / (above - below)
-            return known[below] + share * (known[above] - known[below])
-        one_row = known.get(1, known[below if below is not None else above] / (
-            1 + EXTRA_ROW_PRIOR * ((below or above) - 1)))
-        anchor = below if below is not None else above
-        return known[anchor] + EXTRA_ROW_PRIOR * one_row * (rows - anchor)
+        one_row = known.get(1) or min(known.values()) / (1 + EXTRA_ROW_PRIOR * (min(known) - 1))
+        if rows == 1:
+            return one_row
+        several = {r: s for r, s in known.items() if r > 1}
+        if len(several) < 2:
+            anchor, at = next(iter(several.items())) if several else (1, one_row)
+            return max(one_row, at + EXTRA_ROW_PRIOR * one_row * (rows - anchor))
+        r, s = np.array(list(several), dtype=float), np.array(list(several.values()))
+        w = np.minimum(np.array([self.timed[int(x)] for x in r], dtype=float), 20)
+        slope, intercept = np.polyfit(r, s, 1, w=np.sqrt(w))
+        return float(max(one_row, intercept + max(slope, 0.0) * rows))
 
 
 class DecayedMean:
@@ -80,6 +84,21 @@ class DecayedMean:
 
     def mean(self, cell=0) -> float:
         return float(self.total[cell] / self.weight[cell])
+
+
+class DepthRates(DecayedMean):
+    """Acceptance per [match-length bucket, depth bucket], each depth's prior the depth above it: the
+    tokens a step commits score a chain's first depths only, so the deeper ones, until tried, are
+    expected to go on as the shallower did (a quote accepted so far tends to stay accepted)."""
+
+    def __init__(self, first_depth_prior: np.ndarray, depths: int, weight: float = 2.0):
+        super().__init__((len(first_depth_prior), depths), prior=0.0, weight=0.0)
+        self.first_depth_prior, self.prior_weight = first_depth_prior, weight
+
+    def mean(self, cell) -> float:
+        length_bucket, depth_bucket = cell
+        prior = self.first_depth_prior[length_bucket] if depth_bucket == 0 else self.mean((length_bucket, depth_bucket - 1))
+        return float((self.total[cell] + self.prior_weight * prior) / (self.weight[cell] + self.prior_weight))
 
 
 @dataclass
@@ -109,14 +128,14 @@ class Controller:
         """`main_size`: the nodes of the main drafter's usual tree (its topology's or budget's)."""
         self.suffix, self.main, self.lanes = suffix, main, lanes
         self.costs = PassCosts()
-        # the suffix chain's acceptance per [match-length bucket, depth bucket], per unit of the trie's probability
-        # (a longer match is a quote more often: a hopeful start that grows with it, history.md §32)
-        self.suffix_rates = DecayedMean((4, 4), prior=np.array([0.4, 0.6, 0.75, 0.85])[:, None])
+        # the suffix chain's acceptance per [match-length bucket, depth bucket], per unit of the trie's probability;
+        # a longer match is a quote more often (history.md §32): a hopeful start that grows with it
+        self.suffix_rates = DepthRates(np.array([0.4, 0.6, 0.75, 0.85]), depths=4)
         # the main drafter: tokens a pass with its tree yields, its tree's nodes, its drafting seconds; a hopeful
         # start (it is measured within a few steps, and a pessimistic one might never be)
         self.main_tokens = DecayedMean((1,), prior=1.0 + 0.5 * (main_size - 1))
         self.main_size = DecayedMean((1,), prior=float(main_size))
-        self.main_draft_s = DecayedMean((1,), prior=0.0, weight=1e-9)
+        self.main_draft_s: list[float] = []  # the last few steps' drafting seconds
         self.counts = SourceCounts()
         self.left_out = 0
         self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start)
@@ -130,14 +149,15 @@ class Controller:
         if k:
             options["suffix"] = expected / self.costs.seconds(k + 1)
         if self.main is not None:
-            main_tokens, main_s = self.main_tokens.mean(), self.main_draft_s.mean()
+            # the least of the last few: a step after others went by also catches up on what they committed
+            main_tokens, main_s = self.main_tokens.mean(), min(self.main_draft_s, default=0.0)
             size = max(1, round(self.main_size.mean()))
             options["draft"] = main_tokens / (main_s + self.costs.seconds(size))
             if k and self.lanes > 1:
                 options["draft+suffix"] = (main_tokens + expected - 1) / (main_s + self.costs.seconds(size + k))
         choice = max(options, key=options.get)
-        if self.main is not None and "draft" not in choice and self.left_out >= EXPLORE_EVERY:
-            choice = "draft+suffix" if "draft+suffix" in options else "draft"
+        if self.main is not None and choice == "plain" and self.left_out >= EXPLORE_EVERY:
+            choice = "draft"
         self.left_out = 0 if "draft" in choice else self.left_out + 1
         tree, main_nodes = self._draft(choice, proposal, k, committed, max_nodes, sampler, target_features)
         self._step = (choice, tree, proposal, main_nodes, time.perf_counter())
@@ -174,7 +194,7 @@ class Controller:
             return proposal.chain(k), 0
         started = time.perf_counter()
         tree = self.main.propose(committed, max_nodes, sampler, target_features).within_paths(self.lanes)
-        self.main_draft_s.add(0, time.perf_counter() - started)
+        self.main_draft_s = self.main_draft_s[-7:] + [time.perf_counter() - started]
         main_nodes = tree.size
         if choice == "draft+suffix":
             tree = graft_chain(tree, [int(t) for t in proposal.chain(k).tokens[1:]], max_nodes).within_paths(self.lanes)

@@ -242,7 +242,9 @@ class Pipeline:
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  config: GenerationConfig = GenerationConfig(), speculate: bool = True,
                  session: Session | None = None, drafter: Drafter | None = None, on_text=None,
-                 should_stop=None) -> Result:
+                 should_stop=None, remember: bool = True) -> Result:
+        """`remember`: the output joins the earlier outputs suffix drafting continues from (where the bundle has
+        it); a benchmark's reference runs pass False, so that no measured run copies its own answer."""
         ids = self.encode(prompt, messages)
         _ = self.exactness  # plain decoding too: it sets how many rows a one-token step runs here
         owned = session is None  # the request's own caches: freed when it ends
@@ -257,7 +259,7 @@ class Pipeline:
                 result.stats.drafted_ahead, result.stats.kept_ahead = overlap.drafted_ahead, overlap.kept
             if isinstance(drafter, Controller):
                 result.stats.steps_by_choice = drafter.counts.since(counted)
-            if self.suffix_store is not None:
+            if self.suffix_store is not None and remember:
                 self.suffix_store.add(result.token_ids)
             return result
         finally:
@@ -266,6 +268,11 @@ class Pipeline:
             if owned:
                 del session, drafter
             self.trim_heap()
+
+    def forget_outputs(self) -> None:
+        """Empties the store of earlier outputs (a benchmark's round starts without them)."""
+        if self.suffix_store is not None:
+            self.suffix_store.clear()
 
     def overlaps(self, drafter: Drafter) -> bool:
         """Whether `drafter` drafts while the target verifies: the placement says so and a draft model proposes

@@ -112,6 +112,9 @@ class SuffixStore:
             self.array.drop_front(max(self.array.length + need - self.capacity, self.array.length // 2))
         self.array.extend(tokens + [SEPARATOR])
 
+    def clear(self) -> None:
+        self.array.truncate(0)
+
     @property
     def nbytes(self) -> int:
         return self.array.data.nbytes

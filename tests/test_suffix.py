@@ -78,13 +78,17 @@ def test_bad_settings_are_refused():
             SuffixConfig(**bad)
 
 
-def test_pass_costs_interpolate_and_extrapolate_from_what_was_timed():
+def test_pass_costs_are_read_through_a_line_over_what_was_timed():
     costs = PassCosts()
     assert costs.seconds(5) == pytest.approx(2.0)  # the prior, in one-row passes
     costs.record(1, 0.010)
-    costs.record(3, 0.014)
-    assert costs.seconds(2) == pytest.approx(0.012)
-    assert costs.seconds(7) == pytest.approx(0.014 + 4 * 0.25 * 0.010)
+    assert costs.seconds(3) == pytest.approx(0.010 + 2 * 0.25 * 0.010)  # one count timed: the prior's slope
+    costs.record(2, 0.012)
+    costs.record(4, 0.016)
+    costs.record(3, 0.020)  # a noisy pass
+    assert costs.seconds(1) == pytest.approx(0.010)
+    assert costs.seconds(2) < costs.seconds(3) < costs.seconds(8)  # the line, not the noise
+    assert costs.seconds(8) == pytest.approx(0.010 + 0.002 * 8)  # least squares through (2, 12), (3, 20), (4, 16) ms
 
 
 class FixedDrafter:
@@ -110,6 +114,7 @@ class FixedCosts(PassCosts):
     def __init__(self, one_row: float, per_row: float):
         super().__init__()
         self.seconds_by_rows = {rows: one_row + per_row * (rows - 1) for rows in range(1, 65)}
+        self.timed = {rows: 20 for rows in self.seconds_by_rows}
 
     def record(self, rows, seconds):
         pass
