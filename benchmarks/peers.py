@@ -1,49 +1,69 @@
-"""edgespec against what a user would pick instead: onnxruntime-genai's own export of the same model.
+"""edgespec against what a user would pick instead: onnxruntime-genai's own exports of the same model.
 
     pip install -e ".[export,peers]"
-    python benchmarks/peers.py BUNDLE [BUNDLE ...] [--prompts FILE.jsonl ...] [--max-new-tokens 128]
-                               [--rounds 2] [--threads 2] [--json OUT.json] [--perplexity] [--peer-precision int4]
+    python benchmarks/peers.py BUNDLE [BUNDLE ...] [--sets chat,rag,...] [--prompts FILE.jsonl ...] [--first N]
+                               [--max-new-tokens 128] [--rounds 2] [--threads 2] [--json OUT.json]
+                               [--perplexity] [--openvino-python PATH]
 
-Builds onnxruntime-genai's CPU export of the reference model (SmolLM2-135M-Instruct, from the same
-GGUF edgespec's default bundle comes from; int4 unless `--peer-precision`) with its own model builder, once, into the edgespec cache
-(`EDGESPEC_CACHE/peers/`). Then, for every prompt set, runs in one sitting and alternating round by
-round: onnxruntime-genai greedy, onnxruntime-genai with its n-gram speculation (3-gram, 10 draft
-tokens), and each bundle plain and speculative. Every run is a process of its own, so peak RSS is
-that system's alone. Prints one table per prompt set: decode tokens/s (first token excluded), time
-to first token, peak RSS, tokens per target pass, the ratio to the faster onnxruntime-genai mode, and
-whether each bundle's speculative output is identical to its own plain decoding on every prompt.
-`--perplexity` first prints each system's perplexity on edgespec's held-out text (the text and
-tokenization the bundles' quality.json uses), teacher-forced in one pass: what each int4 costs.
+BUNDLE may be `default`. Builds onnxruntime-genai's CPU exports of the reference model (SmolLM2-135M-Instruct,
+from the GGUF the default bundle comes from) in int4 and int8 with its model builder, once, into
+`EDGESPEC_CACHE/peers/`. Then for each prompt set (every benchmarks/workloads/*.jsonl, sorted; `--sets` picks
+some by name; `--prompts` gives files instead) runs, alternating the order round by round and each run a
+process of its own (so peak RSS is that system's alone): each genai export greedy and with its n-gram
+speculation (3-gram, 10 draft tokens), each bundle plain and speculative. Every system is fed the same
+prompt token ids, the first bundle's tokenizer and chat template encoded once (each set's header says on
+how many prompts genai's own template gives the same ids).
 
-The child processes are this file run with `--child`; nothing else calls it.
+Prints per set: decode tokens/s (first token excluded); its ratio to the system's own plain decoding and
+to the faster mode of genai int4 and of genai int8; median time to first token; peak RSS; tokens per
+target pass; whether speculative output is identical to its own plain output on every prompt; and on how
+many prompts each bundle's plain output equals each peer's greedy output (informative: other weights).
+Then that table as geometric means over the sets (RSS the largest). `--json OUT` writes all of it.
+`--perplexity` first prints each bundle's and genai export's perplexity on edgespec's held-out text
+(quality.json's text and tokenization), teacher-forced in one pass: what each quantization costs.
+
+`--openvino-python PATH`: a Python with openvino-genai and optimum-intel (an environment of its own) adds
+OpenVINO GenAI's exports (`optimum-cli export openvino --weight-format int4 | int8` from the Hugging Face
+folder genai's builds start from, once), greedy and with prompt lookup (3-gram, 10 tokens), its children
+run under that Python. Children are this file with `--child`; the top imports only the standard library.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import math
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-
-from edgespec.bench import RU_MAXRSS_PER_MB
-from edgespec.runtime.paths import cache_dir
+from typing import NamedTuple
 
 PEER_NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}  # the mode the fast-engine issue compared against
+PRECISIONS = ("int4", "int8")
 HERE = Path(__file__).resolve().parent
+WORKLOADS = HERE / "workloads"
 
 
-def build_peer(threads: int, precision: str = "int4") -> Path:
-    """onnxruntime-genai's export of the reference model at `precision`, built by its model builder (once)."""
-    out = cache_dir() / "peers" / f"ortgenai-smollm2-135m-{precision}"
-    if (out / "genai_config.json").is_file():
-        return out
-    from edgespec.exporters.sources import resolve_source
+class System(NamedTuple):
+    name: str
+    kind: str  # genai, genai-ngram, plain, speculative, openvino, openvino-lookup
+    folder: Path
+    plain: str | None  # the name of its own plain decoding (None: it is one)
 
-    hf = cache_dir() / "peers" / "smollm2-135m-hf"
-    if not (hf / "config.json").is_file():
+
+def cache_dir() -> Path:
+    from edgespec.runtime.paths import cache_dir
+    return cache_dir()
+
+
+def reference_hf() -> Path:
+    """The reference model as a Hugging Face folder, from the GGUF the default bundle comes from (once)."""
+    if not ((hf := cache_dir() / "peers" / "smollm2-135m-hf") / "config.json").is_file():
+        from edgespec.exporters.sources import resolve_source
+
         model, tokenizer = resolve_source("default", cache_dir()).load()
         # loaded from a GGUF, dequantized: the weights are plain floats, saved as such
         model.hf_quantizer = None
@@ -51,46 +71,159 @@ def build_peer(threads: int, precision: str = "int4") -> Path:
             del model.config.quantization_config
         model.save_pretrained(hf)
         tokenizer.save_pretrained(hf)
-    partial = out.with_name(out.name + ".partial")
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(partial),
-                    "-p", precision, "-e", "cpu", "-c", str(cache_dir() / "peers" / "builder-cache")], check=True)
-    config = json.loads((partial / "genai_config.json").read_text())
-    session = config["model"]["decoder"].setdefault("session_options", {})
-    session["intra_op_num_threads"] = threads
-    (partial / "genai_config.json").write_text(json.dumps(config, indent=2))
-    partial.replace(out)
+    return hf
+
+
+def build_once(out: Path, done_file: str, command: list[str], env: dict | None = None) -> Path:
+    if not (out / done_file).is_file():
+        partial = out.with_name(out.name + ".partial")
+        subprocess.run(command + [str(partial)], check=True, env=env)
+        partial.replace(out)
     return out
 
 
-def load_prompts(path: Path) -> list[list[dict]]:
-    return [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+def build_peer(precision: str) -> Path:
+    """onnxruntime-genai's export of the reference model at `precision`, by its model builder (once)."""
+    return build_once(cache_dir() / "peers" / f"ortgenai-smollm2-135m-{precision}", "genai_config.json", [
+        sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(reference_hf()), "-p", precision,
+        "-e", "cpu", "-c", str(cache_dir() / "peers" / "builder-cache"), "-o"])
 
 
-def run_peer(folder: Path, prompts: list[list[dict]], max_new_tokens: int, ngram: bool) -> list[dict]:
+def build_openvino(python: str, precision: str) -> Path:
+    """OpenVINO GenAI's export of the same Hugging Face folder at `precision`, by optimum-intel (once). int4 in
+    blocks of 32 like genai's (its default 128 does not divide the hidden size 576); int8 per channel."""
+    return build_once(cache_dir() / "peers" / f"ovgenai-smollm2-135m-{precision}", "openvino_model.xml", [
+        python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(reference_hf()),
+        "--task", "text-generation-with-past", "--weight-format", precision]
+        + (["--group-size", "32"] if precision == "int4" else []), {**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def prompt_sets(args) -> list[Path]:
+    if args.prompts:
+        return args.prompts
+    found = {path.stem: path for path in sorted(WORKLOADS.glob("*.jsonl"))}
+    names = args.sets.split(",") if args.sets else list(found)
+    if unknown := [name for name in names if name not in found]:
+        raise SystemExit(f"no set {', '.join(unknown)} in {WORKLOADS} (there: {', '.join(found) or 'none'})")
+    return [found[name] for name in names]
+
+
+def encode_set(path: Path, bundle: Path, out: Path, first: int | None) -> tuple[Path, str]:
+    """The set's prompts with the token ids every system is fed (`bundle`'s tokenizer and chat template), and
+    on how many of the chats genai's own template gives the same ids (SmolLM2's: every workload prompt)."""
+    import onnxruntime_genai as og
+    from edgespec.bench import load_prompts, prompt_kwargs
+    from edgespec.runtime.bundle import read_manifest
+    from edgespec.runtime.tokenizer import TextCodec
+
+    codec = TextCodec(bundle, read_manifest(bundle).tokenizer)
+    items = [prompt_kwargs(item) for item in load_prompts(path)][:first]
+    ids = [codec.encode_chat(kw["messages"]) if "messages" in kw else codec.encode(kw["prompt"]) for kw in items]
+    out.write_text("".join(json.dumps({**kw, "ids": i}) + "\n" for kw, i in zip(items, ids)))
+    genai = og.Tokenizer(og.Model(str(build_peer("int4"))))
+    agree = [genai.encode(genai.apply_chat_template(json.dumps(kw["messages"]), add_generation_prompt=True)).tolist()
+             == i for kw, i in zip(items, ids) if "messages" in kw]
+    return out, f"{sum(agree)}/{len(agree)}"
+
+
+def timed_runs(items: list[dict], run) -> list[dict]:
+    """`run(item, warm_up)` -> (tokens, ttft_s, decode_s, passes) for each item, after a warm-up on the first."""
+    run(items[0], True)
+    return [dict(zip(("tokens", "ttft_s", "decode_s", "passes"), run(item, False))) for item in items]
+
+
+def run_genai(folder: Path, items: list[dict], max_new_tokens: int, ngram: bool, threads: int) -> dict:
     import onnxruntime_genai as og
 
     config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
     if ngram:
         config.overlay(json.dumps({"speculative": PEER_NGRAM}))
     model = og.Model(config)
-    tokenizer = og.Tokenizer(model)
-    results = []
-    for i, messages in enumerate([prompts[0]] + prompts):  # the first run warms up and is dropped
-        ids = tokenizer.encode(tokenizer.apply_chat_template(json.dumps(messages), add_generation_prompt=True))
+
+    def run(item, warm_up):
         params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens)
+        params.set_search_options(do_sample=False, max_length=len(item["ids"]) + max_new_tokens)
         generator = og.Generator(model, params)
         started = time.perf_counter()
-        generator.append_tokens(ids)
+        generator.append_tokens(item["ids"])
         generator.generate_next_token()
         first = time.perf_counter()
         while not generator.is_done():
             generator.generate_next_token()
         done = time.perf_counter()
-        tokens = [int(t) for t in generator.get_sequence(0)][len(ids):]
-        if i:
-            results.append({"tokens": tokens, "ttft_s": first - started, "decode_s": done - first, "passes": None})
-    return results
+        tokens = [int(t) for t in generator.get_sequence(0)][len(item["ids"]):]
+        # n-gram: a round is two target passes (verify, re-anchor); a step without a draft is one; prefill too
+        stats = generator.get_speculative_stats() if ngram else {}
+        passes = stats["target_forward_passes"] + stats["standard_fallback_steps"] - 1 if ngram else len(tokens) - 1
+        return tokens, first - started, done - first, passes
+
+    return {"results": timed_runs(items, run)}
+
+
+def run_openvino(folder: Path, items: list[dict], max_new_tokens: int, lookup: bool, threads: int) -> dict:
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    options = {"INFERENCE_NUM_THREADS": threads} | ({"prompt_lookup": True} if lookup else {})
+    pipe = ov_genai.LLMPipeline(str(folder), "CPU", **options)
+    config = pipe.get_generation_config()  # the model's stop tokens
+    config.max_new_tokens, config.do_sample = max_new_tokens, False
+    if lookup:
+        config.num_assistant_tokens, config.max_ngram_size = PEER_NGRAM["max_draft_tokens"], PEER_NGRAM["ngram_size"]
+
+    def run(item, warm_up):
+        started = time.perf_counter()
+        result = pipe.generate(ov.Tensor(np.array([item["ids"]], np.int64)), config)
+        total = time.perf_counter() - started
+        ttft, steps = result.perf_metrics.get_ttft().mean / 1000, result.perf_metrics.raw_metrics.m_batch_sizes
+        tokens = [int(t) for t in result.tokens[0]]
+        tokens = tokens[:-1] if tokens and tokens[-1] in config.stop_token_ids else tokens  # as genai and edgespec
+        return tokens, ttft, total - ttft, len(steps) - 1  # steps: each one's tokens, prefill's too
+
+    return {"results": timed_runs(items, run)}
+
+
+def run_bundle(folder: Path, items: list[dict], max_new_tokens: int, speculate: bool, threads: int) -> dict:
+    from edgespec.runtime.engine import GenerationConfig
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(folder, threads=threads)
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+
+    def run(item, warm_up):
+        kwargs = {k: v for k, v in item.items() if k != "ids"}
+        if pipeline.encode(**kwargs) != item["ids"]:
+            raise SystemExit(f"{folder} encodes a prompt unlike the first bundle: compare bundles of one model")
+        # as `edgespec bench`: suffix drafting sees the outputs of the prompts before, never a prompt's own
+        s = (result := pipeline.generate(**kwargs, config=config, speculate=speculate,
+                                         remember=speculate and not warm_up)).stats
+        return result.token_ids, s.first_token_s, s.decode_s, s.target_passes
+
+    return {"results": timed_runs(items, run)}
+
+
+CHILDREN = {"genai": (run_genai, False), "genai-ngram": (run_genai, True), "openvino": (run_openvino, False),
+            "openvino-lookup": (run_openvino, True), "plain": (run_bundle, False), "speculative": (run_bundle, True)}
+
+
+def child(args) -> None:
+    items = [json.loads(line) for line in Path(args.child_prompts).read_text().splitlines() if line.strip()]
+    run, speculative = CHILDREN[args.child]
+    out = run(Path(args.child_folder), items, args.max_new_tokens, speculative, args.threads)
+    print(json.dumps({**out, "peak_rss_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS since it started. Not getrusage's ru_maxrss: Linux carries that across
+    exec from the parent, so a child would report its parent's peak when that was higher."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
 def peer_perplexity(folder: Path, ids: list[int]) -> float:
@@ -109,7 +242,7 @@ def peer_perplexity(folder: Path, ids: list[int]) -> float:
     return perplexity_of(session.run(["logits"], feed)[0][0], ids)
 
 
-def perplexities(peer: Path, bundles: list[Path]) -> None:
+def perplexities(peers: dict[str, Path], bundles: list[Path]) -> None:
     from importlib import resources
 
     from edgespec.quant.report import perplexity
@@ -123,117 +256,155 @@ def perplexities(peer: Path, bundles: list[Path]) -> None:
         fp32 = quality.get("perplexity", {}).get("fp32")
         print(f"{bundle.name:42s} perplexity {perplexity(pipeline.target, ids):.4f}"
               + (f"   (its fp32 export: {fp32})" if fp32 else ""))
-    print(f"{'onnxruntime-genai ' + peer.name.rsplit('-', 1)[-1]:42s} perplexity {peer_perplexity(peer, ids):.4f}")
+    for precision, peer in peers.items():
+        print(f"{'onnxruntime-genai ' + precision:42s} perplexity {peer_perplexity(peer, ids):.4f}")
 
 
-def run_bundle(folder: Path, prompts: list[list[dict]], max_new_tokens: int, speculate: bool, threads: int) -> list[dict]:
-    from edgespec.runtime.engine import GenerationConfig
-    from edgespec.runtime.pipeline import Pipeline
-
-    pipeline = Pipeline(folder, threads=threads)
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    results = []
-    for i, messages in enumerate([prompts[0]] + prompts):
-        result = pipeline.generate(messages=messages, config=config, speculate=speculate)
-        s = result.stats
-        if i:
-            results.append({"tokens": result.token_ids, "ttft_s": s.first_token_s, "decode_s": s.decode_s,
-                            "passes": s.target_passes})
-    return results
-
-
-def child(args) -> None:
-    prompts = load_prompts(Path(args.child_prompts))
-    if args.child == "peer":
-        results = run_peer(Path(args.child_folder), prompts, args.max_new_tokens, ngram=False)
-    elif args.child == "peer-ngram":
-        results = run_peer(Path(args.child_folder), prompts, args.max_new_tokens, ngram=True)
-    else:
-        results = run_bundle(Path(args.child_folder), prompts, args.max_new_tokens, args.child == "speculative",
-                             args.threads)
-    print(json.dumps({"results": results, "peak_rss_mb": peak_rss_mb()}))
-
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS since it started. Not getrusage's ru_maxrss: Linux carries that across
-    exec from the parent, so a child would report its parent's peak when that was higher."""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
-        return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RU_MAXRSS_PER_MB
-
-
-def measure(kind: str, folder: Path, prompts: Path, args) -> dict:
-    command = [sys.executable, __file__, "--child", kind, "--child-folder", str(folder), "--child-prompts", str(prompts),
-               "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
+def measure(system: System, prompts: Path, args) -> dict:
+    python = args.openvino_python if system.kind.startswith("openvino") else sys.executable
+    command = [python, __file__, "--child", system.kind, "--child-folder", str(system.folder), "--child-prompts",
+               str(prompts), "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"{kind} on {folder} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{system.name} on {prompts.name} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def summarize(runs: list[dict]) -> dict:
     results = [r for run in runs for r in run["results"]]
     decoded = sum(max(0, len(r["tokens"]) - 1) for r in results)
-    passes = [r["passes"] for r in results if r["passes"] is not None]
+    passes = sum(r["passes"] or 0 for r in results)
     return {"tokens_per_s": decoded / sum(r["decode_s"] for r in results),
             "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in results),
             "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
-            "tokens_per_pass": (sum(len(r["tokens"]) - 1 for r in results) / sum(passes)) if passes and sum(passes) else None,
+            "tokens_per_pass": decoded / passes if passes else None,
             "outputs": [r["tokens"] for r in runs[0]["results"]]}
 
 
+def genai_name(precision: str, ngram: bool) -> str:
+    return f"onnxruntime-genai {precision}" + (" n-gram 3/10" if ngram else "")
+
+
+def shown(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def add_ratios(table: dict, systems: list[System]) -> None:
+    """Each row's ratios to its own plain decoding and to each genai precision's faster mode; identical."""
+    best = {p: max(table[genai_name(p, ngram)]["tokens_per_s"] for ngram in (False, True)) for p in PRECISIONS}
+    for s in systems:
+        row = table[s.name]
+        row["x_own_plain"] = row["tokens_per_s"] / table[s.plain]["tokens_per_s"] if s.plain else 1.0
+        row.update({f"x_genai_{p}": row["tokens_per_s"] / best[p] for p in PRECISIONS})
+        row["identical_to_plain"] = row["outputs"] == table[s.plain]["outputs"] if s.plain else None
+
+
+def greedy_agreement(table: dict, systems: list[System]) -> dict:
+    """On how many prompts each bundle's plain output equals each peer's greedy output."""
+    def same(a: list, b: list) -> str:
+        return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+    peers = [s.name for s in systems if s.kind in ("genai", "openvino")]
+    return {s.name: {p: same(table[s.name]["outputs"], table[p]["outputs"]) for p in peers}
+            for s in systems if s.kind == "plain"}
+
+
+def print_table(table: dict, systems: list[System]) -> None:
+    print(f"{'system':44s} {'tokens/s':>8s} {'x plain':>7s} {'x g-int4':>8s} {'x g-int8':>8s} {'TTFT ms':>8s} "
+          f"{'RSS MB':>6s} {'tok/pass':>8s}  identical")
+    for s in systems:
+        row = table[s.name]
+        print(f"{s.name:44s} {row['tokens_per_s']:8.1f} {shown(row['x_own_plain'] if s.plain else None, '.2f'):>7s} "
+              f"{row['x_genai_int4']:8.2f} {row['x_genai_int8']:8.2f} {row['ttft_ms']:8.1f} {row['peak_rss_mb']:6.0f} "
+              f"{shown(row['tokens_per_pass'], '.2f'):>8s}  {shown(row['identical_to_plain'], '')}")
+
+
+def over_sets(report: dict, systems: list[System]) -> dict:
+    rows = {s.name: [sets[s.name] for sets in report.values()] for s in systems}
+    means = ("tokens_per_s", "x_own_plain", "x_genai_int4", "x_genai_int8", "ttft_ms", "tokens_per_pass")
+    return {name: {**{k: geomean(r[k] for r in rs) for k in means}, "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+                   "identical_to_plain": None if rs[0]["identical_to_plain"] is None else
+                   all(r["identical_to_plain"] for r in rs)} for name, rs in rows.items()}
+
+
+def make_systems(peers: dict[str, Path], bundles: list[Path], openvino_python: str | None) -> list[System]:
+    systems = []
+    for p, folder in peers.items():
+        systems += [System(genai_name(p, False), "genai", folder, None),
+                    System(genai_name(p, True), "genai-ngram", folder, genai_name(p, False))]
+    for p in PRECISIONS if openvino_python else ():
+        folder, plain = build_openvino(openvino_python, p), f"openvino-genai {p}"
+        systems += [System(plain, "openvino", folder, None),
+                    System(f"{plain} prompt lookup 3/10", "openvino-lookup", folder, plain)]
+    for b in bundles:
+        systems += [System(f"{b.name} plain", "plain", b, None),
+                    System(f"{b.name} speculative", "speculative", b, f"{b.name} plain")]
+    return systems
+
+
+def run_set(prompts: Path, template_agrees: str, systems: list[System], args) -> dict:
+    """One set, every system, alternating the order round by round: drift falls on all alike."""
+    runs = {s.name: [] for s in systems}
+    for round_ in range(args.rounds):
+        for s in (systems if round_ % 2 == 0 else systems[::-1]):
+            runs[s.name].append(measure(s, prompts, args))
+    table = {name: summarize(r) for name, r in runs.items()}
+    add_ratios(table, systems)
+    print(f"\n{prompts.stem}: {len(table[systems[0].name]['outputs'])} prompts, {args.max_new_tokens} new tokens, "
+          f"greedy, {args.threads} threads, {args.rounds} rounds alternating; genai's own template: the same ids "
+          f"on {template_agrees}")
+    print_table(table, systems)
+    agreement = greedy_agreement(table, systems)
+    for name, equal in agreement.items():
+        print(f"  {name} output equals greedy " + ", ".join(f"{p}: {n}" for p, n in equal.items()))
+    return {"systems": {name: {k: v for k, v in row.items() if k != "outputs"} for name, row in table.items()},
+            "plain_equals_peer_greedy": agreement, "genai_template_agrees": template_agrees}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bundles", nargs="*", type=Path)
-    parser.add_argument("--prompts", nargs="+", type=Path,
-                        default=[HERE.parent / "edgespec" / "data" / "prompts.jsonl", HERE / "edit_prompts.jsonl"])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bundles", nargs="*", help="bundle folders, or `default`")
+    parser.add_argument("--sets", help="comma-separated names of benchmarks/workloads/*.jsonl (default: all)")
+    parser.add_argument("--prompts", nargs="+", type=Path, help="prompt files instead of the workload sets")
+    parser.add_argument("--first", type=int, help="only each set's first N prompts (a quick check)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--peer-precision", default="int4", choices=("int4", "int8", "fp32"),
-                        help="onnxruntime-genai's export to compare against (its builder's -p)")
     parser.add_argument("--perplexity", action="store_true", help="first print each system's held-out perplexity")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--child-folder", help=argparse.SUPPRESS)
-    parser.add_argument("--child-prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--openvino-python", help="a Python with openvino-genai and optimum-intel: add OpenVINO GenAI")
+    for hidden in ("--child", "--child-folder", "--child-prompts"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
     if not args.bundles:
         parser.error("give at least one bundle")
-    peer = build_peer(args.threads, args.peer_precision)
+    from edgespec.defaults import resolve_bundle
+
+    sets = prompt_sets(args)
+    bundles = [resolve_bundle(b) for b in args.bundles]
+    peers = {p: build_peer(p) for p in PRECISIONS}
     if args.perplexity:
-        perplexities(peer, args.bundles)
-    systems = [(f"onnxruntime-genai {args.peer_precision}", "peer", peer),
-               (f"onnxruntime-genai {args.peer_precision} n-gram 3/10", "peer-ngram", peer)]
-    for bundle in args.bundles:
-        systems += [(f"{bundle.name} plain", "plain", bundle), (f"{bundle.name} speculative", "speculative", bundle)]
-    report = {}
-    for prompts in args.prompts:
-        runs = {name: [] for name, _, _ in systems}
-        for round_ in range(args.rounds):  # alternate the order round by round: drift falls on all alike
-            for name, kind, folder in (systems if round_ % 2 == 0 else systems[::-1]):
-                runs[name].append(measure(kind, folder, prompts, args))
-        table = {name: summarize(r) for name, r in runs.items()}
-        best_peer = max(table[systems[0][0]]["tokens_per_s"], table[systems[1][0]]["tokens_per_s"])
-        print(f"\n{prompts.name}: {args.max_new_tokens} new tokens, greedy, {args.threads} threads, "
-              f"{args.rounds} rounds alternating")
-        print(f"{'system':42s} {'tokens/s':>9s} {'x peer':>7s} {'TTFT ms':>8s} {'RSS MB':>7s} {'tok/pass':>8s}  identical")
-        for name, kind, folder in systems:
-            row = table[name]
-            same = ""
-            if kind == "speculative":
-                same = str(row["outputs"] == table[f"{folder.name} plain"]["outputs"])
-            per_pass = f"{row['tokens_per_pass']:.2f}" if row["tokens_per_pass"] else ""
-            print(f"{name:42s} {row['tokens_per_s']:9.1f} {row['tokens_per_s'] / best_peer:7.2f} {row['ttft_ms']:8.1f} "
-                  f"{row['peak_rss_mb']:7.0f} {per_pass:>8s}  {same}")
-            row["identical_to_plain"] = same or None
-        report[prompts.name] = {name: {k: v for k, v in row.items() if k != "outputs"} for name, row in table.items()}
+        perplexities(peers, bundles)
+    systems = make_systems(peers, bundles, args.openvino_python)
+    with tempfile.TemporaryDirectory() as scratch:
+        report = {path.stem: run_set(*encode_set(path, bundles[0], Path(scratch) / path.name, args.first),
+                                     systems, args) for path in sets}
+    means = over_sets({name: result["systems"] for name, result in report.items()}, systems)
+    print(f"\ngeometric means over {len(report)} sets ({', '.join(report)}); RSS the largest, identical on every set")
+    print_table(means, systems)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        from importlib.metadata import version
+
+        config = {"bundles": [str(b) for b in bundles], "systems": [s.name for s in systems], "sets": list(report),
+                  "first": args.first, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+                  "threads": args.threads, "onnxruntime_genai": version("onnxruntime-genai")}
+        args.json.write_text(json.dumps({"config": config, "sets": report, "geomean": means}, indent=2))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,13 @@ def _summary(stats: list[Stats]) -> dict:
     decode_s = sum(s.decode_s for s in stats)
     passes = sum(s.target_passes for s in stats)
     accepted = sum(s.accepted_drafts for s in stats)
-    return {"tokens": tokens, "tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
+    by_choice: dict[str, dict[str, int]] = {}  # the step controller's choices (runtime/controller.py)
+    for s in stats:
+        for choice, counts in s.steps_by_choice.items():
+            total = by_choice.setdefault(choice, {"steps": 0, "tokens": 0})
+            total["steps"] += counts["steps"]
+            total["tokens"] += counts["tokens"]
+    return {**({"steps_by_choice": by_choice} if by_choice else {}),"tokens": tokens, "tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
             "mean_accepted_per_pass": round((accepted + passes) / passes, 3) if passes else 0.0,
             "time_to_first_token_s": round(sum(s.first_token_s for s in stats) / len(stats), 4),
             "target_passes": passes}
@@ -105,6 +111,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         lookup=pipeline.lookup.tokens if pipeline.lookup else 0,
         lookup_quote=pipeline.lookup.quote_tokens if pipeline.lookup else 0,
         ngram=pipeline.manifest.ngram.to_dict() if pipeline.manifest.ngram else None,
+        suffix=pipeline.manifest.suffix.to_dict() if pipeline.manifest.suffix else None,
         step_rows=pipeline.target.min_rows,  # 1, or 2 where this device's one-row kernels round differently
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RU_MAXRSS_PER_MB, 1),
     )
@@ -125,7 +132,8 @@ def print_report(report: dict, out=None) -> None:
           + (f" + lookup of {report['lookup']} tokens" if report.get("lookup") or report.get("lookup_quote")
              else "")
           + (f" ({report['lookup_quote']} when quoting)" if report.get("lookup_quote") else "")
-          + (_ngram_text(report["ngram"]) if report.get("ngram") else ""), file=out)
+          + (_ngram_text(report["ngram"]) if report.get("ngram") else "")
+          + (", suffix drafting under the step controller" if report.get("suffix") else ""), file=out)
     print(f"plain        {p['tokens_per_s']:8.2f} tokens/s   TTFT {p['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{100 * p['python_share']:.1f}% outside onnxruntime"
           + (f"   one-token steps of {report['step_rows']} rows (docs/exactness.md)" if report.get("step_rows", 1) > 1
@@ -133,6 +141,9 @@ def print_report(report: dict, out=None) -> None:
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{100 * s['python_share']:.1f}% outside onnxruntime   {s['mean_accepted_per_pass']:.2f} tokens per target pass",
           file=out)
+    if s.get("steps_by_choice"):
+        print("steps chosen   " + ", ".join(f"{choice} {c['steps']} ({c['tokens'] / c['steps']:.2f} tokens per pass)"
+                                            for choice, c in sorted(s["steps_by_choice"].items())), file=out)
     same = "n/a (sampling)" if report["identical_greedy"] is None else report["identical_greedy"]
     spread = f" (rounds: {', '.join(f'{r:.2f}' for r in report['speedup_by_round'])})" if report["rounds"] > 1 else ""
     print(f"speedup {report['speedup']:.2f}x{spread}   identical greedy output: {same}   "

@@ -17,16 +17,17 @@ from edgespec.runtime.paths import cache_dir
 SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
 # int4 weights, the one int4 scheme within +2% perplexity of fp32 here: exact per-block float offsets
 # (the reference GGUF's Q4_1 grid, reproduced) with the head in int8, +0.07% (history.md §40); the
-# tree `edgespec tune` chose for this draft (§13), with prompt lookup while the answer quotes its context
-# only: on int4 every node costs a row of compute, and shorter matches do not pay for theirs (§32). A
-# quote's chain stands alone (runtime/lookup.py), so every tree is one path and the graph one lane (§49)
-DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "lookup": 0,
-                  "lookup_quote": 10, "quant": "int4", "symmetric": False, "lanes": 1}
+# tree `edgespec tune` chose for this draft (§13), beside suffix drafting over the conversation and earlier
+# outputs; each step's tree (the draft's, a suffix chain or the root alone) is chosen by the step controller
+# from this device's pass costs (runtime/controller.py, §57). On int4 every node costs a row of compute:
+# one path a step, and the graph one lane (§49)
+DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "quant": "int4",
+                  "symmetric": False, "lanes": 1, "suffix": True}
 # Raised when the exporter writes the default recipe's graphs differently, so a cached bundle is rebuilt:
 # 2 = the int8 head on its Q8_0 grid without an offsets subgraph (history.md §53); 3 = a target graph
 # without an attention bias (§54); 4 = one-lane graphs pad their tokens into the slots instead of gathering;
-# 5 = only a target's graph does (a draft's gathers again, for OpenVINO).
-DEFAULT_BUILD = 5
+# 5 = only a target's graph does (a draft's gathers again, for OpenVINO); 6 = suffix drafting replaces lookup.
+DEFAULT_BUILD = 6
 
 
 def _shipped_draft_digest() -> str:

@@ -134,6 +134,9 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     if pipeline.manifest.dynamic is not None:
         raise ValueError(f"{folder} grows a dynamic tree each step (dynamic:{pipeline.manifest.dynamic.budget}); tune "
                          "chooses a static one: export the bundle with --tree auto or a static tree to tune it")
+    if pipeline.manifest.drafter is DrafterKind.SUFFIX:
+        raise ValueError(f"{folder} drafts by suffix alone, whose tree the step controller chooses each step from "
+                         "this device's measured pass costs: there is no static tree to tune")
     prompts = load_prompts(prompts_file)
     lookup = pipeline.lookup
     counter = _measure_acceptance(pipeline, prompts, max_new_tokens)
@@ -194,7 +197,7 @@ def _measure_acceptance(pipeline: Pipeline, prompts: list[dict], max_new_tokens:
     """1. Acceptance by depth and rank, with the probe tree, of the draft alone: lookup tokens grafted on
     would blur which rank the target chose."""
     pipeline.lookup, pipeline.tree = None, probe_topology()
-    counter = AcceptanceCounter(pipeline.make_drafter(True))
+    counter = AcceptanceCounter(pipeline.make_drafter(True, controlled=False))
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for item in prompts:
         pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
@@ -220,8 +223,8 @@ def _measure_costs(pipeline: Pipeline, most_nodes: int) -> tuple[dict[int, float
 def lookup_choices(pipeline: Pipeline, lookup: LookupConfig | None) -> list[LookupConfig | None]:
     """Lookups worth measuring, with the bundle's n-gram settings: none, the standard lengths (longer
     while quoting) and the bundle's own. Prompt lookup goes beside a draft model only."""
-    if pipeline.manifest.drafter is not DrafterKind.MODEL:
-        return [None]
+    if pipeline.manifest.drafter is not DrafterKind.MODEL or pipeline.manifest.suffix is not None:
+        return [None]  # suffix drafting replaces prompt lookup
     base = lookup or LookupConfig()
     found = [None] + [replace(base, tokens=k, quote_tokens=QUOTE_TOKENS) for k in LOOKUP_CHOICES] + [lookup]
     return list(dict.fromkeys(found))  # distinct, in order

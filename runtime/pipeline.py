@@ -182,13 +182,14 @@ class Pipeline:
             self.target.min_rows = self._exactness.min_rows
         return self._exactness
 
-    def make_drafter(self, speculate: bool) -> Drafter:
-        """The bundle's drafter; with suffix drafting, under the step controller (runtime/controller.py)."""
+    def make_drafter(self, speculate: bool, controlled: bool = True) -> Drafter:
+        """The bundle's drafter; with suffix drafting, under the step controller (runtime/controller.py) unless
+        not `controlled` (then the drafter alone, on the pipeline's tree: what tune measures)."""
         m = self.manifest
         if not speculate or not self._exact_here():
             return NoDrafter()
-        if m.suffix is None:
-            return self._main_drafter()
+        if m.suffix is None or not controlled:
+            return NoDrafter() if m.drafter is DrafterKind.SUFFIX else self._main_drafter()
         main = None if m.drafter is DrafterKind.SUFFIX else self._main_drafter()
         main_size = m.dynamic.budget if m.dynamic is not None else self.tree.size
         return Controller(SuffixDrafter(m.suffix, self.suffix_store, self.target.lanes), main, self.target.lanes,
