@@ -84,9 +84,12 @@ class TokenArray:
         most max_pattern tokens), and that length m: tokens[p - m : p] == suffix[-m:]. p is where the
         continuation starts; p == end (the suffix's own place in the array) is never returned."""
         tokens = self.tokens[:end]
-        positions = np.arange(1, end, dtype=np.int64)  # continuations start after at least one token
-        best, length = positions[:0], 0
-        for back in range(1, min(max_pattern, len(suffix)) + 1):
+        if not len(suffix) or end < 2:
+            return np.zeros(0, dtype=np.int64), 0
+        # the one pass over the whole array; the longer matches only filter what it found
+        positions = np.flatnonzero(tokens[: end - 1] == suffix[-1]) + 1
+        best, length = positions, 1 if len(positions) else 0
+        for back in range(2, min(max_pattern, len(suffix)) + 1):
             positions = positions[positions >= back]
             positions = positions[tokens[positions - back] == suffix[-back]]
             if not len(positions):
