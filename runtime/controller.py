@@ -6,9 +6,10 @@ scored against what the target commits even when they are not verified; and a ma
 model, n-gram or Token Recycling), asked only when what it has yielded per pass pays for its drafting
 time and its pass, and tried again now and then when it does not (its acceptance may have changed).
 
-Expected tokens of a suffix chain c_1..c_k: 1 + sum_i prod_{j<=i} p_j with p_j = rate(match length,
-depth j) x the trie's probability of c_j given c_{j-1}, `rate` counted (with decay) over earlier steps;
-cost: the measured seconds of a pass of k + 1 rows. Greedy output does not depend on which tree is
+Expected tokens of the suffix tree's first k nodes (most probable first): 1 + the sum over them of the
+product, along each node's path, of p_j = rate(match length, depth j) x the trie's probability of the
+node given its parent, `rate` counted (with decay) over earlier steps; cost: the measured seconds of a
+pass of k + 1 rows. Greedy output does not depend on which tree is
 verified, and sampling stays exact because the choice depends only on earlier steps.
 
 State: the controller owns its measurements (they describe the device and the workload, and outlive a
@@ -144,7 +145,7 @@ class Controller:
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
         proposal = self.suffix.proposal(committed, max_nodes) if self.suffix is not None else None
-        expected, k = self._best_chain(proposal)
+        expected, k = self._best_prefix(proposal)
         options = {"plain": 1.0 / self.costs.seconds(1)}
         if k:
             options["suffix"] = expected / self.costs.seconds(k + 1)
@@ -163,20 +164,21 @@ class Controller:
         self._step = (choice, tree, proposal, main_nodes, time.perf_counter())
         return tree
 
-    def _best_chain(self, proposal: SuffixProposal | None) -> tuple[float, int]:
-        """(expected tokens, length) of the suffix chain's best prefix by expected tokens per pass second."""
+    def _best_prefix(self, proposal: SuffixProposal | None) -> tuple[float, int]:
+        """(expected tokens, drafted nodes) of the suffix tree's best prefix by expected tokens per pass
+        second: its nodes come most probable first, parents before children, so every prefix is a tree."""
         if proposal is None or proposal.tree.size < 2:
             return 1.0, 0
-        chain = proposal.chain(proposal.tree.size)
-        nodes = [0] + self._first_children(proposal, chain.size - 1)
-        length_bucket = bucket(proposal.match_length)
-        expected, reach, best = 1.0, 1.0, (1.0 / self.costs.seconds(1), 1.0, 0)
-        for depth in range(1, chain.size):
-            reach *= min(1.0, self.suffix_rates.mean((length_bucket, bucket(depth))) * proposal.parent_probability[nodes[depth]])
-            expected += reach
-            value = expected / self.costs.seconds(depth + 1)
+        topology, length_bucket = proposal.tree.topology, bucket(proposal.match_length)
+        reach = np.ones(topology.size)
+        expected, best = 1.0, (1.0 / self.costs.seconds(1), 1.0, 0)
+        for node in range(1, topology.size):
+            rate = self.suffix_rates.mean((length_bucket, bucket(int(topology.depths[node]))))
+            reach[node] = reach[topology.parents[node]] * min(1.0, rate * proposal.parent_probability[node])
+            expected += reach[node]
+            value = expected / self.costs.seconds(node + 1)
             if value > best[0]:
-                best = (value, expected, depth)
+                best = (value, expected, node)
         return best[1], best[2]
 
     @staticmethod
@@ -191,7 +193,7 @@ class Controller:
         if choice == "plain" or (choice == "suffix" and not k):
             return proposal.chain(0) if proposal is not None else Tree.from_parents((-1,), [committed[-1]]), 0
         if choice == "suffix":
-            return proposal.chain(k), 0
+            return proposal.prefix(k), 0
         started = time.perf_counter()
         tree = self.main.propose(committed, max_nodes, sampler, target_features).within_paths(self.lanes)
         self.main_draft_s = self.main_draft_s[-7:] + [time.perf_counter() - started]

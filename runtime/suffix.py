@@ -131,6 +131,10 @@ class SuffixProposal:
     parent_probability: np.ndarray
     match_length: int
 
+    def prefix(self, drafted: int) -> Tree:
+        """The tree of its first `drafted` nodes after the root (nodes come most probable first)."""
+        return Tree(self.tree.topology.prefix(drafted + 1), self.tree.tokens[: drafted + 1])
+
     def chain(self, length: int) -> Tree:
         """The first `length` drafted tokens along the most probable path (first children)."""
         nodes, node = [0], 0
