@@ -39,20 +39,24 @@ def bucket(value: int, buckets: int = 4) -> int:
 
 
 class PassCosts:
-    """Seconds of a verify pass by its rows, timed in the loop: a moving average per row count, read
-    through a line fitted over the counts of two rows or more (passes are noisy on a shared machine, and
-    the line also prices counts never timed); with one count timed, EXTRA_ROW_PRIOR of a one-row pass
-    per extra row. A one-row pass is priced alone: it may take other kernels (docs/exactness.md)."""
+    """Seconds of a verify pass by its rows, timed in the loop: a moving average per row count (the first
+    pass of a shape is left out: onnxruntime allocates for it), read through a line over the counts of
+    two rows or more, fitted robustly (Theil-Sen: the median of the pairwise slopes), since a shared
+    machine's passes are noisy and a count rarely chosen is rarely timed again; the line also prices
+    counts never timed. With one count timed, EXTRA_ROW_PRIOR of a one-row pass per extra row. A one-row
+    pass is priced alone: it may take other kernels (docs/exactness.md)."""
 
     def __init__(self, smoothing: float = 0.1):
         self.smoothing = smoothing
         self.seconds_by_rows: dict[int, float] = {}
-        self.timed: dict[int, int] = {}
+        self.seen: set[int] = set()
 
     def record(self, rows: int, seconds: float) -> None:
+        if rows not in self.seen:
+            self.seen.add(rows)
+            return
         old = self.seconds_by_rows.get(rows)
         self.seconds_by_rows[rows] = seconds if old is None else old + self.smoothing * (seconds - old)
-        self.timed[rows] = self.timed.get(rows, 0) + 1
 
     def seconds(self, rows: int) -> float:
         known = self.seconds_by_rows
@@ -61,14 +65,15 @@ class PassCosts:
         one_row = known.get(1) or min(known.values()) / (1 + EXTRA_ROW_PRIOR * (min(known) - 1))
         if rows == 1:
             return one_row
-        several = {r: s for r, s in known.items() if r > 1}
+        several = sorted((r, s) for r, s in known.items() if r > 1)
         if len(several) < 2:
-            anchor, at = next(iter(several.items())) if several else (1, one_row)
+            anchor, at = several[0] if several else (1, one_row)
             return max(one_row, at + EXTRA_ROW_PRIOR * one_row * (rows - anchor))
-        r, s = np.array(list(several), dtype=float), np.array(list(several.values()))
-        w = np.minimum(np.array([self.timed[int(x)] for x in r], dtype=float), 20)
-        slope, intercept = np.polyfit(r, s, 1, w=np.sqrt(w))
-        return float(max(one_row, intercept + max(slope, 0.0) * rows))
+        r, s = np.array(several, dtype=float).T
+        i, j = np.triu_indices(len(r), 1)
+        slope = max(0.0, float(np.median((s[j] - s[i]) / (r[j] - r[i]))))
+        intercept = float(np.median(s - slope * r))
+        return max(one_row, intercept + slope * rows)
 
 
 class DecayedMean:
@@ -120,23 +125,36 @@ class SourceCounts:
         return SourceCounts(dict(self.steps), dict(self.tokens))
 
 
+@dataclass
+class Measurements:
+    """What the step controller has measured: pass costs (they describe the device) and each source's
+    acceptance (the workload). A pipeline keeps one for all its requests, so that each starts from what
+    the ones before it measured, as its Token Recycling table and suffix store do."""
+    costs: PassCosts
+    # the suffix chain's acceptance per [match-length bucket, depth bucket], per unit of the trie's probability
+    suffix_rates: DepthRates
+    # the main drafter: tokens a pass with its tree yields, its tree's nodes, its last few drafting times
+    main_tokens: DecayedMean
+    main_size: DecayedMean
+    main_draft_s: list[float] = field(default_factory=list)
+
+    @classmethod
+    def fresh(cls, main_size: int) -> "Measurements":
+        """Hopeful starts, measured within a few steps (a pessimistic one might never be): a longer match
+        is a quote more often (history.md §32), and a main drafter's tree is half accepted."""
+        return cls(PassCosts(), DepthRates(np.array([0.4, 0.6, 0.75, 0.85]), depths=4),
+                   DecayedMean((1,), prior=1.0 + 0.5 * (main_size - 1)), DecayedMean((1,), prior=float(main_size)))
+
+
 class Controller:
     """A Drafter that chooses, each step, among a plain step, the suffix drafter's chain (of the best
     length), the main drafter's tree, and where the graph has lanes for it the main tree with the suffix
     chain grafted on."""
 
-    def __init__(self, suffix: SuffixDrafter | None, main: Drafter | None, lanes: int, main_size: int):
-        """`main_size`: the nodes of the main drafter's usual tree (its topology's or budget's)."""
+    def __init__(self, suffix: SuffixDrafter | None, main: Drafter | None, lanes: int, measured: Measurements):
+        """`measured`: the caller's, shared by its controllers (Measurements.fresh for a new one)."""
         self.suffix, self.main, self.lanes = suffix, main, lanes
-        self.costs = PassCosts()
-        # the suffix chain's acceptance per [match-length bucket, depth bucket], per unit of the trie's probability;
-        # a longer match is a quote more often (history.md §32): a hopeful start that grows with it
-        self.suffix_rates = DepthRates(np.array([0.4, 0.6, 0.75, 0.85]), depths=4)
-        # the main drafter: tokens a pass with its tree yields, its tree's nodes, its drafting seconds; a hopeful
-        # start (it is measured within a few steps, and a pessimistic one might never be)
-        self.main_tokens = DecayedMean((1,), prior=1.0 + 0.5 * (main_size - 1))
-        self.main_size = DecayedMean((1,), prior=float(main_size))
-        self.main_draft_s: list[float] = []  # the last few steps' drafting seconds
+        self.measured = measured
         self.counts = SourceCounts()
         self.left_out = 0
         self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start)
@@ -146,16 +164,16 @@ class Controller:
                 target_features: np.ndarray | None = None) -> Tree:
         proposal = self.suffix.proposal(committed, max_nodes) if self.suffix is not None else None
         expected, k = self._best_prefix(proposal)
-        options = {"plain": 1.0 / self.costs.seconds(1)}
+        options = {"plain": 1.0 / self.measured.costs.seconds(1)}
         if k:
-            options["suffix"] = expected / self.costs.seconds(k + 1)
+            options["suffix"] = expected / self.measured.costs.seconds(k + 1)
         if self.main is not None:
             # the least of the last few: a step after others went by also catches up on what they committed
-            main_tokens, main_s = self.main_tokens.mean(), min(self.main_draft_s, default=0.0)
-            size = max(1, round(self.main_size.mean()))
-            options["draft"] = main_tokens / (main_s + self.costs.seconds(size))
+            main_tokens, main_s = self.measured.main_tokens.mean(), min(self.measured.main_draft_s, default=0.0)
+            size = max(1, round(self.measured.main_size.mean()))
+            options["draft"] = main_tokens / (main_s + self.measured.costs.seconds(size))
             if k and self.lanes > 1:
-                options["draft+suffix"] = (main_tokens + expected - 1) / (main_s + self.costs.seconds(size + k))
+                options["draft+suffix"] = (main_tokens + expected - 1) / (main_s + self.measured.costs.seconds(size + k))
         choice = max(options, key=options.get)
         if self.main is not None and choice == "plain" and self.left_out >= EXPLORE_EVERY:
             choice = "draft"
@@ -171,12 +189,12 @@ class Controller:
             return 1.0, 0
         topology, length_bucket = proposal.tree.topology, bucket(proposal.match_length)
         reach = np.ones(topology.size)
-        expected, best = 1.0, (1.0 / self.costs.seconds(1), 1.0, 0)
+        expected, best = 1.0, (1.0 / self.measured.costs.seconds(1), 1.0, 0)
         for node in range(1, topology.size):
-            rate = self.suffix_rates.mean((length_bucket, bucket(int(topology.depths[node]))))
+            rate = self.measured.suffix_rates.mean((length_bucket, bucket(int(topology.depths[node]))))
             reach[node] = reach[topology.parents[node]] * min(1.0, rate * proposal.parent_probability[node])
             expected += reach[node]
-            value = expected / self.costs.seconds(node + 1)
+            value = expected / self.measured.costs.seconds(node + 1)
             if value > best[0]:
                 best = (value, expected, node)
         return best[1], best[2]
@@ -196,7 +214,7 @@ class Controller:
             return proposal.prefix(k), 0
         started = time.perf_counter()
         tree = self.main.propose(committed, max_nodes, sampler, target_features).within_paths(self.lanes)
-        self.main_draft_s = self.main_draft_s[-7:] + [time.perf_counter() - started]
+        self.measured.main_draft_s = self.measured.main_draft_s[-7:] + [time.perf_counter() - started]
         main_nodes = tree.size
         if choice == "draft+suffix":
             tree = graft_chain(tree, [int(t) for t in proposal.chain(k).tokens[1:]], max_nodes).within_paths(self.lanes)
@@ -210,14 +228,14 @@ class Controller:
             return
         choice, tree, proposal, main_nodes, verify_start = self._step
         self._step = None
-        self.costs.record(tree.size, time.perf_counter() - verify_start)
+        self.measured.costs.record(tree.size, time.perf_counter() - verify_start)
         self.counts.add(choice, len(accepted))
         if proposal is not None and proposal.tree.size > 1:
             self._score_suffix(proposal, accepted)
         if main_nodes:
             path = self._accepted_nodes(tree, accepted)
-            self.main_tokens.add(0, 1 + sum(1 for node in path if node < main_nodes))
-            self.main_size.add(0, main_nodes)
+            self.measured.main_tokens.add(0, 1 + sum(1 for node in path if node < main_nodes))
+            self.measured.main_size.add(0, main_nodes)
 
     def _score_suffix(self, proposal: SuffixProposal, accepted: list[int]) -> None:
         """Counts the suffix chain's tokens against the committed ones, as far as those are known."""
@@ -226,7 +244,7 @@ class Controller:
         length_bucket = bucket(proposal.match_length)
         for depth, (node, token) in enumerate(zip(nodes, accepted), start=1):
             hit = int(chain.tokens[depth]) == token
-            self.suffix_rates.add((length_bucket, bucket(depth)), hit, float(proposal.parent_probability[node]))
+            self.measured.suffix_rates.add((length_bucket, bucket(depth)), hit, float(proposal.parent_probability[node]))
             if not hit:
                 break
 

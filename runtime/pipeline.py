@@ -8,7 +8,7 @@ from pathlib import Path
 from . import prepacked
 from .budget import parse_size, plan_memory
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
-from .controller import Controller
+from .controller import Controller, Measurements
 from .device import describe
 from .drafters import (
     Drafter,
@@ -121,6 +121,7 @@ class Pipeline:
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         # earlier outputs that suffix drafting continues from: one store per pipeline, for all its requests
         self.suffix_store = SuffixStore(m.suffix.store_tokens) if m.suffix is not None else None
+        self.step_measurements: Measurements | None = None  # the step controllers', shared: made on first use
         if m.drafter is DrafterKind.MODEL:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
@@ -191,9 +192,10 @@ class Pipeline:
         if m.suffix is None or not controlled:
             return NoDrafter() if m.drafter is DrafterKind.SUFFIX else self._main_drafter()
         main = None if m.drafter is DrafterKind.SUFFIX else self._main_drafter()
-        main_size = m.dynamic.budget if m.dynamic is not None else self.tree.size
+        if self.step_measurements is None:
+            self.step_measurements = Measurements.fresh(m.dynamic.budget if m.dynamic is not None else self.tree.size)
         return Controller(SuffixDrafter(m.suffix, self.suffix_store, self.target.lanes), main, self.target.lanes,
-                          main_size)
+                          self.step_measurements)
 
     def _main_drafter(self) -> Drafter:
         m = self.manifest

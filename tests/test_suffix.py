@@ -5,7 +5,7 @@ import pytest
 from test_sampling_engine import assert_same_distribution, first_tokens
 
 from edgespec.runtime.bundle import read_manifest
-from edgespec.runtime.controller import EXPLORE_EVERY, Controller, PassCosts
+from edgespec.runtime.controller import EXPLORE_EVERY, Controller, Measurements, PassCosts
 from edgespec.runtime.drafters import NoDrafter
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ExportError, InputError
@@ -78,17 +78,19 @@ def test_bad_settings_are_refused():
             SuffixConfig(**bad)
 
 
-def test_pass_costs_are_read_through_a_line_over_what_was_timed():
+def test_pass_costs_are_read_through_a_robust_line_over_what_was_timed():
     costs = PassCosts()
     assert costs.seconds(5) == pytest.approx(2.0)  # the prior, in one-row passes
+    costs.record(1, 0.050)  # a shape's first pass allocates: left out
+    assert costs.seconds(5) == pytest.approx(2.0)
     costs.record(1, 0.010)
     assert costs.seconds(3) == pytest.approx(0.010 + 2 * 0.25 * 0.010)  # one count timed: the prior's slope
-    costs.record(2, 0.012)
-    costs.record(4, 0.016)
-    costs.record(3, 0.020)  # a noisy pass
+    for rows, ms in ((2, 12), (3, 14), (4, 16), (5, 18), (21, 140)):  # the last one noisy
+        costs.record(rows, 1.0)
+        costs.record(rows, ms / 1000)
     assert costs.seconds(1) == pytest.approx(0.010)
-    assert costs.seconds(2) < costs.seconds(3) < costs.seconds(8)  # the line, not the noise
-    assert costs.seconds(8) == pytest.approx(0.010 + 0.002 * 8)  # least squares through (2, 12), (3, 20), (4, 16) ms
+    assert costs.seconds(8) == pytest.approx(0.008 + 0.002 * 8)  # the median slope: the outlier does not bend it
+    assert costs.seconds(21) < 0.140
 
 
 class FixedDrafter:
@@ -114,7 +116,6 @@ class FixedCosts(PassCosts):
     def __init__(self, one_row: float, per_row: float):
         super().__init__()
         self.seconds_by_rows = {rows: one_row + per_row * (rows - 1) for rows in range(1, 65)}
-        self.timed = {rows: 20 for rows in self.seconds_by_rows}
 
     def record(self, rows, seconds):
         pass
@@ -136,8 +137,8 @@ def test_the_controller_takes_a_quote_and_drops_a_draft_that_does_not_pay():
     quote = list(range(10, 22))
     committed = [1, *quote, 2, *quote[:9]]
     main = FixedDrafter([99])  # never right
-    controller = Controller(SuffixDrafter(SuffixConfig(), None), main, lanes=1, main_size=2)
-    controller.costs = FixedCosts(0.010, 0.002)
+    controller = Controller(SuffixDrafter(SuffixConfig(), None), main, lanes=1, measured=Measurements.fresh(2))
+    controller.measured.costs = FixedCosts(0.010, 0.002)
     tree = step(controller, committed, quote[9:] + [0])  # the quote goes on where the suffix says
     assert list(tree.tokens[1:4]) == quote[9:12]
     for _ in range(12):  # the draft's proposals are never accepted: its steps stop paying
@@ -155,8 +156,8 @@ def test_the_controller_takes_a_quote_and_drops_a_draft_that_does_not_pay():
 
 def test_a_plain_step_wins_where_extra_rows_cost_too_much():
     committed = [1, 2, 3, 4, 5, 1, 2, 3, 4]
-    controller = Controller(SuffixDrafter(SuffixConfig(), None), None, lanes=1, main_size=1)
-    controller.costs = FixedCosts(0.010, 0.030)
+    controller = Controller(SuffixDrafter(SuffixConfig(), None), None, lanes=1, measured=Measurements.fresh(1))
+    controller.measured.costs = FixedCosts(0.010, 0.030)
     assert controller.propose(committed, 64, None).size == 1
 
 
@@ -194,10 +195,13 @@ def test_suffix_drafting_under_sampling_has_the_plain_distribution(bundle_factor
     assert_same_distribution(plain, spec)
 
 
-def test_plain_decoding_has_no_controller(bundle_factory):
+def test_plain_decoding_has_no_controller_and_requests_share_what_was_measured(bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="suffix", tree=None, suffix=True))
     assert isinstance(pipeline.make_drafter(False), NoDrafter)
-    assert isinstance(pipeline.make_drafter(True), Controller)
+    first, second = pipeline.make_drafter(True), pipeline.make_drafter(True)
+    assert isinstance(first, Controller) and first.measured is second.measured is pipeline.step_measurements
+    pipeline.generate("a b c a b c a b", config=CONFIG)
+    assert pipeline.step_measurements.costs.seconds_by_rows  # the passes of one request price the next's
 
 
 def test_export_refuses_suffix_beside_lookup_or_a_tree_for_it(models, tmp_path):
