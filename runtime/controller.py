@@ -69,11 +69,38 @@ class PassCosts:
         if len(several) < 2:
             anchor, at = several[0] if several else (1, one_row)
             return max(one_row, at + EXTRA_ROW_PRIOR * one_row * (rows - anchor))
-        r, s = np.array(several, dtype=float).T
-        i, j = np.triu_indices(len(r), 1)
-        slope = max(0.0, float(np.median((s[j] - s[i]) / (r[j] - r[i]))))
-        intercept = float(np.median(s - slope * r))
+        intercept, slope = theil_sen(*np.array(several, dtype=float).T)
         return max(one_row, intercept + slope * rows)
+
+
+def theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the line through points with at least two distinct x: the median of the
+    pairwise slopes, then the median intercept. One wild point does not bend it."""
+    i, j = np.triu_indices(len(x), 1)
+    apart = x[j] != x[i]
+    slope = max(0.0, float(np.median((y[j] - y[i])[apart] / (x[j] - x[i])[apart])))
+    return float(np.median(y - slope * x)), slope
+
+
+class DraftCost:
+    """Seconds the main drafter takes a step, from its recent calls: a draft model first catches up on the
+    tokens committed since it last ran (more after steps that left it out), so the seconds are fitted
+    against those tokens and read at what one step commits when it drafts every step."""
+
+    def __init__(self, keep: int = 16):
+        self.keep, self.calls = keep, []  # (tokens it caught up on, seconds)
+
+    def record(self, behind: int, seconds: float) -> None:
+        self.calls = self.calls[-(self.keep - 1):] + [(behind, seconds)]
+
+    def seconds(self, behind: float) -> float:
+        if not self.calls:
+            return 0.0
+        x, y = np.array(self.calls, dtype=float).T
+        if len(set(x)) < 2:
+            return float(y.min())
+        intercept, slope = theil_sen(x, y)
+        return max(0.0, intercept + slope * behind)
 
 
 class DecayedMean:
@@ -136,7 +163,7 @@ class Measurements:
     # the main drafter: tokens a pass with its tree yields, its tree's nodes, its last few drafting times
     main_tokens: DecayedMean
     main_size: DecayedMean
-    main_draft_s: list[float] = field(default_factory=list)
+    main_draft: DraftCost = field(default_factory=DraftCost)
 
     @classmethod
     def fresh(cls, main_size: int) -> "Measurements":
@@ -157,6 +184,7 @@ class Controller:
         self.measured = measured
         self.counts = SourceCounts()
         self.left_out = 0
+        self.main_seen = 0  # the committed tokens the main drafter had when it last drafted
         self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start)
 
     # 1. choose and draft
@@ -168,8 +196,8 @@ class Controller:
         if k:
             options["suffix"] = expected / self.measured.costs.seconds(k + 1)
         if self.main is not None:
-            # the least of the last few: a step after others went by also catches up on what they committed
-            main_tokens, main_s = self.measured.main_tokens.mean(), min(self.measured.main_draft_s, default=0.0)
+            main_tokens = self.measured.main_tokens.mean()
+            main_s = self.measured.main_draft.seconds(main_tokens)  # drafting every step: one step's tokens behind
             size = max(1, round(self.measured.main_size.mean()))
             options["draft"] = main_tokens / (main_s + self.measured.costs.seconds(size))
             if k and self.lanes > 1:
@@ -214,7 +242,8 @@ class Controller:
             return proposal.prefix(k), 0
         started = time.perf_counter()
         tree = self.main.propose(committed, max_nodes, sampler, target_features).within_paths(self.lanes)
-        self.measured.main_draft_s = self.measured.main_draft_s[-7:] + [time.perf_counter() - started]
+        self.measured.main_draft.record(len(committed) - self.main_seen, time.perf_counter() - started)
+        self.main_seen = len(committed)
         main_nodes = tree.size
         if choice == "draft+suffix":
             tree = graft_chain(tree, [int(t) for t in proposal.chain(k).tokens[1:]], max_nodes).within_paths(self.lanes)
@@ -258,6 +287,7 @@ class Controller:
 
     def rewind(self, length: int) -> None:
         self._step = None
+        self.main_seen = min(self.main_seen, length)
         for source in (self.suffix, self.main):
             if source is not None:
                 source.rewind(length)

@@ -5,7 +5,7 @@ import pytest
 from test_sampling_engine import assert_same_distribution, first_tokens
 
 from edgespec.runtime.bundle import read_manifest
-from edgespec.runtime.controller import EXPLORE_EVERY, Controller, Measurements, PassCosts
+from edgespec.runtime.controller import EXPLORE_EVERY, Controller, DraftCost, Measurements, PassCosts
 from edgespec.runtime.drafters import NoDrafter
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import ExportError, InputError
@@ -91,6 +91,16 @@ def test_pass_costs_are_read_through_a_robust_line_over_what_was_timed():
     assert costs.seconds(1) == pytest.approx(0.010)
     assert costs.seconds(8) == pytest.approx(0.008 + 0.002 * 8)  # the median slope: the outlier does not bend it
     assert costs.seconds(21) < 0.140
+
+
+def test_a_drafts_cost_is_read_at_one_steps_catch_up():
+    cost = DraftCost()
+    assert cost.seconds(1.5) == 0.0  # never timed: hopeful
+    cost.record(300, 0.040)  # the prompt, caught up on at its first call
+    assert cost.seconds(1.5) == pytest.approx(0.040)
+    for behind, seconds in ((2, 0.0012), (1, 0.0010), (12, 0.0030), (3, 0.0014), (1, 0.0011)):
+        cost.record(behind, seconds)
+    assert 0.0009 < cost.seconds(1.5) < 0.0013  # not the catch-ups' seconds
 
 
 class FixedDrafter:
