@@ -54,7 +54,8 @@ def _summary(stats: list[Stats]) -> dict:
             total = by_choice.setdefault(choice, {"steps": 0, "tokens": 0})
             total["steps"] += counts["steps"]
             total["tokens"] += counts["tokens"]
-    return {**({"steps_by_choice": by_choice} if by_choice else {}),"tokens": tokens, "tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
+    return {**({"steps_by_choice": by_choice} if by_choice else {}),
+            "tokens": tokens, "tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
             "mean_accepted_per_pass": round((accepted + passes) / passes, 3) if passes else 0.0,
             "time_to_first_token_s": round(sum(s.first_token_s for s in stats) / len(stats), 4),
             "target_passes": passes}

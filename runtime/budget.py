@@ -148,7 +148,7 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryP
     target_kv_token = target.facts.kv_bytes_per_token() * target.lanes + 4 * target.feature_size
     per_token = target_kv_token + draft_kv_token
     scratch = scratch_bytes(manifest)
-    suffix_store = 4 * (manifest.suffix.store_tokens + 1) if manifest.suffix else 0  # int32 tokens
+    suffix_store = manifest.suffix.store_bytes if manifest.suffix else 0
     others = RUNTIME_BASE_BYTES + draft_weights + scratch + suffix_store
     full = target.facts.max_context
     least = min(MIN_CONTEXT, full)

@@ -227,16 +227,8 @@ class Controller:
                 best = (value, expected, node)
         return best[1], best[2]
 
-    @staticmethod
-    def _first_children(proposal: SuffixProposal, count: int) -> list[int]:
-        nodes, node = [], 0
-        while len(nodes) < count:
-            node = proposal.tree.topology.children[node][0]
-            nodes.append(node)
-        return nodes
-
     def _draft(self, choice, proposal, k, committed, max_nodes, sampler, target_features) -> tuple[Tree, int]:
-        if choice == "plain" or (choice == "suffix" and not k):
+        if choice == "plain":
             return proposal.chain(0) if proposal is not None else Tree.from_parents((-1,), [committed[-1]]), 0
         if choice == "suffix":
             return proposal.prefix(k), 0
@@ -268,11 +260,9 @@ class Controller:
 
     def _score_suffix(self, proposal: SuffixProposal, accepted: list[int]) -> None:
         """Counts the suffix chain's tokens against the committed ones, as far as those are known."""
-        chain = proposal.chain(proposal.tree.size)
-        nodes = self._first_children(proposal, chain.size - 1)
         length_bucket = bucket(proposal.match_length)
-        for depth, (node, token) in enumerate(zip(nodes, accepted), start=1):
-            hit = int(chain.tokens[depth]) == token
+        for depth, (node, token) in enumerate(zip(proposal.first_path()[1:], accepted), start=1):
+            hit = int(proposal.tree.tokens[node]) == token
             self.measured.suffix_rates.add((length_bucket, bucket(depth)), hit, float(proposal.parent_probability[node]))
             if not hit:
                 break

@@ -38,6 +38,11 @@ class SuffixConfig:
     min_probability: float = 0.1  # a node whose estimated probability is lower is not drafted
     store_tokens: int = 65536  # earlier outputs kept across requests (4 bytes each)
 
+    @property
+    def store_bytes(self) -> int:
+        """What SuffixStore(store_tokens) holds: int32 tokens and a separator."""
+        return 4 * (self.store_tokens + 1)
+
     def __post_init__(self):
         ints = ("max_depth", "max_pattern", "min_match", "store_tokens")
         if any(isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int) for n in ints) \
@@ -135,12 +140,17 @@ class SuffixProposal:
         """The tree of its first `drafted` nodes after the root (nodes come most probable first)."""
         return Tree(self.tree.topology.prefix(drafted + 1), self.tree.tokens[: drafted + 1])
 
-    def chain(self, length: int) -> Tree:
-        """The first `length` drafted tokens along the most probable path (first children)."""
+    def first_path(self, length: int | None = None) -> list[int]:
+        """The nodes of the most probable path (first children) from the root, at most `length` after it."""
         nodes, node = [0], 0
-        while len(nodes) <= length and self.tree.topology.children[node]:
+        while (length is None or len(nodes) <= length) and self.tree.topology.children[node]:
             node = self.tree.topology.children[node][0]
             nodes.append(node)
+        return nodes
+
+    def chain(self, length: int) -> Tree:
+        """The first `length` drafted tokens along the most probable path."""
+        nodes = self.first_path(length)
         return Tree.from_parents(tuple(range(-1, len(nodes) - 1)), self.tree.tokens[nodes])
 
 
