@@ -59,6 +59,7 @@ Subclasses override only what differs from Llama (architectures.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -77,13 +78,16 @@ ROPE_SLACK = KV_SLACK
 
 class LlamaBuilder:
     architecture = "llama"
-    qkv_bias = False
+    qk_norm: str | None = None  # "head": an RMSNorm over each query/key head; "projection": over the whole projections
+    norm_offset = 0.0  # norms scale by (norm_offset + weight): Gemma's are 1 + weight
+    activations = ("silu",)  # the MLP activations the graph computes (`activation`)
     # positions past the context the rotary tables cover: a static-shape graph's node count (its passes
     # write that far, and its op checks its tables against the whole buffer)
     rope_slack = ROPE_SLACK
     # attention in standard ONNX operators instead of the fused contrib op (a static draft for an NPU,
     # whose compiler takes no GroupQueryAttention): its arithmetic differs, which a draft may
     portable_attention = False
+    attention_attributes: dict = {}  # GroupQueryAttention's own (scale, softcap) where a family sets them
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
                  feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
@@ -124,13 +128,19 @@ class LlamaBuilder:
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            sliding_window=self.sliding_window(cfg, max_context),
         )
-        cos, sin = self.rope_tables()
-        half = head_dim // 2
-        self.facts = replace(self.facts, rope_frequencies=tuple(
-            float(a) for a in np.arctan2(sin[1, :half].astype(np.float64), cos[1, :half].astype(np.float64))))
+        self.windows = self.attention_windows(cfg)
+        self.facts = replace(self.facts, sliding_window=min((w for w in self.windows if w), default=None))
+        self.ropes = tuple(self.layer_rope(cfg, l) for l in range(cfg.num_hidden_layers))
+        if set(self.ropes) == {""}:  # one rotary table for every layer: the cache can move keys (KV eviction)
+            cos, sin = self.rope_tables("")
+            half = cos.shape[1] // 2
+            if half == head_dim // 2:
+                self.facts = replace(self.facts, rope_frequencies=tuple(float(a) for a in np.arctan2(
+                    sin[1, :half].astype(np.float64), cos[1, :half].astype(np.float64))))
         self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+        # a bias on q, k and v (Qwen2, or any family's `attention_bias`) is read where the checkpoint has one
+        self.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in self.state
         self._refuse_what_the_graph_omits(cfg)
         self.head_tokens = head_tokens
         self.features_out = features_out
@@ -146,15 +156,32 @@ class LlamaBuilder:
     def _refuse_what_the_graph_omits(self, cfg) -> None:
         """A config the graph would silently get wrong (an activation it does not compute, a bias it does
         not add) is refused here, not exported into wrong logits."""
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ExportError(f"the model's MLP uses {act!r}; edgespec's {self.architecture} graph computes SiLU only")
+        act = self.activation_name(cfg)
+        if act not in self.activations:
+            raise ExportError(f"the model's MLP uses {act!r}; edgespec's {self.architecture} graph computes "
+                              f"{' or '.join(self.activations)} only")
+        if self.rotary_dims < self.facts.head_dim and (self.rotary_dims // 2) % 8:
+            raise ExportError(f"the model turns {self.rotary_dims} of each head's {self.facts.head_dim} dimensions "
+                              "by its rotary embedding; onnxruntime's fused attention takes a partial rotation in "
+                              "multiples of 16 dimensions")
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        rope = rope.get("full_attention", rope) if "rope_type" not in rope else rope
+        if rope.get("rope_type") in ("dynamic", "longrope"):
+            # these tables change with the length of the sequence transformers sees; one table is exact only
+            # while every sequence stays within the length they were made for
+            limit = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+            if limit and self.facts.max_context > limit:
+                raise ExportError(f"the model's {rope['rope_type']} rotary embedding changes past {limit} tokens, "
+                                  f"which one exported table cannot follow: export with --context {limit} or less")
         read = ("q_proj.bias", "k_proj.bias", "v_proj.bias") if self.qkv_bias else ()
         unread = sorted({k.split("layers.")[-1].split(".", 1)[-1] for k in self.state
                          if k.endswith(".bias") and not k.endswith(read)})
         if unread:
             raise ExportError(f"the model has biases edgespec's {self.architecture} graph does not add "
                               f"({', '.join(unread)}): attention_bias / mlp_bias models are not supported")
+
+    def activation_name(self, cfg) -> str:
+        return getattr(cfg, "hidden_act", "silu")
 
     @property
     def pads_slots(self) -> bool:
@@ -166,32 +193,60 @@ class LlamaBuilder:
         return sum(v.size for k, v in self.state.items() if not (tied and k == "lm_head.weight"))
 
     # --- what subclasses may override -------------------------------------------------------
-    def sliding_window(self, cfg, max_context: int) -> int | None:
-        return None
+    def attention_windows(self, cfg) -> tuple[int | None, ...]:
+        """Per layer, how many of the latest positions (its own included) a query attends to; None where
+        the context fits inside it. Read as transformers reads it: `layer_types` where the config has them,
+        else `sliding_window` for every layer (Mistral)."""
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * cfg.num_hidden_layers
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ExportError(f"the model has {', '.join(unknown)} layers, which edgespec's {self.architecture} "
+                              "graph does not compute")
+        reach = self.facts.max_context + self.rope_slack  # a pass never sees further back than this
+        return tuple(window if t == "sliding_attention" and window and window < reach else None for t in types)
 
-    def rope_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin [max_context + rope_slack, head_dim], computed by the model's own rotary module so that every
-        rope variant transformers knows (llama3, yarn, linear, ...) is reproduced exactly."""
+    @property
+    def rotary_dims(self) -> int:
+        """How many of a head's dimensions the rotary embedding turns (the rest pass through)."""
+        return self.facts.head_dim
 
-        positions = torch.arange(self.facts.max_context + self.rope_slack).unsqueeze(0)
+    def layer_rope(self, cfg, layer: int) -> str | None:
+        """Which rotary table layer `layer` reads: "" the model's one table, a layer type's name where the
+        model keeps a table per type (`rope_tables`), None for a layer without rotary embedding."""
+        rotary = self.model.model.rotary_emb
+        return cfg.layer_types[layer] if len(getattr(rotary, "layer_types", ())) > 1 else ""
+
+    def rope_tables(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [max_context + rope_slack, rotary dims] of table `kind` (`layer_rope`), computed by the model's
+        own rotary module so that every rope variant transformers knows (llama3, yarn, linear, longrope's
+        choice for the exported context, ...) is reproduced exactly."""
         probe = torch.zeros(1, 1, self.facts.head_dim)
-        with torch.no_grad():
-            cos, sin = self.model.model.rotary_emb(probe, positions)
-        return cos[0].float().numpy(), sin[0].float().numpy()
+        tables = []
+        # the context's rows, then the slack rows (written by padding slots, never read): a rope that changes
+        # with the sequence's length (longrope, dynamic) sees only lengths inside the context
+        for span in (range(self.facts.max_context), range(self.facts.max_context, self.facts.max_context + self.rope_slack)):
+            with torch.no_grad():
+                cos, sin = self.model.model.rotary_emb(probe, torch.tensor([list(span)]),
+                                                       **({"layer_type": kind} if kind else {}))
+            tables.append((cos[0].float().numpy(), sin[0].float().numpy()))
+        return np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables])
 
     def layer_weights(self, i: int) -> dict[str, np.ndarray]:
-        s, p = self.state, f"model.layers.{i}."
+        s, p, one = self.state, f"model.layers.{i}.", np.float32(self.norm_offset)
         qkv = np.concatenate([s[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0).T
         out = {
-            "input_norm": s[p + "input_layernorm.weight"],
+            "input_norm": s[p + "input_layernorm.weight"] + one,
             "qkv": qkv,
             "o": s[p + "self_attn.o_proj.weight"].T,
-            "post_norm": s[p + "post_attention_layernorm.weight"],
+            "post_norm": s[p + "post_attention_layernorm.weight"] + one,
             "gate_up": np.concatenate([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]], axis=0).T,
             "down": s[p + "mlp.down_proj.weight"].T,
         }
         if self.qkv_bias:
             out["qkv_bias"] = np.concatenate([s[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        if self.qk_norm:
+            out["q_norm"], out["k_norm"] = (s[p + f"self_attn.{n}_norm.weight"] + one for n in "qk")
         return out
 
     # --- the graph ---------------------------------------------------------------------------
@@ -211,6 +266,8 @@ class LlamaBuilder:
             ids = g.input("input_ids", INT64, [1, nodes])
             table = g.weight("embed_tokens", self.state["model.embed_tokens.weight"])
             x, branch = g.op("Gather", [table, ids], "embed", axis=0), None  # [1, N, H]
+            if self.embedding_scale() is not None:
+                x = g.op("Mul", [x, g.const(self.embedding_scale(), np.float32)])
             if self.feature_fc is not None:
                 features = g.input(FEATURES, FLOAT, [1, nodes, f.hidden_size])
                 mixed = g.op("MatMul", [g.op("Concat", [x, features], axis=-1),
@@ -224,7 +281,8 @@ class LlamaBuilder:
             x, branch = self.decoder_layers(g, x, branch, layers, nodes, sequences)
         if head:
             logit_rows = g.input("logit_rows", INT64, ["rows"])
-            x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", self.state["model.norm.weight"]))
+            final_norm = self.state["model.norm.weight"] + np.float32(self.norm_offset)
+            x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", final_norm))
             if self.features_out:
                 g.output(x, FEATURES_OUT, FLOAT, [1, nodes, f.hidden_size])
             x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
@@ -257,23 +315,38 @@ class LlamaBuilder:
             if not self.exact_passes or self.portable_attention:  # standard operators mask through the bias alone
                 attend["bias"] = g.input("attention_bias", FLOAT, [1, 1, "slots", "total"])
         attend["total"] = g.input("total_sequence_length", INT32, [])
-        cos_table, sin_table = self.rope_tables()
-        half = f.head_dim // 2  # HF's tables repeat their first half; the fused op takes one half
-        attend["cos"], attend["sin"] = g.weight("rope_cos", cos_table[:, :half]), g.weight("rope_sin", sin_table[:, :half])
+        tables = {}
+        for kind in sorted({self.ropes[l] for l in layers} - {None}):
+            cos_table, sin_table = self.rope_tables(kind)
+            half = cos_table.shape[1] // 2  # HF's tables repeat their first half; the fused op takes one half
+            suffix = f"_{kind}" if kind else ""
+            tables[kind] = (g.weight(f"rope_cos{suffix}", cos_table[:, :half]),
+                            g.weight(f"rope_sin{suffix}", sin_table[:, :half]))
         buffer = [batch, (1 if sequences else self.lanes) * f.num_kv_heads, "capacity", f.head_dim]
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
             past = (g.input(f"past_key_{l}", FLOAT, buffer), g.input(f"past_value_{l}", FLOAT, buffer))
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
-            h, x = self.add_and_norm(g, x, branch, w["input_norm"])
-            if sequences:
-                attn, present_k, present_v = self.sequence_attention(g, h, w, past, attend)
-            else:
-                attn, present_k, present_v = self.attention(g, h, w, past, placement, attend)
-            g.output(present_k, f"present_key_{l}", FLOAT, buffer)
-            g.output(present_v, f"present_value_{l}", FLOAT, buffer)
-            h, x = self.add_and_norm(g, x, attn, w["post_norm"])
-            branch = self.mlp(g, h, w)
+            rope = tables.get(self.ropes[l], (None, None))
+            layer_attend = dict(attend, window=self.windows[l], cos=rope[0], sin=rope[1])
+
+            def attention(h, w=w, past=past, layer_attend=layer_attend, l=l):
+                if sequences:
+                    out, present_k, present_v = self.sequence_attention(g, h, w, past, layer_attend)
+                else:
+                    out, present_k, present_v = self.attention(g, h, w, past, placement, layer_attend)
+                g.output(present_k, f"present_key_{l}", FLOAT, buffer)
+                g.output(present_v, f"present_value_{l}", FLOAT, buffer)
+                return out
+
+            x, branch = self.decoder_layer(g, x, branch, w, attention)
         return x, branch
+
+    def decoder_layer(self, g: GraphBuilder, x: str, branch: str | None, w: dict, attention) -> tuple[str, str]:
+        """One block: (residual stream, the block's output not yet added to it); `attention(h)` is the
+        layer's attention of its normed input (pre-norm, as Llama)."""
+        h, x = self.add_and_norm(g, x, branch, w["input_norm"])
+        h, x = self.add_and_norm(g, x, attention(h), w["post_norm"])
+        return x, self.mlp(g, h, w)
 
     def add_and_norm(self, g: GraphBuilder, x: str, branch: str | None, weight: str) -> tuple[str, str]:
         """(rms_norm(x + branch), x + branch) in one fused kernel (one node instead of two)."""
@@ -317,29 +390,36 @@ class LlamaBuilder:
         """One GroupQueryAttention node over the layer's KV buffer, rotary embedding included: `lane_count`
         lanes folded into its heads, `attend["bias"]` added to the scores when the graph has one."""
         f = self.facts
-        inputs = [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"], attend["cos"], attend["sin"],
+        rotary = attend["cos"] is not None
+        inputs = [packed, "", "", past[0], past[1], attend["seqlens"], attend["total"],
+                  *((attend["cos"], attend["sin"]) if rotary else ("", "")),
                   attend["pos"]] + ([attend["bias"]] if "bias" in attend else [])
+        extra = dict(self.attention_attributes, **({"local_window_size": attend["window"]} if attend["window"] else {}))
         return g.op("GroupQueryAttention", inputs, "attn", n_out=3, domain="com.microsoft",
-                    num_heads=lane_count * f.num_heads, kv_num_heads=lane_count * f.num_kv_heads, do_rotary=1)
+                    num_heads=lane_count * f.num_heads, kv_num_heads=lane_count * f.num_kv_heads,
+                    do_rotary=int(rotary), **extra)
 
     def standard_attention(self, g, packed, past, attend, lane_count: int):
         """What the fused node computes, in standard operators over a static graph's whole buffer: rotary
         embedding (half-split), the L new keys/values written at past .. past + L - 1 (ScatterElements into
         the buffer bound as past and present), scores over every column with `attend["bias"]` masking what a
         row may not see (the runtime masks the future and the unwritten columns explicitly for such a
-        graph), softmax, values. Query head h reads kv head h // (H / kvH), as the fused op."""
+        graph), softmax, values. Query head h reads kv head h // (H / kvH), as the fused op. A sliding
+        window is not applied: only drafts take this form, and a draft's rows need only be good guesses."""
         f = self.facts
         heads, kv_heads, d = lane_count * f.num_heads, lane_count * f.num_kv_heads, f.head_dim
         q, k, v = g.op("Split", [packed, g.const([heads * d, kv_heads * d, kv_heads * d])], n_out=3, axis=-1)
-        cos = g.op("Unsqueeze", [g.op("Gather", [attend["cos"], attend["pos"]], axis=0), g.const([2])])  # [1, L, 1, D/2]
-        sin = g.op("Unsqueeze", [g.op("Gather", [attend["sin"], attend["pos"]], axis=0), g.const([2])])
+        half = self.rotary_dims // 2
 
-        def rotary(x, count):  # [1, L, count * D] -> [1, count, L, D]
+        def rotary(x, count):  # [1, L, count * D] -> [1, count, L, D]: the first rotary_dims of each head turned
             x = g.op("Reshape", [x, g.const([1, -1, count, d])])
-            first, second = g.op("Split", [x, g.const([d // 2, d // 2])], n_out=2, axis=-1)
-            rotated = g.op("Concat", [g.op("Sub", [g.op("Mul", [first, cos]), g.op("Mul", [second, sin])]),
-                                      g.op("Add", [g.op("Mul", [second, cos]), g.op("Mul", [first, sin])])], axis=-1)
-            return g.op("Transpose", [rotated], perm=[0, 2, 1, 3])
+            if attend["cos"] is not None:
+                cos = g.op("Unsqueeze", [g.op("Gather", [attend["cos"], attend["pos"]], axis=0), g.const([2])])
+                sin = g.op("Unsqueeze", [g.op("Gather", [attend["sin"], attend["pos"]], axis=0), g.const([2])])
+                first, second, rest = g.op("Split", [x, g.const([half, half, d - 2 * half])], n_out=3, axis=-1)
+                x = g.op("Concat", [g.op("Sub", [g.op("Mul", [first, cos]), g.op("Mul", [second, sin])]),
+                                    g.op("Add", [g.op("Mul", [second, cos]), g.op("Mul", [first, sin])]), rest], axis=-1)
+            return g.op("Transpose", [x], perm=[0, 2, 1, 3])
 
         q, k = rotary(q, heads), rotary(k, kv_heads)
         v = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, kv_heads, d])])], perm=[0, 2, 1, 3])
@@ -361,7 +441,18 @@ class LlamaBuilder:
 
     def qkv_projection(self, g, h, w):
         qkv = g.op("MatMul", [h, w["qkv"]], "qkv")
-        return g.op("Add", [qkv, w["qkv_bias"]], "qkv") if "qkv_bias" in w else qkv
+        qkv = g.op("Add", [qkv, w["qkv_bias"]], "qkv") if "qkv_bias" in w else qkv
+        if not self.qk_norm:
+            return qkv
+        f = self.facts
+        q, k, v = g.op("Split", [qkv, g.const([f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim,
+                                               f.num_kv_heads * f.head_dim])], n_out=3, axis=-1)
+        if self.qk_norm == "head":  # [1, N, heads * D] normed per head of D
+            q, k = (g.op("Reshape", [self.rms_norm(g, g.op("Reshape", [t, g.const([0, 0, -1, f.head_dim])]), w[n]),
+                                     g.const([0, 0, -1])]) for t, n in ((q, "q_norm"), (k, "k_norm")))
+        else:
+            q, k = self.rms_norm(g, q, w["q_norm"]), self.rms_norm(g, k, w["k_norm"])
+        return g.op("Concat", [q, k, v], axis=-1)
 
     def sequence_attention(self, g, h, w, past, attend):
         """Attention of B independent sequences' S new tokens each (a `sequences` graph): the op's packed
@@ -378,8 +469,25 @@ class LlamaBuilder:
         gate_up = g.op("MatMul", [h, w["gate_up"]], "gate_up")
         size = self.facts.intermediate_size
         gate, up = g.op("Split", [gate_up, g.const([size, size])], n_out=2, axis=-1)
-        act = g.op("Mul", [gate, g.op("Sigmoid", [gate])], "silu")
-        return g.op("MatMul", [g.op("Mul", [act, up]), w["down"]], "down")
+        return g.op("MatMul", [g.op("Mul", [self.activation(g, gate), up]), w["down"]], "down")
+
+    def activation(self, g, x: str) -> str:
+        if self.activation_name(self.model.config) == "silu":
+            return g.op("Mul", [x, g.op("Sigmoid", [x])], "silu")
+        # GeLU with tanh (gelu_pytorch_tanh; Gemma's "gelu" is the same in transformers), written out
+        inner = g.op("Mul", [g.op("Add", [x, g.op("Mul", [g.op("Mul", [g.op("Mul", [x, x]), x]),
+                                                         g.const(0.044715, np.float32)])]),
+                             g.const(math.sqrt(2 / math.pi), np.float32)])
+        return g.op("Mul", [g.op("Mul", [x, g.const(0.5, np.float32)]),
+                            g.op("Add", [g.op("Tanh", [inner]), g.const(1.0, np.float32)])], "gelu")
+
+    def embedding_scale(self) -> float | None:
+        """A factor the embeddings are multiplied by (Gemma, Granite); None: none."""
+        return None
+
+    def final_logits(self, g, logits: str) -> str:
+        """What a family does to the logits after the head (scaling, soft-capping)."""
+        return logits
 
     @property
     def head_size(self) -> int:
@@ -396,5 +504,5 @@ class LlamaBuilder:
         else:
             name = g.weight("lm_head", full)
         flat = g.op("Reshape", [x, g.const([-1, f.hidden_size])])
-        logits = g.op("Gemm", [flat, name], transB=1)
+        logits = self.final_logits(g, g.op("Gemm", [flat, name], transB=1))
         return g.op("Reshape", [logits, g.const([1, -1, self.head_size])])

@@ -75,7 +75,7 @@ def test_unknown_schema_version_is_named(bundle_factory, tmp_path):
 
 @pytest.mark.parametrize("field,message", [({"attention_bias": True}, "biases .*o_proj.bias"),
                                            ({"mlp_bias": True}, "biases .*down_proj.bias"),
-                                           ({"hidden_act": "gelu"}, "uses 'gelu'.*SiLU only")])
+                                           ({"hidden_act": "gelu"}, "uses 'gelu'.*silu only")])
 def test_a_config_the_graph_would_get_wrong_is_refused(field, message, tmp_path):
     """Exported as plain Llama, these would give other logits than the model's, without a word."""
     from tiny import make_model

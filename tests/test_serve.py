@@ -1,5 +1,9 @@
 """`edgespec serve` against OpenAI's own client, on a tiny bundle, over localhost."""
+import asyncio
+import http.client
 import json
+import logging
+import math
 import socket
 import threading
 import time
@@ -12,10 +16,12 @@ import uvicorn
 
 from edgespec.cli import main
 from edgespec.openai_api import APIError, parse_chat
+from edgespec.parser import build_parser
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.sampling import SamplingConfig
-from edgespec.serve import ServeConfig, make_app
+from edgespec.serve import FIRST_GUESS_S, Generations, ServeConfig, make_app
+from edgespec.serve_limits import FOLDING, MAX_DEPTH, exposed_without_key, longest_token
 
 MODEL = "tiny"
 KEY = "sk-test-key"
@@ -58,6 +64,15 @@ class Server:
         except urllib.error.HTTPError as err:
             return err.code, err.headers, json.loads(err.read())
 
+    def stream_chunks(self, path: str, body: dict, key: str | None = KEY) -> list[dict]:
+        """A streamed request's chunks as the server sent them, [DONE] left out."""
+        request = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                         method="POST", headers={"Content-Type": "application/json",
+                                                                 **({"Authorization": f"Bearer {key}"} if key else {})})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            lines = [line.decode().strip() for line in reply]
+        return [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
@@ -70,7 +85,7 @@ def pipeline(bundle_factory):
 
 @pytest.fixture(scope="module")
 def server(pipeline):
-    running = Server(pipeline, api_key=KEY, queue=1)
+    running = Server(pipeline, api_keys=(KEY,), queue=1)
     yield running
     running.stop()
 
@@ -128,7 +143,6 @@ def test_a_follow_up_turn_reuses_the_cached_prefix(server):
     ({"model": MODEL, "messages": "hi"}, "messages"),
     ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    ({"model": "gpt-4o", "messages": MESSAGES}, "model"),
     ({"messages": MESSAGES}, "model"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": "ten"}, "max_tokens"),
@@ -177,12 +191,14 @@ class SlowPipeline:
 
     def __init__(self, pipeline: Pipeline):
         self.pipeline, self.reasons = pipeline, []
+        self.generating = threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.pipeline, name)
 
     def generate(self, *args, on_text=None, **kwargs):
         def slow(piece):
+            self.generating.set()
             time.sleep(0.02)
             if on_text is not None:
                 on_text(piece)
@@ -271,3 +287,289 @@ def test_sixteen_clients_at_once_get_an_answer_or_a_clean_429(pipeline):
             assert json.loads(reply.read()) == {"status": "ok", "model": MODEL, "pending": 0}
     finally:
         server.stop()
+
+
+# --- per-client conversations ------------------------------------------------------------------------
+
+def ask(server, content: str, key: str | None = None, **labels) -> dict:
+    status, _, reply = server.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": content}], "max_tokens": 4, "temperature": 0, **labels}, key=key)
+    assert status == 200, reply
+    return reply["usage"]
+
+
+SECRET = "a b c d e f g h a b c d e f g h a b c d"  # client A's prompt, which B guesses
+
+
+def test_a_client_never_reuses_another_clients_prefix(pipeline):
+    """Two keys: B sending exactly A's prompt gets no cached token (nor A's prefill time); each client
+    reuses its own conversation."""
+    server = Server(pipeline, api_keys=("sk-a", "sk-b"))
+    try:
+        first = ask(server, SECRET, key="sk-a")
+        assert first["prompt_tokens_details"]["cached_tokens"] == 0
+        guess = ask(server, SECRET, key="sk-b")
+        assert guess["prompt_tokens"] == first["prompt_tokens"]
+        assert guess["prompt_tokens_details"]["cached_tokens"] == 0
+        again = ask(server, SECRET, key="sk-a")  # A's conversation was kept while B generated
+        assert again["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 1
+        own = ask(server, SECRET, key="sk-b")  # and B's own history is B's to reuse
+        assert own["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 1
+        kept = server.app.state.generations.conversations.kept
+        assert len(kept) == 2 and not any("sk-" in client for client in kept)  # digests only
+    finally:
+        server.stop()
+
+
+def test_without_keys_user_and_cache_salt_name_the_client_and_no_label_shares_nothing(pipeline):
+    server = Server(pipeline, kept_conversations=2)
+    try:
+        assert ask(server, SECRET)["prompt_tokens_details"]["cached_tokens"] == 0
+        assert ask(server, SECRET)["prompt_tokens_details"]["cached_tokens"] == 0  # anonymous: nothing kept
+        assert len(server.app.state.generations.conversations) == 0
+        tokens = ask(server, SECRET, user="ann")["prompt_tokens"]
+        assert ask(server, SECRET, user="ann")["prompt_tokens_details"]["cached_tokens"] >= tokens - 1
+        assert ask(server, SECRET, user="bob")["prompt_tokens_details"]["cached_tokens"] == 0
+        assert ask(server, SECRET, user="ann", cache_salt="s1")["prompt_tokens_details"]["cached_tokens"] == 0
+        # three clients, two places: ann, the least recently used, was dropped
+        assert len(server.app.state.generations.conversations) == 2
+        assert ask(server, SECRET, user="ann")["prompt_tokens_details"]["cached_tokens"] == 0
+        assert ask(server, SECRET, user="ann", cache_salt="s1")["prompt_tokens_details"]["cached_tokens"] >= tokens - 1
+    finally:
+        server.stop()
+
+
+# --- no request takes the server down ------------------------------------------------------------------
+
+def asgi_post(app, chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> tuple[int, int]:
+    """POSTs `chunks` straight to the ASGI app: (status, how many chunks it read)."""
+    read = 0
+    sent = []
+
+    async def receive():
+        nonlocal read
+        if read < len(chunks):
+            read += 1
+            return {"type": "http.request", "body": chunks[read - 1], "more_body": read < len(chunks)}
+        await asyncio.sleep(60)  # the client stays: nothing more to receive
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start"), read
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(pipeline):
+    app = make_app(pipeline, ServeConfig(model=MODEL, max_body_bytes=4096))
+    chunks = [b" " * 1024] * 100
+    assert asgi_post(app, chunks, [(b"content-length", b"102400")]) == (413, 0)  # declared: nothing read
+    assert asgi_post(app, chunks, [(b"content-length", b"9" * 5000)]) == (413, 0)  # a header past int()'s limit
+    status, read = asgi_post(app, chunks, [])  # chunked, or more than declared: counted as it comes
+    assert status == 413 and read == 5
+    assert app.state.generations.pending == 0
+
+
+def test_a_body_over_the_limit_gets_413_over_http(pipeline):
+    server = Server(pipeline, max_body_bytes=4096)
+    try:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a " * 4000}]}).encode()
+        status, _, reply = server.post("/v1/chat/completions", body, key=None)
+        assert status == 413 and reply["error"]["code"] == "request_too_large"
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        connection.request("POST", "/v1/chat/completions", body=(body[i:i + 1024] for i in range(0, len(body), 1024)),
+                           headers={"Content-Type": "application/json"}, encode_chunked=True)
+        reply = connection.getresponse()
+        assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == "request_too_large"
+        connection.close()
+        assert ask(server, "a b c", user="x")["completion_tokens"] >= 1  # and it keeps serving
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("body,words", [
+    (b"[" * 10_000 + b"]" * 10_000, f"deeper than {MAX_DEPTH}"),  # past Python's recursion limit
+    (json.dumps({"model": MODEL, "messages": MESSAGES, "metadata": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]})
+     .encode(), f"deeper than {MAX_DEPTH}"),  # parses, and is refused before any check walks it
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+     "5000 digits"),  # past Python's int conversion limit
+    (b'{"model": "tiny", "seed": -' + b"1" * 30 + b"}", "30 digits"),
+])
+def test_deep_json_and_huge_integers_get_400_not_500(server, body, words):
+    status, _, reply = server.post("/v1/chat/completions", body)
+    assert status == 400 and words in reply["error"]["message"], reply
+    assert server.client().models.list().data[0].id == MODEL
+
+
+class CountingPipeline(SlowPipeline):
+    """Records the thread each prompt was tokenised on."""
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__(pipeline)
+        self.encoded_on = []
+
+    def encode(self, *args, **kwargs):
+        self.encoded_on.append(threading.current_thread().name)
+        return self.pipeline.encode(*args, **kwargs)
+
+
+def test_prompts_are_tokenised_off_the_event_loop_and_a_huge_one_not_at_all(pipeline):
+    counting = CountingPipeline(pipeline)
+    server = Server(counting)
+    try:
+        assert ask(server, "a b c", user="x")["completion_tokens"] >= 1
+        assert counting.encoded_on[0].startswith("edgespec-read")  # the check; the generation encodes again
+        counting.encoded_on.clear()
+        most = pipeline.context * longest_token(pipeline.codec.tokenizer) * FOLDING
+        status, _, reply = server.post("/v1/completions", {"model": MODEL, "prompt": "a" * (most + 1)}, key=None)
+        assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+        assert f"context is {pipeline.context} tokens" in reply["error"]["message"]
+        assert counting.encoded_on == []
+    finally:
+        server.stop()
+
+
+def test_a_non_streamed_request_stops_when_its_client_leaves(pipeline):
+    slow = SlowPipeline(pipeline)
+    server = Server(slow)
+    try:
+        body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0.9, "seed": 1})
+        client = socket.create_connection(("127.0.0.1", server.port))
+        client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert slow.generating.wait(timeout=30)
+        left = time.time()
+        client.close()
+        deadline = time.time() + 30
+        while not slow.reasons and time.time() < deadline:
+            time.sleep(0.01)
+        assert slow.reasons == ["cancelled"]
+        assert time.time() - left < 200 * 0.02 / 2  # well before the 200 tokens could have been generated
+        deadline = time.time() + 5
+        while server.app.state.generations.pending and time.time() < deadline:
+            time.sleep(0.01)
+        assert server.app.state.generations.pending == 0
+    finally:
+        server.stop()
+
+
+def test_a_client_leaving_while_it_sends_its_body_is_one_line_in_the_log(server, caplog):
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            client = socket.create_connection(("127.0.0.1", server.port))
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000\r\n\r\n{\"mod")
+            time.sleep(0.2)
+            client.close()
+            deadline = time.time() + 10
+            while not any("disconnected while sending" in r.getMessage() for r in caplog.records):
+                assert time.time() < deadline, [r.getMessage() for r in caplog.records]
+                time.sleep(0.02)
+            time.sleep(0.1)
+        lines = [r for r in caplog.records if "disconnected while sending" in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0].getMessage() and lines[0].exc_info is None
+        assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert server.app.state.generations.pending == 0
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+
+
+def test_retry_after_is_the_queues_expected_wait(pipeline):
+    generations = Generations(pipeline, ServeConfig(model=MODEL, queue=2))
+    generations.pending = 3
+    with pytest.raises(APIError) as refused:
+        generations.admit()
+    assert refused.value.status == 429 and refused.value.headers == {"Retry-After": str(math.ceil(3 * FIRST_GUESS_S))}
+    generations.mean_s = 4.2  # generations have taken 4.2 s of late
+    with pytest.raises(APIError) as refused:
+        generations.admit()
+    assert refused.value.headers == {"Retry-After": "13"}
+    generations.pending, generations.mean_s = 1, 0.01
+    assert generations.expected_wait() == 1  # never 0: a client would retry at once
+
+
+def test_the_mean_generation_time_is_measured(server):
+    ask(server, "a b c", key=KEY)
+    mean = server.app.state.generations.mean_s
+    assert mean is not None and 0 < mean < 60
+
+
+@pytest.mark.parametrize("host,warned", [("0.0.0.0", True), ("192.168.1.2", True), ("::", True), ("my.host", True),
+                                         ("127.0.0.1", False), ("::1", False), ("localhost", False)])
+def test_listening_beyond_loopback_without_a_key_is_warned(host, warned):
+    assert (exposed_without_key(host, ()) is not None) == warned
+    assert exposed_without_key(host, ("k",)) is None
+
+
+def test_make_app_logs_the_exposure_warning(pipeline, caplog):
+    with caplog.at_level(logging.WARNING, logger="edgespec.serve"):
+        make_app(pipeline, ServeConfig(model=MODEL, host="0.0.0.0"))
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["listening on 0.0.0.0 without --api-key"]
+
+
+# --- OpenAI conformance ----------------------------------------------------------------------------------
+
+def test_usage_is_on_the_final_chunk_only_and_only_when_asked(server):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    asked = server.stream_chunks("/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert [("usage" in c) for c in asked] == [False] * (len(asked) - 1) + [True]
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] >= 1
+    assert asked[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    plain = server.stream_chunks("/v1/chat/completions", body)
+    assert not any("usage" in c for c in plain) and plain[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = server.stream_chunks("/v1/completions", {"model": MODEL, "prompt": "a b", "max_tokens": 4,
+                                                    "stream_options": {"include_usage": True}})
+    assert [("usage" in c) for c in text] == [False] * (len(text) - 1) + [True]
+
+
+def test_an_unknown_model_gets_404(server):
+    status, _, reply = server.post("/v1/chat/completions", {"model": "gpt-4o", "messages": MESSAGES})
+    assert status == 404
+    assert reply["error"]["code"] == "model_not_found" and reply["error"]["param"] == "model"
+    assert reply["error"]["type"] == "invalid_request_error" and "'tiny'" in reply["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="gpt-4o", prompt="a")
+
+
+def test_405_names_the_allowed_methods(server):
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(server.url + "/v1/chat/completions")
+    assert refused.value.code == 405 and refused.value.headers["Allow"] == "POST"
+    assert json.loads(refused.value.read())["error"]["message"]
+    status, headers, _ = server.post("/v1/models", {})
+    assert status == 405 and "GET" in headers["Allow"]
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "function calling is not built"),
+    ("tool_choice", "auto", "function calling is not built"),
+    ("response_format", {"type": "json_object"}, "structured output"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "structured output"),
+])
+def test_tools_and_response_format_get_a_clear_400(server, field, value, words):
+    status, _, reply = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, field: value})
+    assert status == 400 and reply["error"]["param"] == field and words in reply["error"]["message"]
+
+
+def test_response_format_text_is_what_it_does_anyway(server):
+    status, _, reply = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                                            "response_format": {"type": "text"}})
+    assert status == 200, reply
+
+
+def test_serve_options(tmp_path, capsys):
+    args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b", "--kept-conversations", "2",
+                                      "--max-body", "1MiB"])
+    assert (args.api_key, args.kept_conversations, args.max_body) == (["a", "b"], 2, "1MiB")
+    assert main(["serve", str(tmp_path), "--kept-conversations", "-1"]) == 2
+    assert "--kept-conversations" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--max-body", "lots"]) == 2
+    assert "--max-body" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--max-body", "10"]) == 2
+    assert "--max-body" in capsys.readouterr().err

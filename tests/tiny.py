@@ -33,7 +33,7 @@ def make_tokenizer(folder: Path):
 
 
 def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64,
-               tie: bool = True, **config_extra):
+               tie: bool = True, random_norms: bool = False, **config_extra):
     """A random decoder of the given architecture with make_tokenizer's vocabulary, saved to `folder`.
     Heads are 16 wide, the narrowest onnxruntime's fused attention takes. `config_extra`: more config fields."""
     import torch
@@ -43,22 +43,47 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 2
     tokenizer = make_tokenizer(folder)
     common = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=hidden // 16, num_key_value_heads=max(1, hidden // 32),
-                  max_position_embeddings=512, tie_word_embeddings=tie,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config, cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[arch]
+                  head_dim=16, max_position_embeddings=512, tie_word_embeddings=tie,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
     extra = {"sliding_window": 512} if arch == "mistral" else {}
     torch.manual_seed(seed)
-    model = cls(config(**common, **extra, **config_extra)).eval()
+    config = transformers.AutoConfig.for_model(arch, **{**common, **extra, **config_extra})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # random weights large enough that outputs vary and argmax ties never occur
         for param in model.parameters():
             param.normal_(0, 0.3) if param.dim() > 1 else None
-        if arch == "qwen2":
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0, 0.5)
+            elif random_norms and name.endswith("norm.weight"):  # so a norm read wrongly shows
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(folder)
     return model
+
+
+# Per family (its transformers model_type), a tiny config that exercises what the family adds: windows
+# shorter than the tests' prompts, per-layer rope tables, NoPE layers, multipliers, soft-capping.
+WINDOW = 48
+FAMILY_CONFIGS = {
+    "llama": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64}},
+    "mistral": {"sliding_window": WINDOW},
+    "ministral": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "qwen3": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "phi3": {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,  # a rotary half of 8 (the op's unit)
+             "sliding_window": WINDOW, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.5}},
+    "gemma": {"hidden_activation": "gelu_pytorch_tanh"},
+    "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+               "final_logit_softcapping": 3.0},
+    "gemma3_text": {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                    "layer_types": ["sliding_attention", "full_attention"]},
+    "smollm3": {"no_rope_layers": [1, 0]},
+    "granite": {"embedding_multiplier": 3.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5,
+                "logits_scaling": 4.0},
+    "olmo2": {},
+    "olmo3": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+}

@@ -1,0 +1,93 @@
+"""Every architecture family edgespec exports, tested the same way against transformers itself (tiny random
+models whose configs exercise what each family adds: tests/tiny.py's FAMILY_CONFIGS)."""
+import numpy as np
+import pytest
+import torch
+from tiny import CORPUS, FAMILY_CONFIGS, WINDOW, make_model
+
+from edgespec.exporters.architectures import FAMILIES
+from edgespec.exporters.export import ExportConfig, export
+from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.model import ModelRunner, commit
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.sessions import make_session
+from edgespec.runtime.tree import parse_tree_spec
+
+TOLERANCE = 1e-4
+PROMPT = 200  # longer than every tiny config's sliding window
+TYPES = sorted(t for family in FAMILIES for t in family.model_types)
+
+
+def test_every_family_has_a_tiny_config():
+    assert sorted(FAMILY_CONFIGS) == TYPES
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+
+    def make(model_type: str):
+        if model_type not in made:
+            folder = root / model_type
+            made[model_type] = (folder, make_model(folder, model_type, seed=7, random_norms=True,
+                                                   **FAMILY_CONFIGS[model_type]))
+        return made[model_type]
+    return make
+
+
+def _export(folder, out, **options):
+    export(ExportConfig(model=str(folder), out=out, context=320, cache_dir=out.parent / "cache", **options))
+    return out
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_family_logits_match_transformers(model_type, family_models, tmp_path):
+    """fp32 logits within 1e-4 of transformers at every row: prefill chunks, one-token steps, tree nodes."""
+    folder, model = family_models(model_type)
+    bundle = _export(folder, tmp_path / "b", draft="ngram", tree="topk:2x2")
+    manifest = open_bundle(bundle)
+    facts = manifest.target.facts
+    runner = ModelRunner(make_session(bundle / manifest.target.graph.file, ("CPUExecutionProvider",), 1), facts)
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, facts.vocab_size, PROMPT)]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    cache = KVCache(facts, 320, lanes=runner.lanes)
+    spans = [(s, min(s + 37, PROMPT - 8)) for s in range(0, PROMPT - 8, 37)] + [(p, p + 1) for p in range(PROMPT - 8, PROMPT)]
+    for start, end in spans:  # chunks of 37 rows, then one-token steps past the window
+        n = end - start
+        out = runner.forward(cache, ids[start:end], range(start, end), np.tril(np.ones((n, n), bool)), range(n))
+        commit(cache, out, range(n))
+        worst = np.abs(out.logits - expected[start:end]).max()
+        assert worst <= TOLERANCE, f"rows {start}..{end - 1}: {worst}"
+    topo = parse_tree_spec("topk:2x2")
+    tokens = [int(t) for t in np.random.default_rng(4).integers(3, facts.vocab_size, topo.size)]
+    out = runner.forward(cache, tokens, PROMPT + topo.depths, topo.ancestor_mask, range(topo.size))
+    for node in range(topo.size):
+        path = ids + [tokens[i] for i in topo.path_to(node)]
+        with torch.no_grad():
+            row = model(torch.tensor([path])).logits[0, -1].numpy()
+        assert np.abs(out.logits[node] - row).max() <= TOLERANCE, f"tree node {node}"
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_family_greedy_output_and_int4_speculation(model_type, family_models, tmp_path):
+    """Greedy output equals transformers' generate after a prompt longer than the window; the int4 export
+    decodes speculatively with output identical to its own plain decoding."""
+    folder, model = family_models(model_type)
+    config = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
+    fp32 = Pipeline(_export(folder, tmp_path / "fp32", draft="ngram", tree="chain:4"))
+    prompt = " ".join(CORPUS[2:] + CORPUS[:2])
+    ids = fp32.encode(prompt)
+    assert len(ids) > WINDOW
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                   pad_token_id=0)[0, len(ids):].tolist()
+    assert fp32.generate(prompt, config=config, speculate=False).token_ids == reference
+    int4 = Pipeline(_export(folder, tmp_path / "int4", draft="ngram", tree="topk:2x2", quant="int4"))
+    for text in (prompt, CORPUS[0]):  # the second repeats itself: something for the n-gram drafter to find
+        plain = int4.generate(text, config=config, speculate=False)
+        spec = int4.generate(text, config=config, speculate=True)
+        assert spec.token_ids == plain.token_ids
