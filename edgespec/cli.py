@@ -22,7 +22,7 @@ from edgespec.runtime.budget import parse_size, plan_memory
 from edgespec.runtime.bundle import open_bundle, read_manifest
 from edgespec.runtime.coreml import open_coreml
 from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import ContextOverflowError, EdgespecError, InputError
+from edgespec.runtime.errors import BudgetError, ContextOverflowError, EdgespecError, InputError
 from edgespec.runtime.paths import cache_dir
 from edgespec.runtime.pipeline import (
     Pipeline,
@@ -231,7 +231,12 @@ def cmd_serve(args) -> None:
     except ImportError as err:
         raise ValueError(f"edgespec serve needs the serve extra (pip install 'edgespec[serve]'): {err}") from err
     name = args.model_name or ("default" if args.bundle == "default" else Path(args.bundle).resolve().name)
-    config = ServeConfig(model=name, host=args.host, port=args.port, api_key=args.api_key, queue=args.queue)
+    try:
+        max_body = parse_size(args.max_body)
+    except BudgetError as err:
+        raise ValueError(f"--max-body {args.max_body!r}: give bytes or a size like 4MiB") from err
+    config = ServeConfig(model=name, host=args.host, port=args.port, api_keys=tuple(args.api_key), queue=args.queue,
+                         kept_conversations=args.kept_conversations, max_body_bytes=max_body)
     serve(_pipeline(args), config)
 
 

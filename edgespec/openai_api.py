@@ -4,7 +4,8 @@ results and stream chunks as the objects OpenAI's clients read. Pure functions, 
 Every field a request may carry is known: a field edgespec supports is checked by type and range; a
 field it does not support is refused unless it holds the value that means "not used" (of that type:
 `n: true` is not `n: 1`), so nothing a client asked for is ignored silently. Labels (`user`, a
-message's `name`) are accepted and do not reach the model.
+message's `name`) and `cache_salt` do not reach the model; `user` and `cache_salt` say whose kept
+conversation a request may continue (edgespec/serve_clients.py).
 """
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ MAX_STOP_STRINGS = 4  # as OpenAI's API
 # fields a client may send with the value that means "not used" (OpenAI's defaults); any other value is refused
 INERT_FIELDS = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, None),
                 "top_logprobs": (None, 0), "n": (1, None), "logit_bias": (None, {}), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None,),
-                "echo": (False, None), "best_of": (1, None), "suffix": (None, ""), "service_tier": (None, "auto"),
-                "store": (False, None), "metadata": (None,), "user": None}  # user: any string, a label only
+                "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+                "response_format": (None, {"type": "text"}), "echo": (False, None), "best_of": (1, None),
+                "suffix": (None, ""), "service_tier": (None, "auto"), "store": (False, None), "metadata": (None,),
+                "user": None, "cache_salt": None}  # None: any string (a label, or whose cache a request may use)
+# what a client that sends these expects and would not get: said in the 400, so that it does not retry as is
+NOT_BUILT = {"tools": "function calling is not built here: the model answers in text only",
+             "tool_choice": "function calling is not built here: the model answers in text only",
+             "parallel_tool_calls": "function calling is not built here: the model answers in text only",
+             "response_format": "structured output (JSON mode, JSON schema) is not built here: the model answers "
+                                "in free text ({'type': 'text'} only)"}
 SAMPLING_FIELDS = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
                    "top_p", "seed", "stop")
 
@@ -32,9 +40,10 @@ class APIError(Exception):
     """A request the API refuses: answered with `status` and OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -51,6 +60,13 @@ class Completion:
     include_usage: bool
     messages: tuple[dict, ...] | None = None
     prompt: str | None = None
+    user: str | None = None  # labels: with the API key, whose kept conversation this request may continue
+    cache_salt: str | None = None
+
+    @property
+    def characters(self) -> int:
+        """The prompt's length in characters, known before it is tokenised."""
+        return len(self.prompt) if self.prompt is not None else sum(len(m["content"]) for m in self.messages)
 
     def config(self, prompt_tokens: int, context: int) -> GenerationConfig:
         """How to generate after a prompt of `prompt_tokens`, within `context` tokens."""
@@ -94,8 +110,9 @@ def _check_fields(body, own: tuple[str, ...]) -> None:
             if not isinstance(value, str):
                 raise APIError(f"'{name}' must be a string", name)
         elif value is not None and not any(type(value) is type(v) and value == v for v in inert):  # True is not 1
-            raise APIError(f"'{name}' = {value!r} is not supported by this server (only {inert[0]!r})", name,
-                           "unsupported_parameter")
+            message = (f"'{name}' is not supported by this server: {NOT_BUILT[name]}" if name in NOT_BUILT
+                       else f"'{name}' = {value!r} is not supported by this server (only {inert[0]!r})")
+            raise APIError(message, name, "unsupported_parameter")
 
 
 def _message(message, index: int) -> dict:
@@ -121,9 +138,9 @@ def _message(message, index: int) -> dict:
 def _generation(body: dict, model: str) -> dict:
     if not isinstance(body.get("model"), str):
         raise APIError("'model' is required: a string", "model")
-    if body["model"] != model:
+    if body["model"] != model:  # OpenAI's answer to a model it does not have: 404, not a malformed request
         raise APIError(f"the model {body['model']!r} does not exist here: this server serves {model!r}", "model",
-                       "model_not_found")
+                       "model_not_found", status=404)
     stream = _typed(body, "stream", bool, False)
     options = _typed(body, "stream_options", dict, {})
     if options and not stream:
@@ -142,7 +159,8 @@ def _generation(body: dict, model: str) -> dict:
     stop = _stop(body.get("stop"))
     # temperatures below the runtime's smallest are greedy, as a tiny temperature is in effect
     sampling = SamplingConfig(temperature=temperature if temperature >= 1e-3 else 0.0, top_p=top_p, seed=seed)
-    return dict(sampling=sampling, stop=stop, max_tokens=max_tokens, stream=stream, include_usage=include_usage)
+    return dict(sampling=sampling, stop=stop, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
+                user=body.get("user") or None, cache_salt=body.get("cache_salt") or None)
 
 
 def _typed(body: dict, name: str, kind: type, default):
@@ -220,8 +238,9 @@ def response(request_id: str, chat: bool, model: str, result: Result) -> dict:
 
 def chunk(request_id: str, chat: bool, model: str, text: str | None = None, result: Result | None = None,
           first: bool = False, usage_only: bool = False) -> dict:
-    """A stream chunk: text (the first chat chunk also names the role), the last one (finish reason,
-    usage and the extension field), or the usage-only chunk of `stream_options.include_usage`."""
+    """A stream chunk: text (the first chat chunk also names the role), the last one (finish reason and
+    the extension field), or the usage-only chunk of `stream_options.include_usage`. Usage is on that
+    chunk alone: clients that add up usage over chunks (LangChain) would count it twice."""
     base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model}
     if usage_only:
@@ -232,5 +251,5 @@ def chunk(request_id: str, chat: bool, model: str, text: str | None = None, resu
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-    extra = {"usage": usage(result), "edgespec": speculation(result)} if result is not None else {}
+    extra = {"edgespec": speculation(result)} if result is not None else {}
     return {**base, "choices": [choice], **extra}

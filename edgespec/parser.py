@@ -226,8 +226,14 @@ def _add_serve(sub) -> None:
     _bundle_arg(p, optional=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API requests")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on API requests; repeat it for several clients, "
+                        "each with a conversation of its own")
     p.add_argument("--queue", type=int, default=8, help="requests that may wait while one generates; more get 429")
+    p.add_argument("--kept-conversations", type=int, default=4, metavar="N",
+                   help="clients whose conversation (its KV caches) is kept for follow-ups (default 4; 0: none)")
+    p.add_argument("--max-body", default="4MiB", metavar="SIZE",
+                   help="the largest request body accepted, e.g. 4MiB (default); a larger one gets 413")
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the bundle folder's name, 'default' for the default)")
     p.add_argument("--memory-budget", default=None,

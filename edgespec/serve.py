@@ -1,25 +1,32 @@
 """`edgespec serve`: one bundle behind a local OpenAI-compatible HTTP API (Starlette on uvicorn).
 
 One pipeline serves every request, one generation at a time on a single worker thread (the target
-pass already uses every core), in arrival order; at most `queue` requests wait, more get 429 with
-Retry-After. The conversation the last request left is kept, so a follow-up turn that repeats the
-earlier messages prefills only what is new (`usage.prompt_tokens_details.cached_tokens`). A streamed
-request whose client goes away stops at its next target pass.
+pass already uses every core), in arrival order. A request takes its place in the queue as it arrives,
+before its body is read; at most `queue` wait beside the one generating, more get 429 with a
+Retry-After from the queue's expected wait. Each client's conversation is kept
+(edgespec/serve_clients.py), so a follow-up turn that repeats the earlier messages prefills only what
+is new (`usage.prompt_tokens_details.cached_tokens`), and no client continues another's. Every request
+meets the limits of edgespec/serve_limits.py; bodies are parsed and prompts tokenised on a thread of
+their own, so that the event loop answers /health throughout. A client that goes away, streamed or
+not, stops its generation at the next target pass.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
+import math
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgespec.openai_api import (
@@ -34,8 +41,13 @@ from edgespec.openai_api import (
 from edgespec.runtime.engine import GenerationConfig, Result
 from edgespec.runtime.errors import EdgespecError
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.serve_clients import KeptConversations, client_of, key_digest
+from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
 
-RETRY_AFTER_S = 2
+LOG = logging.getLogger("edgespec.serve")
+FIRST_GUESS_S = 2.0  # a generation's duration until one has been timed
+MEAN_WEIGHT = 0.25  # of the latest generation in the running mean of their durations
+DISCONNECT_POLL_S = 0.1  # how often a non-streamed request looks whether its client is still there
 
 
 @dataclass(frozen=True)
@@ -43,75 +55,101 @@ class ServeConfig:
     model: str  # the id clients name in "model"
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any one is accepted; each is a client of its own
     queue: int = 8  # requests that may wait while one generates
+    kept_conversations: int = 4  # clients whose conversation (its KV caches) is kept between requests
+    max_body_bytes: int = 4 * 2**20
 
     def __post_init__(self):
         if self.queue < 0:
             raise ValueError(f"--queue must be >= 0 (got {self.queue})")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535 (got {self.port})")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("--api-key cannot be empty")
+        if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("api_keys must be a tuple of keys, none of them empty (--api-key cannot be empty)")
+        if self.kept_conversations < 0:
+            raise ValueError(f"--kept-conversations must be >= 0 (got {self.kept_conversations})")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body must be at least 1 KiB (got {self.max_body_bytes} bytes)")
 
 
 class Generations:
-    """The one pipeline, its worker thread, and the conversation it keeps between requests."""
+    """The one pipeline, its worker thread, the conversations it keeps, and the queue in front of it."""
 
-    def __init__(self, pipeline: Pipeline, queue: int):
+    def __init__(self, pipeline: Pipeline, config: ServeConfig):
         self.pipeline = pipeline
-        self.limit = queue + 1  # the running request and the waiting ones
+        self.limit = config.queue + 1  # the running request and the waiting ones
         self.pending = 0  # touched on the event loop only
+        self.mean_s: float | None = None  # written by the worker, read for Retry-After: one float, no lock
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-generate")
-        self._fresh_conversation()
-
-    def _fresh_conversation(self) -> None:
-        self.session = self.pipeline.new_session()
-        self.drafter = self.pipeline.make_drafter(speculate=True)
+        # parsing and tokenising: off the event loop, and never queued behind a generation
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-read")
+        self.conversations = KeptConversations(pipeline, config.kept_conversations)
+        self.longest_token = longest_token(pipeline.codec.tokenizer)
 
     def admit(self) -> None:
-        """Takes a place in the queue (`release` gives it back), or refuses with 429."""
+        """Takes a place in the queue, or refuses with 429. The generation `start` begins gives it back
+        when it ends; a request refused before that gives it back with `release`."""
         if self.pending >= self.limit:
             raise APIError(f"the server is busy: {self.limit - 1} requests are already waiting; retry shortly",
-                           code="queue_full", status=429, kind="rate_limit_error")
+                           code="queue_full", status=429, kind="rate_limit_error",
+                           headers={"Retry-After": str(self.expected_wait())})
         self.pending += 1
 
     def release(self) -> None:
         self.pending -= 1
 
-    def prepare(self, request: Completion) -> GenerationConfig:
-        """The generation config, checked against the context before the request queues."""
-        try:
-            ids = self.pipeline.encode(request.prompt, list(request.messages) if request.messages else None)
-        except (ValueError, EdgespecError) as err:
-            raise APIError(f"the prompt cannot be encoded: {err}", "messages" if request.messages else "prompt") from err
-        return request.config(len(ids), self.pipeline.context)
+    def expected_wait(self) -> int:
+        """Seconds until the queue has likely drained: the requests in it times a generation's mean duration."""
+        return max(1, math.ceil(self.pending * (self.mean_s if self.mean_s is not None else FIRST_GUESS_S)))
 
-    async def run(self, request: Completion) -> Result:
-        """Generates in turn, the whole answer at once."""
-        config = self.prepare(request)
-        self.admit()
-        try:
-            return await self.execute(request, config)
-        finally:
-            self.release()
+    async def off_loop(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.reader, function, *args)
 
-    def execute(self, request: Completion, config: GenerationConfig, on_text=None, cancel: threading.Event | None = None):
-        """An awaitable of the generation on the worker thread, in turn: None when `cancel` was set before
-        its turn came."""
-        return asyncio.get_running_loop().run_in_executor(self.worker, self._generate, request, config, on_text,
-                                                          cancel)
-
-    def _generate(self, request: Completion, config, on_text, cancel) -> Result | None:
-        if cancel is not None and cancel.is_set():
-            return None
+    async def prepare(self, completion: Completion) -> GenerationConfig:
+        """The generation config, checked against the context before the request's turn: by its length in
+        characters first, so that a prompt far too long is never tokenised."""
+        check_length(completion, self.pipeline.context, self.longest_token)
+        tokens = await self.off_loop(self._count_tokens, completion)
         try:
-            return self.pipeline.generate(request.prompt, messages=list(request.messages) if request.messages else None,
-                                          config=config, session=self.session, drafter=self.drafter, on_text=on_text,
-                                          should_stop=cancel.is_set if cancel is not None else None)
-        except BaseException:
-            self._fresh_conversation()  # a generation that failed midway leaves no state to trust
+            return completion.config(tokens, self.pipeline.context)
+        except APIError:
+            await self.off_loop(self.pipeline.trim_heap)  # what tokenising a refused prompt took goes back
             raise
+
+    def _count_tokens(self, completion: Completion) -> int:
+        try:
+            return len(self.pipeline.encode(completion.prompt, list(completion.messages) if completion.messages
+                                            else None))
+        except (ValueError, EdgespecError) as err:
+            raise APIError(f"the prompt cannot be encoded: {err}",
+                           "messages" if completion.messages else "prompt") from err
+
+    def start(self, completion: Completion, config: GenerationConfig, client: str | None, on_text,
+              cancel: threading.Event) -> asyncio.Future:
+        """The generation on the worker thread, in turn (None when `cancel` was set before its turn came);
+        its end gives the queue place back, whatever the client does meanwhile."""
+        task = asyncio.get_running_loop().run_in_executor(self.worker, self._generate, completion, config, client,
+                                                          on_text, cancel)
+        task.add_done_callback(lambda _: self.release())
+        return task
+
+    def _generate(self, completion: Completion, config, client, on_text, cancel) -> Result | None:
+        if cancel.is_set():
+            return None
+        conversation = self.conversations.take(client) if client is not None else None
+        started = time.perf_counter()
+        result = self.pipeline.generate(
+            completion.prompt, messages=list(completion.messages) if completion.messages else None, config=config,
+            session=conversation.session if conversation else None,
+            drafter=conversation.drafter if conversation else None, on_text=on_text, should_stop=cancel.is_set)
+        # only now: a generation that failed midway leaves a conversation no one should continue
+        if conversation is not None:
+            self.conversations.keep(client, conversation)
+        if result.stop_reason != "cancelled":
+            took = time.perf_counter() - started
+            self.mean_s = took if self.mean_s is None else (1 - MEAN_WEIGHT) * self.mean_s + MEAN_WEIGHT * took
+        return result
 
 
 class Routes:
@@ -119,53 +157,68 @@ class Routes:
 
     def __init__(self, generations: Generations, config: ServeConfig):
         self.generations, self.config = generations, config
+        self.key_digests = [key_digest(key) for key in config.api_keys]
 
-    def authorize(self, request: Request) -> None:
-        if self.config.api_key is None:
-            return
+    def authorize(self, request: Request) -> str | None:
+        """The digest of the request's key (None when the server has no keys), or 401."""
+        if not self.key_digests:
+            return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.encode(), self.config.api_key.encode()):
+        digest = key_digest(key)
+        # every key compared, each in constant time: the answer's timing says nothing of which came close
+        if scheme.lower() != "bearer" or not any([secrets.compare_digest(digest, d) for d in self.key_digests]):
             raise APIError("a valid API key is required: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                            status=401)
+        return digest
 
     async def completions(self, request: Request, chat: bool):
-        self.authorize(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise APIError(f"the request body is not valid JSON: {err}") from err
-        completion = (parse_chat if chat else parse_completion)(body, self.config.model)
-        request_id = new_id(chat)
-        if completion.stream:
-            return self.stream(completion, request_id, chat)
-        try:
-            result = await self.generations.run(completion)
-        except EdgespecError as err:
-            raise APIError(str(err), code="generation_failed") from err
-        return JSONResponse(response(request_id, chat, self.config.model, result))
-
-    def stream(self, completion: Completion, request_id: str, chat: bool) -> StreamingResponse:
-        """Takes the queue place and starts the generation here, so that a place is never counted twice
-        and always given back, whatever the client does with the stream."""
-        config = self.generations.prepare(completion)  # a prompt too long is refused before the stream starts
-        self.generations.admit()
+        key = self.authorize(request)
+        self.generations.admit()  # before the body is read: a full queue costs nothing to refuse
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         try:
-            task = asyncio.ensure_future(self.generations.execute(
-                completion, config, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text), cancel))
+            body = await read_body(request, self.config.max_body_bytes)
+            completion = await self.generations.off_loop(self.parse, body, chat)
+            config = await self.generations.prepare(completion)
+            on_text = (lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)) if completion.stream else None
+            task = self.generations.start(completion, config, client_of(key, completion.user, completion.cache_salt),
+                                          on_text, cancel)
         except BaseException:
             self.generations.release()
             raise
+        request_id = new_id(chat)
+        if completion.stream:
+            task.add_done_callback(lambda _: pieces.put_nowait(None))
+            events = stream_events(task, pieces, cancel, completion, request_id, chat, self.config.model)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            result = await self.answer(request, task, cancel)
+        except EdgespecError as err:
+            raise APIError(str(err), code="generation_failed") from err
+        return JSONResponse(response(request_id, chat, self.config.model, result))
 
-        def done(_) -> None:
-            self.generations.release()
-            pieces.put_nowait(None)
+    def parse(self, body: bytes, chat: bool) -> Completion:
+        return (parse_chat if chat else parse_completion)(parse_json(body), self.config.model)
 
-        task.add_done_callback(done)
-        events = stream_events(task, pieces, cancel, completion, request_id, chat, self.config.model)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    @staticmethod
+    async def answer(request: Request, task: asyncio.Future, cancel: threading.Event) -> Result:
+        """The generation's result once it ends; a client that leaves meanwhile cancels it (at its next
+        target pass, or before its turn) and is answered 499, which no one reads."""
+        left = False
+        try:
+            while not task.done():
+                # asyncio.wait, not await: a cancelled handler must not cancel the future, whose end
+                # gives the queue place back only when the worker is done with it
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and not left and await request.is_disconnected():
+                    left = True
+                    cancel.set()
+        finally:
+            cancel.set()  # a no-op once it ended; stops it if this handler itself was cancelled
+        if left:
+            raise APIError("the client closed the request", code="client_closed_request", status=499)
+        return task.result()
 
     async def chat_completions(self, request: Request):
         return await self.completions(request, chat=True)
@@ -183,30 +236,42 @@ class Routes:
 
     @staticmethod
     async def api_error(request: Request, err: APIError):
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @staticmethod
     async def http_error(request: Request, err: HTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(f"{request.method} {request.url.path}: {err.detail}", kind=kind).body(),
-                            status_code=err.status_code)
+                            status_code=err.status_code, headers=err.headers)  # a 405's Allow
+
+    @staticmethod
+    async def client_left(request: Request, err: ClientDisconnect):
+        """A client gone while sending its body: a line in the log, not a traceback; the answer goes nowhere."""
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        LOG.warning("%s disconnected while sending %s %s; the request was dropped", peer, request.method,
+                    request.url.path)
+        return Response(status_code=400)
 
 
 def make_app(pipeline: Pipeline, config: ServeConfig) -> Starlette:
-    generations = Generations(pipeline, config.queue)
+    warning = exposed_without_key(config.host, config.api_keys)
+    if warning:
+        LOG.warning(warning)
+    generations = Generations(pipeline, config)
     routes = Routes(generations, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         generations.worker.shutdown(wait=False, cancel_futures=True)
+        generations.reader.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(routes=[Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
                             Route("/v1/completions", routes.text_completions, methods=["POST"]),
                             Route("/v1/models", routes.models, methods=["GET"]),
                             Route("/health", routes.health, methods=["GET"])],
-                    exception_handlers={APIError: routes.api_error, HTTPException: routes.http_error},
+                    exception_handlers={APIError: routes.api_error, HTTPException: routes.http_error,
+                                        ClientDisconnect: routes.client_left},
                     lifespan=lifespan)
     app.state.generations = generations
     return app
@@ -214,8 +279,8 @@ def make_app(pipeline: Pipeline, config: ServeConfig) -> Starlette:
 
 async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: threading.Event, completion: Completion,
                         request_id: str, chat: bool, model: str):
-    """Server-sent events: the text as it comes, the last chunk with the finish reason, usage if asked,
-    then [DONE]. A client that goes away cancels the generation at its next target pass."""
+    """Server-sent events: the text as it comes, the last chunk with the finish reason, the usage chunk if
+    asked, then [DONE]. A client that goes away cancels the generation at its next target pass."""
     def event(payload) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 

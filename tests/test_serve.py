@@ -1,5 +1,6 @@
 """`edgespec serve` against OpenAI's own client, on a tiny bundle, over localhost."""
 import asyncio
+import dataclasses
 import http.client
 import json
 import logging
@@ -393,7 +394,7 @@ def test_a_body_over_the_limit_gets_413_over_http(pipeline):
 
 @pytest.mark.parametrize("body,words", [
     (b"[" * 10_000 + b"]" * 10_000, f"deeper than {MAX_DEPTH}"),  # past Python's recursion limit
-    (json.dumps({"model": MODEL, "messages": MESSAGES, "metadata": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]})
+    (json.dumps({"model": MODEL, "messages": MESSAGES, "metadata": json.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH)})
      .encode(), f"deeper than {MAX_DEPTH}"),  # parses, and is refused before any check walks it
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
      "5000 digits"),  # past Python's int conversion limit
@@ -433,8 +434,15 @@ def test_prompts_are_tokenised_off_the_event_loop_and_a_huge_one_not_at_all(pipe
         server.stop()
 
 
+class EndlessPipeline(SlowPipeline):
+    """Generates to max_new_tokens whatever the tiny model samples: only a cancel ends it sooner."""
+
+    def generate(self, *args, config: GenerationConfig, **kwargs):
+        return super().generate(*args, config=dataclasses.replace(config, stop_at_eos=False), **kwargs)
+
+
 def test_a_non_streamed_request_stops_when_its_client_leaves(pipeline):
-    slow = SlowPipeline(pipeline)
+    slow = EndlessPipeline(pipeline)
     server = Server(slow)
     try:
         body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "temperature": 0.9, "seed": 1})
@@ -573,3 +581,39 @@ def test_serve_options(tmp_path, capsys):
     assert "--max-body" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--max-body", "10"]) == 2
     assert "--max-body" in capsys.readouterr().err
+
+
+def test_kept_conversations_stay_within_the_budgets_room():
+    """With a memory budget, idle conversations live on what it leaves beyond the one conversation it
+    plans for: the least recently used go first, and the one about to generate is never dropped."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from edgespec.serve_clients import KeptConversations
+
+    def new_session():
+        return SimpleNamespace(cache=SimpleNamespace(data=np.zeros(600, np.uint8), features=None), committed=[])
+
+    fake = SimpleNamespace(memory=SimpleNamespace(budget=5000, total=4000, draft_kv_per_token=0),
+                           new_session=new_session, make_drafter=lambda speculate: None)
+    kept = KeptConversations(fake, bound=4)
+    for client in "abc":
+        kept.keep(client, kept.take(client))
+    assert list(kept.kept) == ["b", "c"]  # a and b (1200 bytes) did not fit in 1000 beside c
+    b = kept.kept["b"]
+    assert kept.take("b") is b and list(kept.kept) == ["c"]
+
+
+def test_in_process_clients_are_not_taken_for_gone(pipeline):
+    """Starlette's TestClient (as tests/test_fuzz.py drives the app) holds the request open until the
+    answer: the disconnect check must not cancel it."""
+    from starlette.testclient import TestClient
+
+    with TestClient(make_app(pipeline, ServeConfig(model=MODEL))) as client:
+        reply = client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 6,
+                                                          "temperature": 0})
+        assert reply.status_code == 200
+        direct = pipeline.generate(messages=MESSAGES, config=GenerationConfig(max_new_tokens=6))
+        assert reply.json()["choices"][0]["message"]["content"] == direct.text
+        assert client.get("/health").json()["pending"] == 0

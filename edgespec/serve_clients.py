@@ -1,0 +1,78 @@
+"""Whose conversation a request continues, and the conversations `edgespec serve` keeps between requests.
+
+A client is the API key a request presents (when the server has keys), its `user` and its `cache_salt`,
+together; a request with none of them is no one's and continues nothing. A kept conversation (its
+target cache, its drafter with the draft cache) is continued only by its own client, so the cached
+tokens and the time to first token a client sees say nothing of another client's prompt. Keys are kept
+only as digests.
+
+`KeptConversations` owns the kept conversations; it is touched on the generation worker alone (one
+thread, in turn), so it needs no lock. Each conversation's caches stay allocated while it is kept: at
+most `bound` conversations, and with a memory budget the idle ones within what the budget leaves over
+after the one it plans for; the least recently used goes first.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from edgespec.runtime.drafters import Drafter
+from edgespec.runtime.engine import Session
+from edgespec.runtime.pipeline import Pipeline
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def client_of(key_digest: str | None, user: str | None, cache_salt: str | None) -> str | None:
+    """The client a request speaks for (None: no one, it shares nothing)."""
+    if key_digest is None and user is None and cache_salt is None:
+        return None
+    return hashlib.sha256(json.dumps([key_digest, user, cache_salt]).encode()).hexdigest()
+
+
+@dataclass
+class Conversation:
+    session: Session
+    drafter: Drafter
+
+    def nbytes(self, draft_kv_per_token: int) -> int:
+        """The target cache's buffers as allocated; the draft's estimated from the tokens it holds."""
+        cache = self.session.cache
+        features = 0 if cache.features is None else cache.features.nbytes
+        return cache.data.nbytes + features + len(self.session.committed) * draft_kv_per_token
+
+
+class KeptConversations:
+    def __init__(self, pipeline: Pipeline, bound: int):
+        self.pipeline, self.bound = pipeline, bound
+        self.kept: OrderedDict[str, Conversation] = OrderedDict()  # least recently used first
+        memory = pipeline.memory
+        # the budget plans one conversation's caches at full context; the idle ones live on what is left
+        self.room = None if memory.budget is None else max(0, memory.budget - memory.total)
+
+    def take(self, client: str) -> Conversation:
+        """`client`'s conversation (a new one the first time), out of the kept ones while it generates. The
+        others are dropped, oldest first, until they leave it a place and fit in the budget's room, so
+        that the generation never runs beyond either."""
+        conversation = self.kept.pop(client, None)
+        while self.kept and (len(self.kept) >= self.bound or (self.room is not None and self.held() > self.room)):
+            self.kept.popitem(last=False)
+        if conversation is None:
+            conversation = Conversation(self.pipeline.new_session(), self.pipeline.make_drafter(speculate=True))
+        return conversation
+
+    def keep(self, client: str, conversation: Conversation) -> None:
+        """Keeps a conversation its generation left in a state to continue (not one that failed midway)."""
+        if self.bound > 0:
+            self.kept[client] = conversation
+
+    def held(self) -> int:
+        per_token = self.pipeline.memory.draft_kv_per_token
+        return sum(c.nbytes(per_token) for c in self.kept.values())
+
+    def __len__(self) -> int:
+        return len(self.kept)
