@@ -31,12 +31,14 @@ class MinistralBuilder(LlamaBuilder):
 class Qwen3Builder(LlamaBuilder):
     """Llama with an RMSNorm over each query and key head before the rotary embedding."""
     architecture = "qwen3"
+    coreml_packages = False
     qk_norm = "head"
 
 
 class SmolLM3Builder(LlamaBuilder):
     """Llama whose layers listed 0 in `no_rope_layers` attend without rotary embedding (NoPE)."""
     architecture = "smollm3"
+    coreml_packages = False
 
     def layer_rope(self, cfg, layer: int) -> str | None:
         return "" if cfg.no_rope_layers[layer] else None
@@ -47,6 +49,7 @@ class GraniteBuilder(LlamaBuilder):
     block's output before it joins the residual stream (folded into o_proj and down_proj), and a divisor of
     the logits."""
     architecture = "granite"
+    coreml_packages = False
 
     @property
     def attention_attributes(self) -> dict:
@@ -68,6 +71,7 @@ class Olmo2Builder(LlamaBuilder):
     """Norms after the attention and the MLP instead of before (no input norm), and an RMSNorm over the
     whole query and key projections."""
     architecture = "olmo2"
+    coreml_packages = False
     qk_norm = "projection"
 
     def layer_weights(self, i: int) -> dict[str, np.ndarray]:
@@ -96,6 +100,7 @@ class Olmo3Builder(Olmo2Builder):
 class Phi3Builder(LlamaBuilder):
     """Fused q/k/v and gate/up projections; rotary embedding over a fraction of each head (Phi-4-mini)."""
     architecture = "phi3"
+    coreml_packages = False
 
     @property
     def rotary_dims(self) -> int:
@@ -117,6 +122,7 @@ class Phi3Builder(LlamaBuilder):
 class GemmaBuilder(LlamaBuilder):
     """Norms that scale by (1 + weight), embeddings scaled by sqrt(hidden size), a GeLU-tanh MLP."""
     architecture = "gemma"
+    coreml_packages = False
     activations = ("gelu_pytorch_tanh", "gelu")
     norm_offset = 1.0
 

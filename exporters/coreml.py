@@ -273,6 +273,9 @@ def write_coreml(folder: Path, role: str, model: LlamaBuilder, tree: Topology, p
             raise ExportError("--format coreml needs coremltools: pip install 'edgespec[coreml]'") from err
     if compute_units not in COMPUTE_UNITS:
         raise ExportError(f"unknown CoreML compute units {compute_units!r}; expected one of {', '.join(COMPUTE_UNITS)}")
+    if not model.coreml_packages or any(model.windows):
+        what = "sliding-window attention" if model.coreml_packages else f"the {model.architecture} family"
+        raise ExportError(f"CoreML packages do not compute {what} yet; export this model without --format coreml")
     plans = function_plans(role, tree, prefill_chunk)
     capacity = model.facts.max_context + max(plan.nodes for plan in plans)
     builder = MILProgramBuilder(model, capacity)

@@ -81,6 +81,7 @@ class LlamaBuilder:
     qk_norm: str | None = None  # "head": an RMSNorm over each query/key head; "projection": over the whole projections
     norm_offset = 0.0  # norms scale by (norm_offset + weight): Gemma's are 1 + weight
     activations = ("silu",)  # the MLP activations the graph computes (`activation`)
+    coreml_packages = True  # exporters/coreml.py computes this family (it knows Llama's layer and nothing more)
     # positions past the context the rotary tables cover: a static-shape graph's node count (its passes
     # write that far, and its op checks its tables against the whole buffer)
     rope_slack = ROPE_SLACK
@@ -217,7 +218,7 @@ class LlamaBuilder:
         rotary = self.model.model.rotary_emb
         return cfg.layer_types[layer] if len(getattr(rotary, "layer_types", ())) > 1 else ""
 
-    def rope_tables(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    def rope_tables(self, kind: str = "") -> tuple[np.ndarray, np.ndarray]:
         """cos/sin [max_context + rope_slack, rotary dims] of table `kind` (`layer_rope`), computed by the model's
         own rotary module so that every rope variant transformers knows (llama3, yarn, linear, longrope's
         choice for the exported context, ...) is reproduced exactly."""

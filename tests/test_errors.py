@@ -110,6 +110,29 @@ def test_unsupported_architecture_writes_nothing(tmp_path):
     assert list((tmp_path / "out").iterdir()) == []  # no temporary folder left behind
 
 
+def test_unsupported_architecture_is_refused_before_the_weights_are_read(tmp_path):
+    import transformers
+
+    model_dir = tmp_path / "neox"
+    transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2).save_pretrained(model_dir)
+    (model_dir / "model.safetensors").write_bytes(b"not a checkpoint")  # reading it would fail otherwise
+    with pytest.raises(UnsupportedArchitectureError, match="architecture gpt_neox is not supported"):
+        export(ExportConfig(model=str(model_dir), draft="ngram", out=tmp_path / "b", cache_dir=tmp_path / "cache"))
+
+
+def test_weights_that_do_not_fit_their_config_name_the_model(tmp_path):
+    import json
+
+    from tiny import make_model
+
+    make_model(tmp_path / "m", "llama")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(config, intermediate_size=96)))
+    with pytest.raises(ExportError, match="cannot load Hugging Face folder .*m"):
+        export(ExportConfig(model=str(tmp_path / "m"), draft="ngram", out=tmp_path / "b", cache_dir=tmp_path / "cache"))
+    assert not (tmp_path / "b").exists()
+
+
 def test_bad_model_paths(tmp_path):
     (tmp_path / "notgguf.bin").write_bytes(b"hello")
     for spec, message in [(str(tmp_path / "notgguf.bin"), "neither a GGUF"), (str(tmp_path), "no config.json"),
