@@ -217,11 +217,16 @@ def builder_for(model, max_context: int, head_tokens=None, feature_fc=None, feat
     return family_for(model.config, type(model).__name__).builder(model, max_context, head_tokens, feature_fc, features_out, lanes, exact_passes)
 
 
+def families_line() -> str:
+    """The README's list of supported families."""
+    return "Families exported: " + ", ".join(f.name for f in FAMILIES) + "."
+
+
 def families_markdown() -> str:
-    """The README's table of supported models."""
+    """docs/models.md's table of supported models."""
     rows = [f"| {f.name} | {f.examples} | `{'`, `'.join(f.architectures)}` |" for f in FAMILIES]
     return "\n".join(["| family | models | transformers architecture |", "| --- | --- | --- |", *rows])
 
 
 if __name__ == "__main__":
-    print(families_markdown())
+    print(families_line(), families_markdown(), sep="\n\n")

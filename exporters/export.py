@@ -322,8 +322,8 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
                                   QuantPolicy(plan.draft_scheme), calibration=draft_calibration,
                                   static=static if plan.main_static[1] else None)
-        if draft_info.head_tokens is not None:
-            (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_info.head_tokens]))
+        if draft_builder.head_tokens is not None:
+            (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_builder.head_tokens]))
             draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
     quality = None
     if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
@@ -419,14 +419,22 @@ def _draft_builder(source, info: DraftInfo, tokenizer, target_builder, context: 
     """The draft model's graph builder, checked against the target it will draft for."""
     draft, draft_tokenizer = source.load()
     check_compatible(tokenizer, draft_tokenizer)
-    builder = builder_for(draft, context, info.head_tokens, info.feature_fc, features_out=info.feature_fc is not None)
+    head_tokens, vocab = info.head_tokens, target_builder.facts.vocab_size
+    rows = draft.config.vocab_size
+    if rows != vocab:
+        # models of one family pad their embedding rows differently (Qwen2.5: 151,936 or 152,064): the draft
+        # predicts only ids both have, its logits laid out as the target's
+        usable = min(rows, vocab)
+        if len(tokenizer) > usable:
+            raise ExportError(f"the draft has {rows} vocabulary rows and the target {vocab}, fewer than the "
+                              f"tokenizer's {len(tokenizer)} tokens: they cannot be the same vocabulary")
+        head_tokens = np.arange(usable) if head_tokens is None else head_tokens[head_tokens < usable]
+    builder = builder_for(draft, context, head_tokens, info.feature_fc, features_out=info.feature_fc is not None)
+    builder.facts = replace(builder.facts, vocab_size=vocab)
     if info.feature_fc is not None and builder.facts.hidden_size != target_builder.facts.hidden_size:
         raise ExportError(f"the draft reads the target's features but its hidden size "
                           f"({builder.facts.hidden_size}) differs from the target's "
                           f"({target_builder.facts.hidden_size}): it was trained for another target")
-    if builder.facts.vocab_size != target_builder.facts.vocab_size:
-        raise ExportError(f"the draft's vocabulary ({builder.facts.vocab_size}) differs from the "
-                          f"target's ({target_builder.facts.vocab_size})")
     return builder
 
 

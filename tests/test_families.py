@@ -91,3 +91,50 @@ def test_family_greedy_output_and_int4_speculation(model_type, family_models, tm
         plain = int4.generate(text, config=config, speculate=False)
         spec = int4.generate(text, config=config, speculate=True)
         assert spec.token_ids == plain.token_ids
+
+
+def test_a_draft_with_padded_vocabulary_rows_drafts_for_the_target(tmp_path):
+    """Models of one family pad their embedding rows differently (Qwen2.5 0.5B against 7B): the draft is
+    exported to predict the ids both have, and speculation stays exact."""
+    target, _ = tmp_path / "t", make_model(tmp_path / "t", "qwen2", seed=1)
+    make_model(tmp_path / "d", "qwen2", seed=2, layers=1, vocab_size=_vocab(tmp_path / "t") + 64)
+    bundle = _export(target, tmp_path / "b", draft=str(tmp_path / "d"), tree="topk:2x2")
+    pipeline = Pipeline(bundle)
+    assert pipeline.manifest.draft.facts.vocab_size == pipeline.manifest.target.facts.vocab_size
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    for text in CORPUS[:2]:
+        assert (pipeline.generate(text, config=config, speculate=True).token_ids
+                == pipeline.generate(text, config=config, speculate=False).token_ids)
+
+
+def test_a_draft_whose_tokenizer_differs_is_refused_naming_the_token(tmp_path):
+    import json
+
+    from edgespec.runtime.errors import ExportError
+
+    make_model(tmp_path / "t", "llama", seed=1)
+    make_model(tmp_path / "d", "llama", seed=2, layers=1)
+    data = json.loads((tmp_path / "d" / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "d" / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ExportError, match="differs from the target's at id 100"):
+        _export(tmp_path / "t", tmp_path / "b", draft=str(tmp_path / "d"))
+    assert not (tmp_path / "b").exists()
+
+
+def _vocab(folder) -> int:
+    import json
+
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+def test_the_readme_and_docs_list_the_families_the_table_holds():
+    from pathlib import Path
+
+    from edgespec.exporters.architectures import families_line, families_markdown
+
+    root = Path(__file__).parent.parent
+    assert families_line() in (root / "README.md").read_text().replace("\n", " ")
+    assert families_markdown() in (root / "docs" / "models.md").read_text()
