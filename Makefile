@@ -22,7 +22,7 @@ install: $(BIN)/edgespec
 $(OPENVINO_VENV)/bin/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(OPENVINO_VENV)
 	$(OPENVINO_VENV)/bin/pip install --quiet --upgrade pip
-	$(OPENVINO_VENV)/bin/pip install --quiet onnxruntime-openvino==1.24.1 "numpy>=1.26" "tokenizers>=0.21" "jinja2>=3.1"
+	$(OPENVINO_VENV)/bin/pip install --quiet onnxruntime-openvino==1.24.1 "numpy>=1.26" "tokenizers>=0.21" "jinja2>=3.1" "llguidance>=1.9,<2"
 	$(OPENVINO_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $(OPENVINO_VENV)/bin/edgespec
 
