@@ -73,15 +73,27 @@ def replace_matmul(model: onnx.ModelProto, node: onnx.NodeProto, weight: np.ndar
                    accuracy_level: int) -> None:
     """Rewrites MatMul(x, W) in place as MatMulNBits(x) + MatMul(ReduceSum(x as blocks), offsets), or as
     MatMulNBits(x) alone when W lies on a symmetric grid."""
-    name = node.input[1]
-    k, n = weight.shape
-    graph = model.graph
-    x, y = node.input[0], node.output[0]
     symmetric = on_symmetric_grid(weight, bits, block)
     packed, scales, offsets = (*symmetric, None) if symmetric is not None else quantize_block_minmax(weight, bits, block)
+    write_nbits(model, node, weight.shape, packed, scales, offsets, bits, block, accuracy_level)
+
+
+def write_nbits(model: onnx.ModelProto, node: onnx.NodeProto, shape: tuple[int, int], packed: np.ndarray,
+                scales: np.ndarray, offsets: np.ndarray | None, bits: int, block: int, accuracy_level: int,
+                zero_points: np.ndarray | None = None) -> None:
+    """MatMul(x, W [K, N]) -> MatMulNBits over `packed` levels with `scales` (and `zero_points`, packed as the
+    op takes them; None: its implied 2^(bits-1)), plus x's block sums times `offsets` [K/block, N] if any."""
+    name = node.input[1]
+    k, n = shape
+    graph = model.graph
+    x, y = node.input[0], node.output[0]
     graph.initializer.extend([numpy_helper.from_array(packed, f"{name}_Q{bits}"),
                               numpy_helper.from_array(scales, f"{name}_scales")])
-    matmul = helper.make_node("MatMulNBits", [x, f"{name}_Q{bits}", f"{name}_scales"],
+    inputs = [x, f"{name}_Q{bits}", f"{name}_scales"]
+    if zero_points is not None:
+        graph.initializer.append(numpy_helper.from_array(zero_points, f"{name}_zeros"))
+        inputs.append(f"{name}_zeros")
+    matmul = helper.make_node("MatMulNBits", inputs,
                               [y if offsets is None else f"{y}_sym"], name=f"{node.name}_nbits", domain="com.microsoft",
                               K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
     if offsets is None:
