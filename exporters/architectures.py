@@ -66,6 +66,9 @@ class GraniteBuilder(LlamaBuilder):
     def final_logits(self, g, logits: str) -> str:
         return g.op("Div", [logits, g.const(float(self.model.config.logits_scaling), np.float32)])
 
+    def matmul_sources(self) -> dict[str, list[str]]:
+        return {k: v for k, v in super().matmul_sources().items() if not k.endswith((".o", ".down"))}  # scaled
+
 
 class Olmo2Builder(LlamaBuilder):
     """Norms after the attention and the MLP instead of before (no input norm), and an RMSNorm over the
@@ -117,6 +120,15 @@ class Phi3Builder(LlamaBuilder):
             "gate_up": s[p + "mlp.gate_up_proj.weight"].T,  # gate first, as Phi3MLP chunks it
             "down": s[p + "mlp.down_proj.weight"].T,
         }
+
+    def matmul_sources(self) -> dict[str, list[str]]:
+        out = super().matmul_sources()
+        for name, keys in out.items():
+            if name.endswith(".qkv"):
+                out[name] = [keys[0].replace("q_proj", "qkv_proj")]
+            elif name.endswith(".gate_up"):
+                out[name] = [keys[0].replace("gate_proj", "gate_up_proj")]
+        return out
 
 
 class GemmaBuilder(LlamaBuilder):

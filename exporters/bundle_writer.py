@@ -45,18 +45,21 @@ from .weights import external_table, external_tensors, externalize
 
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
-                stages: int = 0, calibration: Calibration | None = None, static: dict | None = None) -> ModelEntry:
+                stages: int = 0, calibration: Calibration | None = None, static: dict | None = None,
+                grids: dict | None = None) -> ModelEntry:
     """Writes `role`.onnx and `role`.weights, quantized by `policy`, and with `stages` > 0 the same model
     again as stages (embedding, `stages` groups of layers, head) that a runtime short of memory loads
     one after another; returns the manifest entry. `calibration`: `calibrate`'s, for integer matmuls.
-    `static`: the graph's symbolic dimensions fixed (a static-shape profile: export.static_dims)."""
+    `static`: the graph's symbolic dimensions fixed (a static-shape profile: export.static_dims). `grids`:
+    weights that keep a GGUF's own blocks (exporters/gguf_weights.py)."""
     maxima = calibration.maxima if calibration is not None else None
-    model, applied = save_graph(folder, role, builder, policy, maxima=maxima, static=static)
+    model, applied = save_graph(folder, role, builder, policy, maxima=maxima, static=static, grids=grids)
     stage_specs = []
     for i, (layers, embed, head) in enumerate(stage_plan(builder.facts.num_layers, stages) if stages else ()):
         name = f"{role}.stage{i}"
         stage, stage_applied = save_graph(folder, name, builder, policy,
-                                          dict(layers=layers, embed=embed, head=head), strict=False, maxima=maxima)
+                                          dict(layers=layers, embed=embed, head=head), strict=False, maxima=maxima,
+                                          grids=grids)
         stage_specs.append(replace(
             _graph_spec(name, stage, stage_applied, policy), layers=(layers.start, layers.stop),
             # a float stage: the runtime maps its weights; a float table it can index itself, so only the
@@ -105,13 +108,13 @@ def calibrate(builder: LlamaBuilder, ids: list[int], features=None) -> Calibrati
 
 
 def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPolicy, parts: dict | None = None,
-               strict: bool = True, maxima: dict | None = None, static: dict | None = None):
+               strict: bool = True, maxima: dict | None = None, static: dict | None = None, grids: dict | None = None):
     """Builds (all of the model, or `parts` of it), quantizes and saves `name`.onnx with its weights in
     `name`.weights. `strict`: a policy pattern that matches no weight here is an error. `static`: values
     for the graph's symbolic dimensions."""
     model = builder.build(f"edgespec_{name.replace('.', '_')}", **(parts or {})).to_model()
     try:
-        applied = quantize_model(model, policy, strict, maxima)
+        applied = quantize_model(model, policy, strict, maxima, grids)
         mark_exact_rows(model)
         if builder.portable_attention:
             onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},

@@ -31,6 +31,7 @@ from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import DeviceProfile, get_profile
 
 from .architectures import builder_for
+from .gguf_weights import kept_blocks
 from .bundle_writer import (
     BundleContents,
     TreeSettings,
@@ -65,6 +66,7 @@ class ExportConfig:
     integer_zero_points: bool = False  # asymmetric: MatMulNBits' own integer zero points, not exact float offsets
     accuracy_level: int = 4
     integer_matmul: bool = False  # int8: MatMulInteger over per-row activations (quant/integer.py), no padding row
+    gguf_blocks: bool = False  # a GGUF target's quantized blocks kept as they are (exporters/gguf_weights.py)
     quant_policy: Path | None = None  # applies to the target
     force: bool = False
     stages: int = 0  # > 0: the target also as stages with this many groups of layers (streamed under a budget)
@@ -307,9 +309,10 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if static:
         target_builder.rope_slack = max(target_builder.rope_slack, plan.static_nodes)
         say(f"static-shape graphs: {plan.static_nodes} nodes per pass, a KV buffer of {config.context} tokens")
+    grids = _kept_blocks(config, target_source, target_builder, say)
     target_entry = write_model(folder, "target", target_builder, target_source.description, plan.target_policy,
                                stages=config.stages, calibration=calibration,
-                               static=static if plan.main_static[0] else None)
+                               static=static if plan.main_static[0] else None, grids=grids)
     draft_entry, draft_builder, draft_calibration = None, None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
@@ -413,6 +416,21 @@ def check_exactness(graph: Path, facts) -> dict:
     min_rows, compared, differ = fewest_exact_rows(runner)
     return {"machine": machine_key(), "onnxruntime": onnxruntime.__version__, "exact": not differ,
             "rows": compared, "differ": len(differ), "min_rows": min_rows}
+
+
+def _kept_blocks(config: ExportConfig, source, builder, say) -> dict | None:
+    """With --gguf-blocks, the target's matmul weights that keep the GGUF's own blocks; the others named."""
+    if not config.gguf_blocks:
+        return None
+    if source.kind != "gguf":
+        raise ExportError(f"--gguf-blocks keeps a GGUF file's blocks, and the target is {source.description}")
+    kept = kept_blocks(Path(source.location), builder)
+    kinds = sorted({grid.kind for grid in kept.grids.values()})
+    say(f"keeping the GGUF's own blocks for {len(kept.grids)} matmul weights ({', '.join(kinds) or 'none'})")
+    if kept.not_kept:
+        say(f"not kept, quantized as --quant {config.quant} instead: "
+            + "; ".join(f"{name} ({kinds})" for name, kinds in sorted(kept.not_kept.items())))
+    return kept.grids
 
 
 def _draft_builder(source, info: DraftInfo, tokenizer, target_builder, context: int):

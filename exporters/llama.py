@@ -250,6 +250,20 @@ class LlamaBuilder:
             out["q_norm"], out["k_norm"] = (s[p + f"self_attn.{n}_norm.weight"] + one for n in "qk")
         return out
 
+    def matmul_sources(self) -> dict[str, list[str]]:
+        """Each matmul weight of the graph that is checkpoint tensors side by side as they are (unscaled),
+        with those tensors' names in order: what a GGUF's blocks can stand for (exporters/gguf_weights.py)."""
+        out = {}
+        for i in range(self.facts.num_layers):
+            p = f"model.layers.{i}."
+            out |= {f"layers.{i}.qkv": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                    f"layers.{i}.o": [p + "self_attn.o_proj.weight"],
+                    f"layers.{i}.gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                    f"layers.{i}.down": [p + "mlp.down_proj.weight"]}
+        if self.head_tokens is None:
+            out["lm_head"] = ["model.embed_tokens.weight" if self.facts.tie_word_embeddings else "lm_head.weight"]
+        return out
+
     # --- the graph ---------------------------------------------------------------------------
     def build(self, name: str, nodes: int | str = "nodes", layers: range | None = None,
               embed: bool = True, head: bool = True, sequences: bool = False) -> GraphBuilder:

@@ -15,7 +15,8 @@ from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from . import integer
-from .offsets import replace_matmul
+from .gguf_grid import BlockGrid, matmul_nbits_inputs
+from .offsets import replace_matmul, write_nbits
 from .schemes import QuantPolicy
 
 
@@ -71,17 +72,21 @@ def _store_half(model: onnx.ModelProto, names: list[str]) -> None:
 
 
 def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = True,
-                   activation_maxima: dict[str, np.ndarray] | None = None) -> dict[str, str]:
+                   activation_maxima: dict[str, np.ndarray] | None = None,
+                   grids: dict[str, BlockGrid] | None = None) -> dict[str, str]:
     """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight.
     `strict`: a policy pattern that names no weight of this graph is an error (a stage holds only
     some of the model's weights, so its patterns are checked on the whole model instead).
     `activation_maxima`: calibrate.py's, for integer matmuls (measured on the whole model: a stage
-    cannot measure its own)."""
+    cannot measure its own). `grids`: weights that keep a GGUF file's own blocks (gguf_grid.py), by name."""
+    grids = grids or {}
     head, embedding = policy.scheme_for("lm_head"), policy.scheme_for("embed_tokens")
-    if head.bits or head.name != embedding.name:  # MatMulNBits needs a MatMul; a tied head needs its own copy
-        untie_head(model)
+    if head.bits or head.name != embedding.name or "lm_head" in grids:
+        untie_head(model)  # MatMulNBits needs a MatMul; a tied head needs its own copy
         _drop_unused_initializers(model)  # a head-only stage no longer needs the embedding table
-    users = _weight_nodes(model)
+    users = _weight_nodes(model)  # before the grids' rewrite: their offsets' small matmuls stay fp32
+    kept = _apply_grids(model, grids, policy.default.accuracy_level)
+    users = {name: nodes for name, nodes in users.items() if name not in kept}
     unmatched = [pattern for pattern, _ in policy.overrides
                  if not any(fnmatch.fnmatchcase(name, pattern) for name in set(users) | {"lm_head"})]
     if unmatched and strict:
@@ -100,9 +105,25 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
     if not policy.default.symmetric and not policy.default.integer_zero_points:
         _apply_offsets(model, users, applied, policy)
     _apply_nbits(model, applied, policy)
-    if "lm_head" not in applied and "embed_tokens" in applied:  # a tied head reads the embedding table as stored
-        applied["lm_head"] = applied["embed_tokens"]
-    return applied
+    if "lm_head" not in applied and "lm_head" not in kept and "embed_tokens" in applied:
+        applied["lm_head"] = applied["embed_tokens"]  # a tied head reads the embedding table as stored
+    return {**kept, **applied}
+
+
+def _apply_grids(model: onnx.ModelProto, grids: dict[str, BlockGrid], accuracy_level: int) -> dict[str, str]:
+    """MatMul weights named in `grids` become MatMulNBits over the GGUF's own blocks; returns {name: "gguf TYPE"}."""
+    inits = _initializers(model)
+    kept = {}
+    for name, nodes in _weight_nodes(model).items():
+        if name not in grids or nodes[0].op_type != "MatMul":
+            continue
+        packed, scales, zeros, offsets = matmul_nbits_inputs(grids[name])
+        for node in nodes:
+            write_nbits(model, node, numpy_helper.to_array(inits[name]).shape, packed, scales, offsets,
+                        grids[name].bits, grids[name].block, accuracy_level, zeros)
+        model.graph.initializer.remove(inits[name])
+        kept[name] = f"gguf {grids[name].kind}"
+    return kept
 
 
 def _apply_integer(model: onnx.ModelProto, users, applied: dict[str, str], maxima: dict[str, np.ndarray]) -> None:

@@ -34,7 +34,7 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(model, folder: Path, path: Path, quant: dict | None = None) -> Path:
+def write_gguf(model, folder: Path, path: Path, quant: dict | None = None, seed: int = 0) -> Path:
     """`model`: a transformers Llama or Qwen3 model (fp32) saved with its tokenizer in `folder`. `quant`:
     GGUF tensor name suffix -> GGMLQuantizationType for the 2-D weights (default F32)."""
     import gguf
@@ -99,9 +99,29 @@ def write_gguf(model, folder: Path, path: Path, quant: dict | None = None) -> Pa
         if qtype is None:
             w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
         else:
-            w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_shape=value.shape, raw_dtype=qtype)
+            w.add_tensor(name, quantized(value, qtype, seed), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# k-quant blocks: the byte offsets of their fp16 super-block scales, and a scale that keeps weights near 0.3
+K_QUANT_SCALES = {"Q2_K": ((80, 1e-3), (82, 1e-3)), "Q4_K": ((0, 3e-4), (2, 3e-4)), "Q5_K": ((0, 1.5e-4), (2, 1.5e-4)), "Q6_K": ((208, 7e-5),)}
+
+
+def quantized(value: np.ndarray, qtype, seed: int) -> np.ndarray:
+    """`value` [N, K] in GGUF block type `qtype`: gguf's own quantizer where it has one; random blocks for the
+    k-quants it cannot make (the tests compare with what transformers reads back, not with `value`)."""
+    import gguf
+
+    if qtype.name not in K_QUANT_SCALES:
+        return gguf.quants.quantize(value, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed + value.size)
+    raw = rng.integers(0, 256, (value.shape[0] * value.shape[1] // block, size), dtype=np.uint8)
+    for offset, scale in K_QUANT_SCALES[qtype.name]:
+        raw[:, offset:offset + 2] = rng.uniform(0.5, 1.5, len(raw)).astype(np.float16).__mul__(scale).astype(
+            np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(value.shape[0], -1)
