@@ -67,6 +67,10 @@ def kept_blocks(path: Path, builder: LlamaBuilder) -> KeptBlocks:
                           f"read for {key}; export without --gguf-blocks")
 
     grids, not_kept = {}, {}
+    embedding = tensors.get("token_embd.weight")
+    if embedding is not None and embedding.tensor_type.name not in ("F32", "F16", "BF16"):
+        # a Gather reads the table: transformers' dequantization of it, then --quant's scheme
+        not_kept["embed_tokens"] = embedding.tensor_type.name
     for name, keys in builder.matmul_sources().items():
         parts = [grid_of(key) for key in keys]
         lost = sorted({p for p in parts if isinstance(p, str)})

@@ -445,9 +445,13 @@ class LlamaBuilder:
         where = g.op("Expand", [g.op("Reshape", [rows, g.const([1, 1, -1, 1])]), g.op("Shape", [k])])
         present_k = g.op("ScatterElements", [past[0], where, k], axis=2)
         present_v = g.op("ScatterElements", [past[1], where, v], axis=2)
-        grouped = g.op("Reshape", [g.op("Mul", [q, g.const(1 / np.sqrt(d), np.float32)]),
+        scale = self.attention_attributes.get("scale", 1 / np.sqrt(d))
+        grouped = g.op("Reshape", [g.op("Mul", [q, g.const(scale, np.float32)]),
                                    g.const([1, kv_heads, -1, d])])  # [1, kvH, G * L, D]: h = kv * G + g
         scores = g.op("MatMul", [grouped, g.op("Transpose", [present_k], perm=[0, 1, 3, 2])])  # [1, kvH, G * L, C]
+        if "softcap" in self.attention_attributes:
+            cap = g.const(self.attention_attributes["softcap"], np.float32)
+            scores = g.op("Mul", [g.op("Tanh", [g.op("Div", [scores, cap])]), cap])
         scores = g.op("Add", [g.op("Reshape", [scores, g.const([1, heads, -1, 0])]), attend["bias"]])
         probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), g.const([1, kv_heads, -1, 0])])
         out = g.op("Reshape", [g.op("MatMul", [probs, present_v]), g.const([1, heads, -1, d])])  # [1, H, L, D]

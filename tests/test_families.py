@@ -138,3 +138,22 @@ def test_the_readme_and_docs_list_the_families_the_table_holds():
     root = Path(__file__).parent.parent
     assert families_line() in (root / "README.md").read_text().replace("\n", " ")
     assert families_markdown() in (root / "docs" / "models.md").read_text()
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_family_static_draft_profile(model_type, family_models, tmp_path):
+    """A profile that drafts on an NPU (static shapes, attention in standard operators) exports every family;
+    the model drafting for itself stays exact and is mostly accepted."""
+    import warnings
+
+    folder, _ = family_models(model_type)
+    bundle = _export(folder, tmp_path / "b", draft=str(folder), tree="chain:3", profile="ai-pc-intel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no NPU here: the CPU runs the draft
+        pipeline = Pipeline(bundle, threads=1)
+    assert pipeline.draft.static is not None
+    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    plain = pipeline.generate(CORPUS[1], config=config, speculate=False)
+    spec = pipeline.generate(CORPUS[1], config=config, speculate=True)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.mean_accepted_per_pass > 2.0

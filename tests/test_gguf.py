@@ -111,7 +111,8 @@ def test_a_block_type_that_cannot_be_kept_is_named(tmp_path, capsys):
     path = _quantized_gguf(tmp_path, types)
     _, tensors = _export_and_compare(path, tmp_path / "b", quant="int8")
     assert tensors["layers.0.gate_up"] == "int8" and tensors["layers.0.qkv"] == "gguf Q4_K"
-    assert "not kept, quantized as --quant int8 instead: layers.0.gate_up (Q2_K)" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "not kept, quantized as --quant int8 instead: embed_tokens (Q4_K); layers.0.gate_up (Q2_K)" in said
 
 
 def test_gguf_blocks_needs_a_gguf(models, tmp_path):
