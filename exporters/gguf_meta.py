@@ -7,6 +7,7 @@ Llama 3.x GGUF would load with a plain rope and edgespec would reproduce the wro
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def read_gguf_facts(path: Path) -> GGUFFacts:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, struct.error) as err:  # not a GGUF, unreadable, or cut short
         raise ExportError(f"cannot read GGUF file {path}: {err}") from err
 
     def value(key: str):

@@ -6,6 +6,7 @@ folder holds config.json), never by its name.
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
 import sys
 import zipfile
@@ -16,6 +17,7 @@ from urllib.parse import urlparse
 import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from edgespec.runtime.errors import ExportError
@@ -57,8 +59,10 @@ class ModelSource:
             model = AutoModelForCausalLM.from_pretrained(where, config=config, **kwargs)
             if facts is not None:
                 apply_rope_factors(model, facts)
-        except (OSError, ValueError, KeyError, TypeError) as err:  # a broken config.json, tokenizer or checkpoint
+        # a broken config.json (a field of the wrong type), tokenizer, checkpoint or GGUF (cut short)
+        except (OSError, ValueError, KeyError, TypeError, StrictDataclassError, struct.error) as err:
             hint = " (no network? hub ids need one; pass a local folder or GGUF file)" if self.kind == "hub" else ""
+            hint += " (the file is cut short or corrupt)" if isinstance(err, struct.error) else ""
             raise ExportError(f"cannot load {self.description}: {type(err).__name__}: {err}{hint}") from err
         except RuntimeError as err:  # torch refusing the checkpoint's tensors for the config's shapes
             raise ExportError(f"cannot load {self.description}: its weights do not fit the model its config "

@@ -133,6 +133,25 @@ def test_weights_that_do_not_fit_their_config_name_the_model(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_a_truncated_gguf_and_a_mistyped_config_name_the_input(tmp_path):
+    import json
+
+    from gguf_files import write_gguf
+    from tiny import make_model
+
+    model = make_model(tmp_path / "m", "llama")
+    (tmp_path / "g").mkdir()
+    whole = write_gguf(model, tmp_path / "m", tmp_path / "g" / "m.gguf").read_bytes()
+    (tmp_path / "g" / "cut.gguf").write_bytes(whole[:4000])
+    with pytest.raises(ExportError, match="cannot load GGUF file .*cut.gguf.*cut short or corrupt"):
+        export(ExportConfig(model=str(tmp_path / "g" / "cut.gguf"), draft="ngram", out=tmp_path / "b"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers="two")))
+    with pytest.raises(ExportError, match="cannot load Hugging Face folder .*num_hidden_layers"):
+        export(ExportConfig(model=str(tmp_path / "m"), draft="ngram", out=tmp_path / "b"))
+    assert not (tmp_path / "b").exists()
+
+
 def test_bad_model_paths(tmp_path):
     (tmp_path / "notgguf.bin").write_bytes(b"hello")
     for spec, message in [(str(tmp_path / "notgguf.bin"), "neither a GGUF"), (str(tmp_path), "no config.json"),
