@@ -23,11 +23,23 @@ SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instru
 # one path a step, and the graph one lane (§49)
 DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "quant": "int4",
                   "symmetric": False, "lanes": 1, "suffix": True}
-# Raised when the exporter writes the default recipe's graphs differently, so a cached bundle is rebuilt:
-# 2 = the int8 head on its Q8_0 grid without an offsets subgraph (history.md §53); 3 = a target graph
-# without an attention bias (§54); 4 = one-lane graphs pad their tokens into the slots instead of gathering;
-# 5 = only a target's graph does (a draft's gathers again, for OpenVINO); 6 = suffix drafting replaces lookup.
-DEFAULT_BUILD = 6
+# The code that builds the default bundle (and records its manifest and exactness verdict): a change to any
+# of its files names a new cache folder, so a stale default bundle is never reused.
+BUILDER_PACKAGES = ("edgespec.exporters", "edgespec.quant", "edgespec.distill", "edgespec.targets",
+                    "edgespec.runtime")
+
+
+def builder_digest(packages: tuple[str, ...] = BUILDER_PACKAGES) -> str:
+    """A digest of the builder packages' files (sources and package data, by relative path)."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for package in packages:
+        root = Path(importlib.import_module(package).__file__).parent
+        for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            digest.update(f"{package}/{path.relative_to(root).as_posix()}".encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:12]
 
 
 def _shipped_draft_digest() -> str:
@@ -39,10 +51,10 @@ def _shipped_draft_digest() -> str:
 
 def default_bundle_path() -> Path:
     """Named by edgespec's version, the recipe and its quantization policy, the shipped draft, the bundle schema
-    and the build revision, so a change builds a new bundle."""
+    and the code that builds it, so a change builds a new bundle."""
     policy = hashlib.sha256(HEAD_INT8_POLICY.read_bytes()).hexdigest()[:8]
     recipe = json.dumps({**DEFAULT_RECIPE, "draft": _shipped_draft_digest(), "schema": SCHEMA_VERSION,
-                         "policy": policy, "build": DEFAULT_BUILD}, sort_keys=True)
+                         "policy": policy, "builder": builder_digest()}, sort_keys=True)
     return cache_dir() / "bundles" / f"default-{__version__}-{hashlib.sha256(recipe.encode()).hexdigest()[:8]}"
 
 

@@ -180,5 +180,19 @@ def test_the_default_bundles_cache_name_follows_its_policy_and_build(tmp_path, m
     assert defaults.default_bundle_path() == first and first.parent == tmp_path / "bundles"
     policy.write_text('{"tensors": {"lm_head": "fp16"}}')
     second = defaults.default_bundle_path()
-    monkeypatch.setattr(defaults, "DEFAULT_BUILD", defaults.DEFAULT_BUILD + 1)
+    monkeypatch.setattr(defaults, "builder_digest", lambda: "a-changed-exporter")
     assert len({first, second, defaults.default_bundle_path()}) == 3
+
+
+def test_the_builder_digest_follows_every_file_of_the_builder(tmp_path, monkeypatch):
+    import shutil
+    from pathlib import Path
+
+    from edgespec import defaults
+
+    package = tmp_path / "fakebuilder"
+    shutil.copytree(Path(defaults.__file__).parent.parent / "quant", package)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = defaults.builder_digest(("fakebuilder",))
+    (package / "policies" / "head-int8.json").write_text("{}")  # package data counts, not only sources
+    assert defaults.builder_digest(("fakebuilder",)) != before
