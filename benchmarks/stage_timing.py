@@ -13,6 +13,7 @@ from pathlib import Path
 from edgespec.runtime.budget import plan_memory
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime import staged
 from edgespec.runtime.pipeline import Pipeline
 
 parser = argparse.ArgumentParser()
@@ -32,31 +33,25 @@ pipeline = Pipeline(folder, threads=args.threads,
 window = pipeline.target.window
 print(f"stages {window.count}, pinned {sorted(window.pinned)}, kinds {sorted({type(s).__name__ for s in window.stages})}")
 seconds = defaultdict(float)
-get = window.get
-
-
-class TimedSession:
-    def __init__(self, session, i):
-        self.session, self.i = session, i
-
-    def get_outputs(self):
-        return self.session.get_outputs()
-
-    def run(self, *args):
-        start = time.perf_counter()
-        outputs = self.session.run(*args)
-        seconds["run", self.i] += time.perf_counter() - start
-        return outputs
+get, run_bound, current = window.get, staged.run_bound, [0]
 
 
 def timed_get(i):
     start = time.perf_counter()
     session = get(i)
     seconds["fetch", i] += time.perf_counter() - start
-    return TimedSession(session, i)
+    current[0] = i
+    return session
 
 
-window.get = timed_get
+def timed_run(*args):
+    start = time.perf_counter()
+    values = run_bound(*args)
+    seconds["run", current[0]] += time.perf_counter() - start
+    return values
+
+
+window.get, staged.run_bound = timed_get, timed_run
 config = GenerationConfig(max_new_tokens=args.max_new_tokens)
 pipeline.generate(prompt=args.prompt, config=config, speculate=False)
 seconds.clear()

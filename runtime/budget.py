@@ -3,22 +3,29 @@
 The plan is arithmetic over what the bundle says (weight files, model facts, tree and prefill sizes);
 peak RSS is measured by `bench`, never taken from here.
 
-When the target's weights do not fit and the bundle carries the target as stages, the target streams:
-the KV caches are sized first (the full context if the budget allows it, down to MIN_CONTEXT), and
-the stage window takes what is left: two slots for the stages that stream through it, and as many
-stages pinned as then fit, largest first, since every stage not pinned is loaded again on every pass
-(runtime/staged.py). Below the smallest window (the two largest stages) the budget is refused with
-the minimum it needs.
+Speed first, the context the caller asks for as a floor (`context`, MIN_CONTEXT unless given): the
+whole target stays resident when it fits beside that floor, and the caches take the rest. Otherwise,
+when the bundle carries the target as stages, it streams: the caches get the floor, the stage window
+the rest (two slots for the stages that stream through it, and as many stages pinned as then fit,
+those whose fetch costs a pass most first: runtime/stream_costs.py), and what the window leaves goes
+back to the caches. Below the smallest window (the two largest stages) beside the floor the budget is
+refused with the minimum it needs. `trade_offs` lists the other splits: fewer stages pinned, more
+context, and what a pass then costs.
+
+A stage's bytes are what it holds while fetched on this device (its packed copy's mapping, measured
+when prepared: runtime/prepacked.py) where the caller has them, else its files.
 """
 from __future__ import annotations
 
 import re
+from math import prod as np_prod
 from dataclasses import dataclass
 from pathlib import Path
 
 from .bundle import Manifest
 from .errors import BudgetError
 from .staged import MappedEmbedding
+from .stream_costs import StreamCosts
 
 # The process before any weight: Python, numpy, onnxruntime and tokenizers imported (57 MiB resident on
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
@@ -60,6 +67,9 @@ class MemoryPlan:
     pinned_stages: tuple[int, ...] = ()  # of those, the ones that stay loaded; the others stream
     mapped_embedding: int = 0  # at most this much of a memory-mapped embedding table is resident
     suffix_store: int = 0  # suffix drafting's store of earlier outputs (runtime/suffix.py)
+    min_context: int = MIN_CONTEXT  # the floor the caller asked for
+    pass_seconds: float | None = None  # a streamed one-token pass, expected from the stage costs
+    costs_measured: bool = False  # pass_seconds from this device's measured costs, not assumed ones
 
     @property
     def streams(self) -> bool:
@@ -97,7 +107,12 @@ class MemoryPlan:
                  *([f"  suffix store   {mib(self.suffix_store):>12}  earlier outputs suffix drafting continues"]
                    if self.suffix_store else []),
                  f"  total          {mib(self.total):>12}",
-                 f"context that fits: {self.context} tokens ({self.tree_slots} of them reserved for tree nodes)"]
+                 f"context that fits: {self.context} tokens ({self.tree_slots} of them reserved for tree nodes; "
+                 f"at least {self.min_context} asked)"]
+        if self.pass_seconds is not None:
+            lines.append(f"expected plain decoding: {1 / self.pass_seconds:.1f} tokens/s ("
+                         + ("measured stage costs on this device)" if self.costs_measured else
+                            "stage costs assumed from their bytes until a run measures them)"))
         return "\n".join(lines)
 
 
@@ -137,47 +152,98 @@ def largest_tree(manifest: Manifest) -> tuple[int, int, int]:
     return nodes + lookup, paths + (1 if lookup else 0), max(depth, lookup) + 1
 
 
-def plan_memory(manifest: Manifest, folder: Path, budget: int | None) -> MemoryPlan:
-    folder = Path(folder)
-    target = manifest.target
-    target_weights = _files_bytes(folder, [target.graph.file, *target.graph.weights])
-    draft_weights, draft_kv_token = 0, 0
-    if manifest.draft is not None:
-        draft_weights = _files_bytes(folder, [manifest.draft.graph.file, *manifest.draft.graph.weights])
-        draft_kv_token = manifest.draft.facts.kv_bytes_per_token() + 4 * manifest.draft.feature_size
-    target_kv_token = target.facts.kv_bytes_per_token() * target.lanes + 4 * target.feature_size
-    per_token = target_kv_token + draft_kv_token
-    scratch = scratch_bytes(manifest)
-    suffix_store = manifest.suffix.store_bytes if manifest.suffix else 0
-    others = RUNTIME_BASE_BYTES + draft_weights + scratch + suffix_store
-    full = target.facts.max_context
-    least = min(MIN_CONTEXT, full)
-    plan = dict(budget=budget, runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights,
-                scratch=scratch, target_kv_per_token=target_kv_token,
-                draft_kv_per_token=draft_kv_token, tree_slots=largest_tree(manifest)[0], suffix_store=suffix_store)
+def plan_memory(manifest: Manifest, folder: Path, budget: int | None, context: int | None = None,
+                stage_bytes: list[int] | None = None, costs: StreamCosts | None = None) -> MemoryPlan:
+    """`context`: the fewest tokens the caches must hold (MIN_CONTEXT unless given). `stage_bytes`: what
+    each stage of the window holds while fetched on this device (default: its files); `costs`: this
+    device's measured stage costs (default: assumed from the bytes)."""
+    split = _Split(manifest, Path(folder), context, stage_bytes)
     if budget is None:
-        return MemoryPlan(target_weights=target_weights, context=full, **plan)
-    if budget >= others + target_weights + least * per_token:
-        context = min(full, (budget - others - target_weights) // per_token)
-        return MemoryPlan(target_weights=target_weights, context=int(context), **plan)
-    # a float embedding table is mapped and indexed instead of loaded: it costs the rows read, bounded
-    table = target.stages[0].embedding_table if target.stages else None
-    mapped = 0 if table is None else MappedEmbedding.resident_bound(table, full)
-    loaded = target.stages[1:] if table else target.stages
-    stages = [_files_bytes(folder, [s.file, *s.weights]) for s in loaded]
-    smallest_window = mapped + window_bytes(stages, ()) if len(stages) >= 3 else target_weights
-    minimum = others + smallest_window + least * per_token
-    if budget < minimum:
-        streaming = "streaming its stages" if stages else "its target weights all resident (export with --stages to stream them)"
-        raise BudgetError(
-            f"a memory budget of {mib(budget)} is below this bundle's minimum of {mib(minimum)} with {streaming} "
-            f"(target weights {mib(smallest_window)}, draft weights {mib(draft_weights)}, KV for {least} tokens "
-            f"{mib(least * per_token)}, scratch {mib(scratch)}, runtime {mib(RUNTIME_BASE_BYTES)})")
-    context = min(full, (budget - others - smallest_window) // per_token)
-    left = budget - others - context * per_token
-    pinned = choose_pinned(stages, left - mapped)
-    return MemoryPlan(target_weights=mapped + window_bytes(stages, pinned), context=int(context),
-                      stage_bytes=tuple(stages), pinned_stages=pinned, mapped_embedding=mapped, **plan)
+        return split.plan(None, split.full)
+    if budget >= split.others + split.resident + split.floor * split.per_token:
+        return split.plan(budget, min(split.full, (budget - split.others - split.resident) // split.per_token))
+    split.refuse_below(budget)
+    costs = costs or StreamCosts.assumed(split.stages)
+    room = budget - split.others - split.floor * split.per_token - split.mapped
+    pinned = choose_pinned(split.stages, room, costs)
+    return split.streamed(budget, pinned, costs)
+
+
+def trade_offs(manifest: Manifest, folder: Path, budget: int, context: int | None = None,
+               stage_bytes: list[int] | None = None, costs: StreamCosts | None = None) -> list[MemoryPlan]:
+    """The plan, then the other splits of the budget where the bundle has stages: the most stages that
+    fit pinned beside the floor, then fewer and fewer, each giving what it does not pin to the context."""
+    best = plan_memory(manifest, folder, budget, context, stage_bytes, costs)
+    split = _Split(manifest, Path(folder), context, stage_bytes)
+    if len(split.stages) < 3 or budget < split.minimum():
+        return [best]
+    costs = costs or StreamCosts.assumed(split.stages)
+    most = choose_pinned(split.stages, budget - split.others - split.floor * split.per_token - split.mapped, costs)
+    order = sorted(most, key=lambda i: (costs.fetch_seconds[i] / split.stages[i], split.stages[i]))
+    others = [split.streamed(budget, tuple(sorted(order[k:])), costs) for k in range(len(order) + 1)]
+    return [best] + [p for p in others if p.pinned_stages != best.pinned_stages or not best.streams]
+
+
+class _Split:
+    """What a plan is made of, read once from the bundle: the parts that do not depend on the split."""
+
+    def __init__(self, manifest: Manifest, folder: Path, context: int | None, stage_bytes: list[int] | None):
+        target = manifest.target
+        self.full = target.facts.max_context
+        self.floor = min(MIN_CONTEXT, self.full) if context is None else context
+        if isinstance(self.floor, bool) or not isinstance(self.floor, int) or not 1 <= self.floor <= self.full:
+            raise BudgetError(f"a context of {context!r} tokens cannot be held: this bundle's is 1 to {self.full} "
+                              "(give --context within it)")
+        weights = _files_bytes(folder, [target.graph.file, *target.graph.weights])
+        draft_weights, draft_kv_token = 0, 0
+        if manifest.draft is not None:
+            draft_weights = _files_bytes(folder, [manifest.draft.graph.file, *manifest.draft.graph.weights])
+            draft_kv_token = manifest.draft.facts.kv_bytes_per_token() + 4 * manifest.draft.feature_size
+        target_kv_token = target.facts.kv_bytes_per_token() * target.lanes + 4 * target.feature_size
+        self.per_token = target_kv_token + draft_kv_token
+        scratch = scratch_bytes(manifest)
+        suffix_store = manifest.suffix.store_bytes if manifest.suffix else 0
+        self.others = RUNTIME_BASE_BYTES + draft_weights + scratch + suffix_store
+        self.common = dict(runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights, scratch=scratch,
+                           target_kv_per_token=target_kv_token, draft_kv_per_token=draft_kv_token,
+                           tree_slots=largest_tree(manifest)[0], suffix_store=suffix_store, min_context=self.floor)
+        # a float embedding table is mapped and indexed instead of loaded: it costs the rows read, bounded
+        table = target.stages[0].embedding_table if target.stages else None
+        self.mapped = 0 if table is None else MappedEmbedding.resident_bound(table, self.full)
+        loaded = target.stages[1:] if table else target.stages
+        self.stages = list(stage_bytes) if stage_bytes else [_files_bytes(folder, [s.file, *s.weights]) for s in loaded]
+        # the single graph packs its weights as the stages do: where the stages' packed size is measured,
+        # it is the resident target's too (with a float table, which the single graph holds whole)
+        table_bytes = 0 if table is None else int(np_prod(table["shape"])) * (4 if table["dtype"] == "float32" else 2)
+        self.resident = max(weights, sum(stage_bytes) + table_bytes) if stage_bytes else weights
+
+    def plan(self, budget: int | None, context: int) -> MemoryPlan:
+        return MemoryPlan(budget=budget, target_weights=self.resident, context=int(context), **self.common)
+
+    def smallest_window(self) -> int:
+        return self.mapped + window_bytes(self.stages, ()) if len(self.stages) >= 3 else self.resident
+
+    def minimum(self) -> int:
+        return self.others + self.smallest_window() + self.floor * self.per_token
+
+    def refuse_below(self, budget: int) -> None:
+        smallest_window, minimum = self.smallest_window(), self.minimum()
+        if budget < minimum:
+            streaming = "streaming its stages" if len(self.stages) >= 3 else \
+                "its target weights all resident (export with --stages to stream them)"
+            raise BudgetError(
+                f"a memory budget of {mib(budget)} is below this bundle's minimum of {mib(minimum)} with {streaming} "
+                f"(target weights {mib(smallest_window)}, draft weights {mib(self.common['draft_weights'])}, KV for "
+                f"{self.floor} tokens {mib(self.floor * self.per_token)}, scratch {mib(self.common['scratch'])}, "
+                f"runtime {mib(RUNTIME_BASE_BYTES)}): raise the budget" + (" or ask for less context" if
+                                                                           self.floor > MIN_CONTEXT else ""))
+
+    def streamed(self, budget: int, pinned: tuple[int, ...], costs: StreamCosts) -> MemoryPlan:
+        weights = self.mapped + window_bytes(self.stages, pinned)
+        context = min(self.full, (budget - self.others - weights) // self.per_token)
+        return MemoryPlan(budget=budget, target_weights=weights, context=int(context), stage_bytes=tuple(self.stages),
+                          pinned_stages=pinned, mapped_embedding=self.mapped, pass_seconds=costs.pass_seconds(pinned),
+                          costs_measured=costs.measured, **self.common)
 
 
 def window_bytes(stages: list[int], pinned) -> int:
@@ -186,10 +252,12 @@ def window_bytes(stages: list[int], pinned) -> int:
     return sum(stages[i] for i in pinned) + sum(streamed[:2])
 
 
-def choose_pinned(stages: list[int], room: int) -> tuple[int, ...]:
-    """Pins stages, largest first, while the window still fits in `room` bytes."""
+def choose_pinned(stages: list[int], room: int, costs: StreamCosts | None = None) -> tuple[int, ...]:
+    """Pins stages while the window still fits in `room` bytes: those whose fetch costs a pass the most
+    per byte first, the largest first among equals (every stage, with costs assumed from the bytes)."""
+    costs = costs or StreamCosts.assumed(stages)
     pinned: list[int] = []
-    for i in sorted(range(len(stages)), key=lambda i: (-stages[i], i)):
+    for i in sorted(range(len(stages)), key=lambda i: (-costs.fetch_seconds[i] / max(stages[i], 1), -stages[i], i)):
         if window_bytes(stages, pinned + [i]) <= room:
             pinned.append(i)
     return tuple(sorted(pinned))

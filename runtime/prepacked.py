@@ -10,12 +10,16 @@ packing: the pages are read on demand and belong to the file, so they can be dro
 
 onnxruntime makes that mapping itself, so releasing it needs its addresses, which Linux lists in
 /proc/self/maps; `available()` is False elsewhere and the caller reads unpacked weights instead.
-The prepared copy costs disk: the stage's weights twice (unpacked and packed).
+The prepared copy costs disk: the stage's weights twice (unpacked and packed). Quantized stages pack
+too (MatMulNBits' blocks, exact offsets included), and their packed form is larger than the bundle's:
+what a stage holds when fetched is measured once, when it is prepared, and kept beside it (RESIDENT),
+so a memory budget counts what is mapped, not the file.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import mmap
 import os
 import shutil
@@ -33,7 +37,7 @@ from .sessions import make_session
 
 PROC_MAPS = Path("/proc/self/maps")
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; Python 3.11's mmap lacks it
-GRAPH, WEIGHTS = "graph.onnx", "graph.weights"
+GRAPH, WEIGHTS, RESIDENT = "graph.onnx", "graph.weights", "resident.json"
 
 
 def available() -> bool:
@@ -55,6 +59,17 @@ def prepared_bytes(checksum: str, root: Path) -> int | None:
     if not (place / GRAPH).is_file():
         return None
     return sum(path.stat().st_size for path in place.iterdir())
+
+
+def resident_bytes(checksum: str, root: Path) -> int | None:
+    """What the stage's session maps of its packed copy (resident while fetched), None while not prepared."""
+    path = _place(checksum, root) / RESIDENT
+    if not path.is_file():
+        return None
+    try:
+        return int(json.loads(path.read_text())["mapped_bytes"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise RuntimeError(f"{path} is damaged ({err}): delete its folder and it is prepared again") from err
 
 
 def prepare(graphs: list[tuple[Path, str]], root: Path) -> list[Path]:
@@ -88,7 +103,8 @@ def _prepare_one(graph: Path, checksum: str, root: Path) -> None:
         ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         if not (work / WEIGHTS).is_file():
             raise RuntimeError(f"onnxruntime wrote no external weights for {graph}")
-        for name in (GRAPH, WEIGHTS):  # on disk before the rename publishes them, not only in the page cache
+        (work / RESIDENT).write_text(json.dumps({"mapped_bytes": _mapped_by_session(work)}))
+        for name in (GRAPH, WEIGHTS, RESIDENT):  # on disk before the rename publishes them, not only in the page cache
             with open(work / name, "rb") as file:
                 os.fsync(file.fileno())
         try:
@@ -98,6 +114,15 @@ def _prepare_one(graph: Path, checksum: str, root: Path) -> None:
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _mapped_by_session(folder: Path) -> int:
+    """Bytes a session of the packed graph in `folder` maps of its weights: the packed buffers; the
+    originals they were packed from are not kept (this process maps nothing else of that file)."""
+    session = make_session(folder / GRAPH, ("CPUExecutionProvider",), 1, optimize=False, spin=False)
+    mapped = sum(r.high - r.low for r in _mapped_ranges(folder / WEIGHTS))
+    del session
+    return mapped
 
 
 class Range(NamedTuple):

@@ -6,14 +6,16 @@ stage computes, the next is fetched by a background thread, and the streamed sta
 When every stage is pinned, each is fetched once.
 
 A stage is either
-- `prepacked.PrepackedStage` (float stages, Linux): its session maps onnxruntime's packed copy of the
+- `prepacked.PrepackedStage` (Linux): its session maps onnxruntime's packed copy of the
   weights, written once per machine. Fetching maps the pages in, releasing drops them from the
   process (the OS may keep them cached): a stage costs its bytes and nothing more, the sessions are
   made once, and the kernels are the single graph's;
 - `MappedStage` (float stages elsewhere, streamed): its weights stay in the bundle's file, mapped, and
   its session reads them unpacked (measured: fp32 passes half as fast as from packed weights);
-- `LoadedStage`: a session made from the file on fetch and dropped on release (quantized stages, and
-  pinned float stages where packed weights cannot be mapped).
+- `LoadedStage`: a session made from the file on fetch and dropped on release (where packed weights
+  cannot be mapped: quantized stages, and pinned float stages).
+
+On Linux every weight form, quantized ones included, is a PrepackedStage (runtime/stage_build.py).
 
 Within one budget plain and speculative decoding run the same stages, so speculation stays exact.
 Packed stages compute the single graph's bits at every budget; unpacked kernels round differently.
@@ -32,6 +34,7 @@ from typing import Callable, Protocol
 import numpy as np
 import onnxruntime as ort
 
+from . import stream_costs
 from .bundle import GraphSpec
 from .errors import InputError
 from .facts import ModelFacts
@@ -39,6 +42,7 @@ from .features import FEATURES_OUT
 from .kvcache import KVCache
 from .model import MIN_ROWS, Pass, pass_feed, run_bound
 from .sessions import make_session
+from .stream_costs import StreamCosts
 
 
 class Stage(Protocol):
@@ -171,6 +175,26 @@ class StagedRunner:
     def new_cache(self, capacity: int, feature_size: int = 0) -> KVCache:
         return KVCache(self.facts, capacity, feature_size, lanes=self.lanes)
 
+    def measure_costs(self) -> StreamCosts:
+        """Each stage's fetch and one-token run on this device (runtime/stream_costs.py), before any pass."""
+        cache = self.new_cache(16)
+        layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), [0], [0], np.ones((1, 1), bool),
+                           [0], None, True, self.min_rows)
+        rows = layout.feed["input_ids"].shape[1]
+        feed = dict(layout.feed, **{k: np.zeros((1, rows, self.facts.hidden_size), np.float32)
+                                    for k in ("hidden", "branch")})
+
+        def run_stage(i: int, session: ort.InferenceSession) -> None:
+            run_bound(session, cache, feed, self._outputs(session, rows, len(feed["logit_rows"])))
+
+        return stream_costs.measure(self.window, run_stage)
+
+    def _outputs(self, session: ort.InferenceSession, rows: int, logit_rows: int) -> dict[str, tuple[int, int]]:
+        widths = {"hidden_out": self.facts.hidden_size, "branch_out": self.facts.hidden_size,
+                  FEATURES_OUT: self.facts.hidden_size, "logits": self.facts.vocab_size}
+        return {o.name: (logit_rows if o.name == "logits" else rows, widths[o.name])
+                for o in session.get_outputs() if not o.name.startswith("present_")}
+
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
                 exact_rows: bool = True) -> Pass:
@@ -181,17 +205,13 @@ class StagedRunner:
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
                            logit_rows, past_mask, exact_rows, self.min_rows)
         feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]
-        widths = {"hidden_out": self.facts.hidden_size, "branch_out": self.facts.hidden_size,
-                  FEATURES_OUT: self.facts.hidden_size, "logits": self.facts.vocab_size}
         logits, features = None, None
         if self.embedding is not None:
             feed["hidden"] = self.embedding.lookup(feed["input_ids"])
         started = time.perf_counter()
         for i in range(self.window.count):
             session = self.window.get(i)
-            outputs = {o.name: (len(feed["logit_rows"]) if o.name == "logits" else rows, widths[o.name])
-                       for o in session.get_outputs() if not o.name.startswith("present_")}
-            values = run_bound(session, cache, feed, outputs)
+            values = run_bound(session, cache, feed, self._outputs(session, rows, len(feed["logit_rows"])))
             feed.update({k: values[f"{k}_out"][None] for k in ("hidden", "branch") if f"{k}_out" in values})
             logits = values.get("logits", logits)
             features = values.get(FEATURES_OUT, features)

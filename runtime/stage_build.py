@@ -1,0 +1,75 @@
+"""Which `Stage` each graph of a staged target becomes on this machine, and the runner they stream through.
+
+Every weight form the bundles use (fp32, int4 with exact offsets, int4 symmetric, int8) runs from
+onnxruntime's packed copy, written once per machine and memory-mapped (runtime/prepacked.py) where
+mapped pages can be released (Linux): each stage's session is made once, a fetch maps its pages in and
+a release drops them, so a streamed stage costs its bytes and no session load (history.md §59: a
+quantized stage loaded as a session per fetch cost about eleven times its bytes). Elsewhere streamed
+float stages read the bundle's weights in place (MappedStage) and quantized ones are loaded per fetch.
+
+The caller owns the plan (runtime/budget.py) and passes it in; this module keeps nothing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import prepacked
+from .bundle import GraphSpec, Manifest
+from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
+from .sessions import make_session
+
+
+def window_specs(manifest: Manifest) -> list[GraphSpec]:
+    """The target's stages that run as sessions through the window: all but a float embedding table,
+    which is mapped and indexed instead."""
+    stages = manifest.target.stages
+    return stages[1:] if stages[0].embedding_table is not None else stages
+
+
+def packed_graphs(manifest: Manifest, folder: Path, prepared_dir: Path) -> dict[int, Path]:
+    """This machine's packed copy of every stage of the window, by index, written where missing; empty
+    where packed pages cannot be mapped and released."""
+    if not prepacked.available():
+        return {}
+    specs = window_specs(manifest)
+    checksums = [prepacked.stage_checksum(manifest.files, spec) for spec in specs]
+    graphs = prepacked.prepare([(Path(folder) / spec.file, c) for spec, c in zip(specs, checksums)], prepared_dir)
+    return dict(enumerate(graphs))
+
+
+def resident_stage_bytes(manifest: Manifest, prepared_dir: Path) -> list[int] | None:
+    """What each stage of the window holds while fetched on this machine (its packed copy's mapping), as
+    measured when it was prepared; None where any is not prepared yet (the plan then counts its files)."""
+    if not prepacked.available():
+        return None
+    found = [prepacked.resident_bytes(prepacked.stage_checksum(manifest.files, spec), prepared_dir)
+             for spec in window_specs(manifest)]
+    return None if any(b is None for b in found) else found
+
+
+def build_staged_target(manifest: Manifest, folder: Path, pinned, embedding_rows: int, providers, threads: int,
+                        prepared_dir: Path, evict_page_cache: bool) -> StagedRunner:
+    """The staged target with `pinned` (indices into window_specs) resident and the rest streaming.
+    `embedding_rows`: a mapped float embedding table drops its pages after this many rows read (the context)."""
+    folder, pinned = Path(folder), set(pinned)
+    table = manifest.target.stages[0].embedding_table
+    embedding = None if table is None else MappedEmbedding(folder, table, embedding_rows)
+    packed = packed_graphs(manifest, folder, prepared_dir)
+    stages = [_stage(folder, spec, providers, threads, i in pinned, packed.get(i), evict_page_cache)
+              for i, spec in enumerate(window_specs(manifest))]
+    return StagedRunner(StageWindow(stages, pinned), manifest.target.facts, manifest.target.lanes, embedding)
+
+
+def _stage(folder: Path, spec: GraphSpec, providers, threads: int, pinned: bool, packed: Path | None,
+           evict: bool) -> Stage:
+    # Where packed weights can be mapped and released, every stage uses them, pinned or not, so each budget
+    # computes the same bits. Elsewhere streamed float stages read unpacked weights, slower per pass than
+    # the packed copy a loaded session makes, which pinned stages keep.
+    if packed is not None:
+        stage = prepacked.PrepackedStage(packed, providers, threads, evict and not pinned)
+        if not pinned:  # making a quantized stage's session maps its pages in: given back until its turn
+            stage.release()
+        return stage
+    if spec.tensors and not pinned:
+        return MappedStage(folder, spec, providers, threads)
+    return LoadedStage(lambda: make_session(folder / spec.file, providers, threads, spin=False))

@@ -1,0 +1,84 @@
+"""The planner's trade between context and speed: pure arithmetic over a bundle's sizes and fake stage costs."""
+import pytest
+
+from edgespec.runtime.budget import MIN_CONTEXT, choose_pinned, plan_memory, trade_offs, window_bytes
+from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.errors import BudgetError
+from edgespec.runtime.stream_costs import StreamCosts
+
+MB = 10**6
+
+
+@pytest.fixture(scope="module")
+def staged(models, tmp_path_factory):
+    from tiny import make_model
+
+    from edgespec.exporters.export import ExportConfig, export
+
+    root = tmp_path_factory.mktemp("planner")
+    make_model(root / "deep", "llama", seed=5, layers=4)
+    return export(ExportConfig(model=str(root / "deep"), draft="ngram", out=root / "b", context=512, stages=4,
+                               quant="int4"))
+
+
+# fake stages as a device would measure them: embedding, four layer groups, a large head
+STAGES = [2 * MB, 4 * MB, 4 * MB, 4 * MB, 4 * MB, 10 * MB]
+
+
+def _costs(fetch=(0.5, 1.0, 1.0, 1.0, 1.0, 4.0)):
+    return StreamCosts(run_seconds=(0.1, 1.0, 1.0, 1.0, 1.0, 1.0), fetch_seconds=tuple(fetch), measured=True)
+
+
+def _parts(folder):
+    """(bytes beside the target and its caches, KV bytes per token, full context) of a budget's plan."""
+    full = plan_memory(open_bundle(folder), folder, None, stage_bytes=STAGES)
+    return full.total - full.target_weights - full.target_kv - full.draft_kv, \
+        full.target_kv_per_token + full.draft_kv_per_token, full.context
+
+
+def test_a_pass_costs_every_run_and_each_streamed_fetch():
+    costs = _costs()
+    assert costs.pass_seconds(range(6)) == pytest.approx(5.1)
+    assert costs.pass_seconds(()) == pytest.approx(5.1 + 8.5)
+    assert costs.pass_seconds((5,)) == pytest.approx(5.1 + 4.5)
+
+
+def test_the_stages_whose_fetch_costs_most_per_byte_are_pinned_first():
+    # the head streams slowest per byte here (0.4 s per MB against 0.25): pinned before any layer group
+    assert choose_pinned(STAGES, window_bytes(STAGES, (5,)), _costs()) == (5,)
+    # with the head's fetch cheap per byte, a layer group goes first, though smaller
+    cheap_head = _costs((0.5, 1.0, 1.0, 1.0, 1.0, 1.0))
+    assert 5 not in choose_pinned(STAGES, window_bytes(STAGES, (1,)), cheap_head)
+    # without measured costs: the bytes, largest first
+    assert choose_pinned(STAGES, window_bytes(STAGES, (5,))) == (5,)
+
+
+def test_the_context_asked_for_is_a_floor_and_speed_comes_first(staged):
+    manifest = open_bundle(staged)
+    others, per_token, full = _parts(staged)
+    resident = plan_memory(manifest, staged, None, stage_bytes=STAGES).target_weights
+    # room for every weight beside the least context: resident, the caches take what is left
+    budget = others + resident + 200 * per_token
+    assert not plan_memory(manifest, staged, budget, stage_bytes=STAGES).streams
+    assert plan_memory(manifest, staged, budget, stage_bytes=STAGES).context == 200
+    # asking for the full context makes the same budget stream, and keeps that context
+    plan = plan_memory(manifest, staged, budget, context=full, stage_bytes=STAGES, costs=_costs())
+    assert plan.streams and plan.context == full and plan.total <= budget
+    assert plan.min_context == full and plan.pass_seconds == pytest.approx(_costs().pass_seconds(plan.pinned_stages))
+    with pytest.raises(BudgetError, match="--context"):
+        plan_memory(manifest, staged, budget, context=full + 1, stage_bytes=STAGES)
+
+
+def test_trade_offs_give_context_back_stage_by_stage(staged):
+    manifest = open_bundle(staged)
+    others, per_token, full = _parts(staged)
+    budget = others + MIN_CONTEXT * per_token + window_bytes(STAGES, (1, 2, 5))
+    splits = trade_offs(manifest, staged, budget, stage_bytes=STAGES, costs=_costs())
+    assert splits[0] == plan_memory(manifest, staged, budget, stage_bytes=STAGES, costs=_costs())
+    assert len(splits[0].pinned_stages) == 3 and splits[-1].pinned_stages == ()
+    pinned = [len(s.pinned_stages) for s in splits]
+    assert pinned == sorted(pinned, reverse=True)
+    contexts, seconds = [s.context for s in splits], [s.pass_seconds for s in splits]
+    assert contexts == sorted(contexts) and contexts[0] < contexts[-1]
+    assert seconds == sorted(seconds) and seconds[0] < seconds[-1]
+    assert all(s.total <= budget and s.context >= MIN_CONTEXT for s in splits)

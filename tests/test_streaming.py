@@ -1,0 +1,110 @@
+"""Streaming every weight form the bundles use: sessions made once, packed pages fetched and given back,
+the single graph's bits at every budget, speculation exact under a budget."""
+import numpy as np
+import pytest
+
+from edgespec.runtime import prepacked
+from edgespec.runtime.budget import plan_memory
+from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.stage_build import build_staged_target, resident_stage_bytes, window_specs
+
+pytestmark = pytest.mark.skipif(not prepacked.available(), reason="releases mapped pages through /proc/self/maps")
+FORMS = {"int4-offsets": dict(quant="int4", symmetric=False), "int4-symmetric": dict(quant="int4"),
+         "int8": dict(quant="int8"), "fp32": dict(quant="fp32")}
+
+
+@pytest.fixture(scope="module")
+def staged(models, tmp_path_factory):
+    """A four-layer target in four stages of one layer (plus embedding and head), per weight form."""
+    from tiny import make_model
+
+    from edgespec.exporters.export import ExportConfig, export
+
+    root = tmp_path_factory.mktemp("streaming")
+    make_model(root / "deep", "llama", seed=7, layers=4)
+    made = {}
+
+    def make(form):
+        if form not in made:
+            made[form] = export(ExportConfig(model=str(root / "deep"), draft=str(models["draft"]), tree="chain:3",
+                                             out=root / form, context=128, stages=4, **FORMS[form]))
+        return made[form]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return tmp_path_factory.mktemp("prepacked")
+
+
+def _runner(folder, prepared, pinned=()):
+    manifest = open_bundle(folder)
+    return build_staged_target(manifest, folder, pinned, manifest.target.facts.max_context, ("CPUExecutionProvider",),
+                               1, prepared, evict_page_cache=False)
+
+
+def _single_graph(folder):
+    from edgespec.runtime.model import ModelRunner
+    from edgespec.runtime.sessions import make_session
+
+    manifest = open_bundle(folder)
+    return ModelRunner(make_session(folder / manifest.target.graph.file, ("CPUExecutionProvider",), 1),
+                       manifest.target.facts)
+
+
+def _two_passes(runner):
+    """A prefill of 12 tokens and a 3-node chain after it: the logits and the keys/values both wrote."""
+    cache = KVCache(runner.facts, 64, lanes=runner.lanes)
+    first = runner.forward(cache, np.arange(5, 17), range(12), np.tril(np.ones((12, 12), bool)), range(12))
+    cache.length = 12
+    second = runner.forward(cache, [7, 8, 9], [12, 13, 14], np.tril(np.ones((3, 3), bool)), [0, 1, 2])
+    return first.logits, second.logits, cache.data[:, :, 0, :, :15].copy()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_stage_streams_from_its_packed_copy_with_the_single_graphs_bits(staged, prepared, form):
+    folder = staged(form)
+    runner = _runner(folder, prepared)
+    assert all(isinstance(s, prepacked.PrepackedStage) for s in runner.window.stages)
+    sessions = [s.session for s in runner.window.stages]
+    expected = _two_passes(_single_graph(folder))
+    for _ in range(2):  # streamed twice over: the same sessions, and the same bits
+        for want, got in zip(expected, _two_passes(runner)):
+            np.testing.assert_array_equal(want, got)
+    assert [s.session for s in runner.window.stages] == sessions
+    runner.window.close()
+
+
+@pytest.mark.parametrize("form", ["int4-offsets", "int8"])
+def test_a_streamed_quantized_stage_holds_its_pages_only_while_fetched(staged, prepared, form):
+    from test_staged import _mapped_rss_kib
+
+    folder = staged(form)
+    runner = _runner(folder, prepared)
+    stage = runner.window.stages[2]
+    weights = (stage.weights).resolve()
+    assert _mapped_rss_kib(weights) == 0  # made, then given back until its turn
+    stage.fetch()
+    measured = resident_stage_bytes(open_bundle(folder), prepared)[2]
+    assert _mapped_rss_kib(weights) * 1024 >= 0.9 * measured > 0
+    assert measured == sum(r.high - r.low for r in stage.ranges)
+    stage.release()
+    assert _mapped_rss_kib(weights) == 0
+    runner.window.close()
+
+
+def test_the_plan_counts_what_a_packed_stage_maps_not_its_file(staged, prepared):
+    folder = staged("int4-offsets")
+    manifest = open_bundle(folder)
+    _runner(folder, prepared).window.close()  # prepares the packed copies
+    measured = resident_stage_bytes(manifest, prepared)
+    assert measured is not None and len(measured) == len(window_specs(manifest))
+    full = plan_memory(manifest, folder, None, stage_bytes=measured)
+    assert full.target_weights >= sum(measured)
+    budget = full.total - full.target_weights - full.target_kv - full.draft_kv + 128 * (
+        full.target_kv_per_token + full.draft_kv_per_token) + sum(sorted(measured)[-2:])
+    plan = plan_memory(manifest, folder, budget, stage_bytes=measured)
+    assert plan.streams and plan.stage_bytes == tuple(measured) and plan.total <= budget
