@@ -11,12 +11,15 @@ The caller owns the plan (runtime/budget.py) and passes it in; this module keeps
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
-from . import prepacked
+from . import prepacked, stream_costs
+from .budget import MemoryPlan, plan_memory
 from .bundle import GraphSpec, Manifest
 from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
 from .sessions import make_session
+from .stream_costs import StreamCosts
 
 
 def window_specs(manifest: Manifest) -> list[GraphSpec]:
@@ -73,3 +76,31 @@ def _stage(folder: Path, spec: GraphSpec, providers, threads: int, pinned: bool,
     if spec.tensors and not pinned:
         return MappedStage(folder, spec, providers, threads)
     return LoadedStage(lambda: make_session(folder / spec.file, providers, threads, spin=False))
+
+
+def bundle_key(manifest: Manifest) -> str:
+    """What names a staged target's measured costs: its stages' checksums."""
+    return hashlib.sha256("".join(prepacked.stage_checksum(manifest.files, s) for s in window_specs(manifest))
+                          .encode()).hexdigest()
+
+
+def plan_on_this_device(manifest: Manifest, folder: Path, budget: int | None, context: int | None,
+                        prepared_dir: Path, costs_dir: Path, evicted: bool) -> MemoryPlan:
+    """The plan with what this device measured: each stage's packed size (prepared first where a budget
+    may make the target stream) and, where a run has measured them, the stages' costs."""
+    if budget is None or not manifest.target.stages:
+        return plan_memory(manifest, folder, budget, context)
+    packed_graphs(manifest, folder, prepared_dir)
+    stage_bytes = resident_stage_bytes(manifest, prepared_dir)
+    costs = stream_costs.load(costs_dir, bundle_key(manifest), evicted, len(window_specs(manifest)))
+    return plan_memory(manifest, folder, budget, context, stage_bytes, costs)
+
+
+def measured_costs(runner: StagedRunner, manifest: Manifest, costs_dir: Path, evicted: bool) -> StreamCosts:
+    """This device's stage costs for the bundle: cached, or measured now (before the runner's first pass)."""
+    key, count = bundle_key(manifest), runner.window.count
+    costs = stream_costs.load(costs_dir, key, evicted, count)
+    if costs is None:
+        costs = runner.measure_costs()
+        stream_costs.save(costs_dir, key, evicted, costs)
+    return costs

@@ -82,3 +82,16 @@ def test_trade_offs_give_context_back_stage_by_stage(staged):
     assert contexts == sorted(contexts) and contexts[0] < contexts[-1]
     assert seconds == sorted(seconds) and seconds[0] < seconds[-1]
     assert all(s.total <= budget and s.context >= MIN_CONTEXT for s in splits)
+
+
+def test_a_streamed_pass_buys_a_longer_tree_than_a_resident_one():
+    from edgespec.runtime.streamed_tree import streamed_pass_seconds, tree_for_budget
+
+    costs = _costs()
+    seconds = streamed_pass_seconds(costs, (), 4)
+    assert seconds[1] == pytest.approx(costs.pass_seconds(()))
+    assert seconds[3] - seconds[2] == pytest.approx(seconds[2] - seconds[1]) and seconds[2] > seconds[1]
+    streamed = tree_for_budget(costs, (), agreement=0.5, max_nodes=8, lanes=1, draft_seconds_per_level=0.3)
+    resident = tree_for_budget(costs, range(6), agreement=0.5, max_nodes=8, lanes=1, draft_seconds_per_level=0.3)
+    assert streamed.max_depth > resident.max_depth >= 1
+    assert streamed.leaves == 1  # one lane: a chain

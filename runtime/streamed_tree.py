@@ -1,0 +1,31 @@
+"""The draft model's tree under a budget: sized to what a streamed pass costs on this device.
+
+When stages stream, much of a pass is fetching them, the same for one row as for many, so each extra
+node costs a smaller share of the pass than it does resident, and a longer tree pays where a resident
+one would not. The tree is chosen by tune's program (runtime/treeopt.py) over the pass costs the stage
+costs predict (runtime/stream_costs.py), with the draft's agreement the bundle measured at export.
+Suffix drafting needs none of this: the step controller prices its chains from timed passes.
+"""
+from __future__ import annotations
+
+from .stream_costs import StreamCosts
+from .tree import Topology
+from .treeopt import choose_tree
+
+# an extra row's share of a stage's one-row run until passes of that size are timed (runtime/controller.py)
+EXTRA_ROW_SHARE = 0.25
+
+
+def streamed_pass_seconds(costs: StreamCosts, pinned, max_nodes: int) -> dict[int, float]:
+    """Expected seconds of a verify pass of n = 1..max_nodes nodes: the streamed fetches once, the runs per row."""
+    fetched = costs.pass_seconds(pinned) - sum(costs.run_seconds)
+    return {n: fetched + sum(costs.run_seconds) * (1 + EXTRA_ROW_SHARE * (n - 1)) for n in range(1, max_nodes + 1)}
+
+
+def tree_for_budget(costs: StreamCosts, pinned, agreement: float, max_nodes: int, lanes: int,
+                    draft_seconds_per_level: float) -> Topology:
+    """The tree with the most expected tokens per second of a streamed step, at most `max_nodes` nodes and
+    `lanes` root-to-leaf paths; `agreement`: how often the draft's first choice is the target's."""
+    seconds = streamed_pass_seconds(costs, pinned, max_nodes)
+    best, _ = choose_tree([agreement], seconds, draft_seconds_per_level, max_paths=lanes)
+    return best.topology
