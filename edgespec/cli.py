@@ -21,6 +21,7 @@ from edgespec.runtime import prepacked
 from edgespec.runtime.budget import parse_size, plan_memory
 from edgespec.runtime.bundle import open_bundle, read_manifest
 from edgespec.runtime.coreml import open_coreml
+from edgespec.runtime.constraints import ConstraintSpec
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import BudgetError, ContextOverflowError, EdgespecError, InputError
 from edgespec.runtime.paths import cache_dir
@@ -122,11 +123,34 @@ def _sampling_config(args):
 
 
 def _generation_config(args):
+    constraint = _constraint(args)
     try:
         return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()),
-                                sampling=_sampling_config(args), kv_policy=args.kv_policy)
+                                sampling=_sampling_config(args), kv_policy=args.kv_policy, constraint=constraint)
     except ValueError as err:
         raise _as_flags(err) from None
+
+
+def _constraint(args) -> ConstraintSpec | None:
+    """--json-schema FILE, --json-object, --regex, --choice or --grammar FILE as a ConstraintSpec (None: free text)."""
+    if args.regex is not None:
+        return ConstraintSpec.regex(args.regex)
+    if args.choice:
+        return ConstraintSpec.choice(args.choice)
+    if args.json_object:
+        return ConstraintSpec.json_object()
+    for flag, path, make in (("--json-schema", args.json_schema, ConstraintSpec.json_schema),
+                             ("--grammar", args.grammar, ConstraintSpec.grammar)):
+        if path is not None:
+            try:
+                text = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise InputError(f"{flag} {path}: cannot read it ({err})") from err
+            try:
+                return make(text)
+            except InputError as err:
+                raise InputError(f"{flag} {path}: {err}") from err
+    return None
 
 
 def _result_json(result) -> dict:

@@ -59,6 +59,13 @@ def _generation_args(p, max_new=128):
                    help="when the context fills the cache: stop with an error (default), or keep 4 attention "
                         "sinks and the most recent tokens (StreamingLLM)")
     _sampling_args(p)
+    constrain = p.add_mutually_exclusive_group()  # constrained decoding: the output matches one of these
+    constrain.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON schema")
+    constrain.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    constrain.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    constrain.add_argument("--choice", action="append", metavar="TEXT",
+                           help="the output is one of these strings (repeat the flag for each)")
+    constrain.add_argument("--grammar", metavar="FILE", help="the output matches this Lark grammar (its rule `start`)")
 
 
 def _add_export(sub) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .accept import accept_greedy, accept_sampled
+from .constraints import ConstraintSpec, Guide
 from .drafters import Drafter
 from .errors import BundleError, ContextOverflowError, InputError
 from .kvcache import KVCache
@@ -26,6 +27,7 @@ from .tokenizer import TextCodec, TextStream
 from .tree import Tree
 
 KV_POLICIES = ("error", "sliding")
+FORCED_TOKENS = 16  # the longest forced chain one pass verifies: past it the pass's rows cost more than they save
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class GenerationConfig:
     # tokens and the most recent ones, evicting a quarter of the cache at a time (StreamingLLM)
     kv_policy: str = "error"
     attention_sinks: int = 4
+    # what the output must match (JSON schema, JSON object, pattern, choice, grammar): the target's logits are
+    # masked at every node; the grammar's end is the output's end (its EOS stops it, whatever stop_at_eos says)
+    constraint: ConstraintSpec | None = None
 
     def __post_init__(self):
         for name in ("max_new_tokens", "attention_sinks"):
@@ -48,6 +53,8 @@ class GenerationConfig:
             raise InputError(f"stop_strings must be a tuple of strings (got {self.stop_strings!r})")
         if not isinstance(self.sampling, SamplingConfig):
             raise InputError("sampling must be a SamplingConfig")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            raise InputError("constraint must be a ConstraintSpec (ConstraintSpec.json_schema(...), .regex(...), ...)")
         if self.kv_policy not in KV_POLICIES:
             raise InputError(f"unknown KV policy {self.kv_policy!r}; choose one of {', '.join(KV_POLICIES)}")
         if self.attention_sinks < 0:
@@ -72,6 +79,7 @@ class Stats:
     kept_ahead: int = 0  # of those, the ones whose guess came true and were verified next
     # the step controller's choices (plain, suffix, draft, draft+suffix): steps taken and tokens committed by each
     steps_by_choice: dict = field(default_factory=dict)
+    grammar_tokens: int | None = None  # under a constraint: tokens committed from the grammar's forced chains
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,7 +98,10 @@ class Stats:
                 "time_to_first_token_s": round(self.first_token_s, 4), "prefill_s": round(self.prefill_s, 4),
                 "decode_s": round(self.decode_s, 4),
                 **({"drafted_ahead": self.drafted_ahead, "kept_ahead": self.kept_ahead} if self.drafted_ahead else {}),
-                **({"steps_by_choice": self.steps_by_choice} if self.steps_by_choice else {})}
+                **({"steps_by_choice": self.steps_by_choice} if self.steps_by_choice else {}),
+                **({"grammar_tokens": self.grammar_tokens, "grammar_tokens_per_pass": round(
+                    self.grammar_tokens / self.target_passes if self.target_passes else 0.0, 3)}
+                   if self.grammar_tokens is not None else {})}
 
 
 @dataclass
@@ -116,27 +127,40 @@ class Session:
 
 
 def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
-                     sampler: Sampler | None = None) -> tuple[list[int], int]:
-    """One target pass. Returns (new committed tokens, number of accepted draft tokens)."""
+                     sampler: Sampler | None = None, guide: Guide | None = None) -> tuple[list[int], int]:
+    """One target pass. Returns (new committed tokens, number of accepted draft tokens). `guide`: the
+    constraint's parser state at the committed tokens (runtime/constraints.py), advanced here."""
     cache = session.cache
-    tree = drafter.propose(session.window, cache.room(), sampler, cache.feature_rows())  # 1. draft what fits
-    tree = tree.within_paths(cache.lanes)                                     #    a lane per path
-    new_tokens, accepted, logits = verify(target, session, tree, sampler)     # 2.-4.
+    forced = guide.forced(min(cache.room() - 1, FORCED_TOKENS)) if guide is not None else []
+    if forced:                                                                # 1. the grammar drafts for free
+        tree = Tree.chain(session.window[-1], forced)
+    else:                                                                     # 1. draft what fits
+        tree = drafter.propose(session.window, cache.room(), sampler, cache.feature_rows())
+        tree = tree.within_paths(cache.lanes)                                 #    a lane per path
+    masks = None
+    if guide is not None:                                                     #    each node masked by its path
+        tree, masks = guide.admit(tree, sampler is not None)
+    new_tokens, accepted, logits = verify(target, session, tree, sampler, masks)  # 2.-4.
+    if guide is not None:
+        guide.advance(new_tokens)
+        guide.supplied += accepted if forced else 0
     drafter.observe(new_tokens, tree.tokens, logits)
     return new_tokens, accepted
 
 
-def verify(target: ModelRunner, session: Session, tree: Tree,
-           sampler: Sampler | None) -> tuple[list[int], int, np.ndarray]:
+def verify(target: ModelRunner, session: Session, tree: Tree, sampler: Sampler | None,
+           masks: np.ndarray | None = None) -> tuple[list[int], int, np.ndarray]:
     """Verifies `tree` in one target pass and commits what it accepts. Returns (new committed tokens,
-    accepted draft tokens, the target's logits at the tree's nodes)."""
+    accepted draft tokens, the target's logits at the tree's nodes). `masks` [N, V]: the tokens a
+    constraint admits after each node (None: all)."""
     cache, topo = session.cache, tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
+    logits = out.logits if masks is None else np.where(masks, out.logits, -np.inf)
     if sampler is None:                                                       # 3. accept
-        path, bonus = accept_greedy(tree.tokens, topo.children, out.logits.argmax(-1))
+        path, bonus = accept_greedy(tree.tokens, topo.children, logits.argmax(-1))
     else:
-        p_target = sampler.rows(out.logits, session.committed, tree)
+        p_target = sampler.rows(logits, session.committed, tree)
         path, bonus = accept_sampled(tree.tokens, topo.children, p_target, tree.q_draft, sampler.rng, tree.drawn)
     commit(cache, out, path)                                                  # 4. keep the accepted path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
@@ -189,16 +213,20 @@ class TextSink:
 
 def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: Session, context_ids: list[int],
              config: GenerationConfig, prefill_chunk: int, on_text=None, should_stop=None,
-             step=speculative_step) -> Result:
+             step=speculative_step, guide: Guide | None = None) -> Result:
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
     of it (the longest common prefix) is reused. `on_text(piece)` streams the text; `should_stop()`,
     asked before every target pass, ends the generation early (stop reason "cancelled"). `step`: one
-    target pass, as speculative_step (runtime/overlap.py: with the next tree drafted meanwhile)."""
+    target pass, as speculative_step (runtime/overlap.py: with the next tree drafted meanwhile).
+    `guide`: config.constraint's parser state before the first new token (Grammars.start), owned by
+    the caller; each step takes it (speculative_step's)."""
+    if (guide is None) != (config.constraint is None):
+        raise InputError("a constrained generation needs the constraint's guide (Grammars.start), and only it")
     cache = session.cache
     sampler = None if config.sampling.greedy else Sampler(config.sampling)
-    stats = _start(target, drafter, session, context_ids, config, prefill_chunk, sampler)
+    stats = _start(target, drafter, session, context_ids, config, prefill_chunk, sampler, guide)
     sink = TextSink(codec.stream(), config.stop_strings, on_text)
-    eos = set(codec.spec.eos_token_ids) if config.stop_at_eos else set()
+    eos = set(codec.spec.eos_token_ids) if config.stop_at_eos or guide is not None else set()
     emitted: list[int] = []
     new_tokens = session.committed[-1:]
     reason = None
@@ -227,7 +255,8 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
                 stats.new_tokens, stats.decode_s = len(emitted), time.perf_counter() - decode_start
                 full.partial = Result(token_ids=emitted, text=sink.finish(), stats=stats, stop_reason="context_full")
                 raise full
-            new_tokens, accepted = step(target, session, drafter, sampler)
+            new_tokens, accepted = (step(target, session, drafter, sampler) if guide is None
+                                    else speculative_step(target, session, drafter, sampler, guide))
             stats.target_passes += 1
             stats.accepted_drafts += accepted
     text = sink.finish()
@@ -235,12 +264,13 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
         emitted = emitted[: sink.tokens_before_stop()]
     stats.new_tokens = len(emitted)
     stats.decode_s = time.perf_counter() - decode_start
+    stats.grammar_tokens = None if guide is None else guide.supplied
     _forget_unseen(session, len(context_ids) + len(emitted) + (reason == "eos"))
     return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason)
 
 
 def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids: list[int], config: GenerationConfig,
-           prefill_chunk: int, sampler: Sampler | None) -> Stats:
+           prefill_chunk: int, sampler: Sampler | None, guide: Guide | None) -> Stats:
     """Checks the prompt, keeps what the session already holds of it, prefills the rest and commits the
     first new token. Under the sliding policy the conversation is one stream: a prompt longer than the
     cache slides as it is read, and a follow-up turn continues a slid cache."""
@@ -264,8 +294,12 @@ def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids:
         logits = _prefill_sliding(target, session, drafter, prefill_chunk, config.attention_sinks)
     else:
         logits = prefill(target, cache, context_ids[keep:], prefill_chunk)
+    if guide is not None:
+        logits = np.where(guide.mask(), logits, -np.inf)
     first = int(np.argmax(logits)) if sampler is None else \
         sample(sampler.distributions(logits[None], session.committed, [[]])[0], sampler.rng)
+    if guide is not None:
+        guide.advance([first])
     session.committed.append(first)
     session.window.append(first)
     drafter.observe(session.committed[-1:])

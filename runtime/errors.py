@@ -33,3 +33,7 @@ class BudgetError(EdgespecError):
 
 class InexactRowsError(EdgespecError):
     """This device's kernels give a token other bits in another pass shape: speculation would not be exact."""
+
+
+class ConstraintError(EdgespecError, ValueError):
+    """A constraint (JSON schema, pattern, grammar) the grammar engine cannot compile or complete."""

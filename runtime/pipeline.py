@@ -8,6 +8,7 @@ from pathlib import Path
 from . import prepacked
 from .budget import parse_size, plan_memory
 from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
+from .constraints import Grammars
 from .controller import Controller, Measurements
 from .device import describe
 from .drafters import (
@@ -122,6 +123,7 @@ class Pipeline:
         # earlier outputs that suffix drafting continues from: one store per pipeline, for all its requests
         self.suffix_store = SuffixStore(m.suffix.store_tokens) if m.suffix is not None else None
         self.step_measurements: Measurements | None = None  # the step controllers', shared: made on first use
+        self._grammars: Grammars | None = None  # the tokenizer as the grammar engine reads it: made on first use
         if m.drafter is DrafterKind.MODEL:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
@@ -237,6 +239,14 @@ class Pipeline:
         self._exactness = Verdict(not differ, f"checked now, {describe()}", min_rows)
         return compared, differ
 
+    @property
+    def grammars(self) -> Grammars:
+        """Compiles constraints for this bundle's vocabulary (reading the tokenizer once, on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.codec.tokenizer.to_str(), self.manifest.target.facts.vocab_size,
+                                      self.manifest.tokenizer.eos_token_ids)
+        return self._grammars
+
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise InputError("give either a prompt or chat messages")
@@ -253,11 +263,13 @@ class Pipeline:
         owned = session is None  # the request's own caches: freed when it ends
         session = session or self.new_session()
         drafter = self.make_drafter(speculate) if drafter is None else self._checked(drafter, speculate)
-        overlap = Overlap() if self.overlaps(drafter) else None
+        guide = None if config.constraint is None else \
+            self.grammars.start(config.constraint, forced_chains=not isinstance(drafter, NoDrafter))
+        overlap = Overlap() if self.overlaps(drafter) and guide is None else None
         counted = drafter.counts.copy() if isinstance(drafter, Controller) else None
         try:
             result = generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk,
-                              on_text, should_stop, step=overlap.step if overlap else speculative_step)
+                              on_text, should_stop, step=overlap.step if overlap else speculative_step, guide=guide)
             if overlap:
                 result.stats.drafted_ahead, result.stats.kept_ahead = overlap.drafted_ahead, overlap.kept
             if isinstance(drafter, Controller):

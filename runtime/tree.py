@@ -177,12 +177,23 @@ class Tree:
             kids = topo.children[node]
             leaves += not kids
             stack.extend(reversed(kids))
-        keep.sort()
+        return self.subset(sorted(keep))
+
+    def subset(self, keep: list[int]) -> "Tree":
+        """The nodes `keep` (ascending, closed under parents, 0 included), with their tokens and proposals."""
+        if len(keep) == self.size:
+            return self
+        topo = self.topology
         index = {node: i for i, node in enumerate(keep)}
         parents = tuple(-1 if node == 0 else index[topo.parents[node]] for node in keep)
         return Tree(Topology(parents), self.tokens[keep],
                     None if self.q_draft is None else self.q_draft[keep],
                     None if self.drawn is None else self.drawn[keep])
+
+    @classmethod
+    def chain(cls, root: int, tokens: list[int]) -> "Tree":
+        """The root and `tokens` after it, one path."""
+        return cls.from_parents(tuple(range(-1, len(tokens))), [root, *tokens])
 
     @property
     def parents(self) -> tuple[int, ...]:

@@ -1,0 +1,201 @@
+"""Constrained decoding: what a grammar admits, on llguidance (chosen by measurement, history.md §58).
+
+A `ConstraintSpec` says what the output must be (a JSON schema, any JSON object, a regular expression, one
+of some strings, a Lark grammar); a `Grammars` holds the tokenizer the engine reads (built once per
+pipeline) and compiles a spec into a `Guide`, one generation's parser state.
+
+State ownership: the engine's caller owns the Guide, as it owns the session; the Guide's matcher is at the
+committed tokens between steps. Within a step, `admit` walks the tree depth first on that one matcher,
+consuming a node's token on the way down and rolling it back on the way up, so each node's mask is that
+of its own path's state; `advance` then consumes what the step committed.
+
+Exactness: the target's logits at a node are masked with that node's mask before acceptance, in plain and
+speculative decoding alike, so greedy output is the argmax of the masked logits and sampling draws from the
+masked distribution. A drafted token the mask refuses can never be accepted: greedy drops it with its
+subtree before the pass. Under sampling a point mass is dropped the same way (p_target[t] = 0 rejects it
+and leaves the residual as it was); a token drawn from q_draft stays as a leaf, since its rejection
+changes the residual (runtime/accept.py), and only its subtree goes. q_draft stays as the draft drew it:
+rejection sampling is exact for any proposal, and masking q after the draw would not describe the draw.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+
+from .errors import ConstraintError, InputError
+from .tree import Tree
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON as json.dumps writes it (and as models were trained on): fixed separators make keys, quotes and
+# punctuation forced tokens, which the grammar supplies to the tree (history.md §58)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What the output must match. `value`: the schema as JSON text (json_schema), the pattern (regex), the
+    strings (choice, a tuple), the Lark grammar's text (grammar); None for json_object."""
+
+    kind: str
+    value: str | tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InputError(f"unknown constraint kind {self.kind!r}: one of {', '.join(KINDS)}")
+        if self.kind == "json_object":
+            if self.value is not None:
+                raise InputError("a json_object constraint takes no value")
+        elif self.kind == "choice":
+            if not isinstance(self.value, tuple) or not self.value or not all(isinstance(s, str) and s for s in self.value):
+                raise InputError("a choice constraint needs a tuple of non-empty strings")
+        elif not isinstance(self.value, str) or not self.value.strip():
+            raise InputError(f"a {self.kind} constraint needs its text (got {self.value!r})")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.value)
+            except json.JSONDecodeError as err:
+                raise InputError(f"the JSON schema is not valid JSON: {err}") from err
+            if not isinstance(schema, dict):
+                raise InputError("a JSON schema must be a JSON object")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, strict: bool = False) -> "ConstraintSpec":
+        """`strict`: as OpenAI's strict structured outputs, an object admits only the properties it names
+        (`additionalProperties: false` wherever the schema leaves it out)."""
+        if strict:
+            schema = closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> "ConstraintSpec":
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "ConstraintSpec":
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options) -> "ConstraintSpec":
+        return cls("choice", tuple(options))
+
+    @classmethod
+    def grammar(cls, lark: str) -> "ConstraintSpec":
+        return cls("grammar", lark)
+
+    def engine_grammar(self) -> str:
+        """The spec as llguidance's grammar text."""
+        compile_ = llguidance.LLMatcher
+        if self.kind == "json_schema":
+            return compile_.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return compile_.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return compile_.grammar_from_regex(self.value)
+        if self.kind == "choice":  # Lark string literals take JSON's escapes
+            return compile_.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in self.value))
+        return compile_.grammar_from_lark(self.value)
+
+    def describe(self) -> str:
+        return {"json_schema": "the JSON schema", "json_object": "a JSON object", "regex": f"the pattern {self.value!r}",
+                "choice": "the choice", "grammar": "the grammar"}[self.kind]
+
+
+def closed_objects(schema):
+    """A copy of `schema` in which every object schema that names properties and says nothing of others admits
+    no others (strict mode: a model cannot wander off into keys of its own)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+class Grammars:
+    """The tokenizer as the grammar engine reads it, for one vocabulary (reading it takes a while on a large
+    vocabulary: a pipeline keeps one), and the compiler of specs into Guides."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self.vocab_size = vocab_size
+        self.eos = tuple(eos_token_ids)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos))
+
+    def start(self, spec: ConstraintSpec, forced_chains: bool = True) -> "Guide":
+        """The parser state before the first new token; a spec the engine cannot compile is a ConstraintError.
+        `forced_chains`: steps verify the grammar's forced tokens as a chain (speculation); plain decoding
+        takes one token a pass whatever the grammar forces."""
+        grammar = spec.engine_grammar()
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ConstraintError(f"{spec.describe()} cannot be compiled for constrained decoding: {error.strip()}")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ConstraintError(f"{spec.describe()} cannot be compiled for constrained decoding: {matcher.get_error()}")
+        return Guide(matcher, self.vocab_size, forced_chains)
+
+
+class Guide:
+    """One generation's parser state (at the committed tokens between steps), and what it supplied."""
+
+    def __init__(self, matcher, vocab_size: int, forced_chains: bool):
+        self.matcher, self.vocab_size, self.forced_chains = matcher, vocab_size, forced_chains
+        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self.supplied = 0  # tokens committed from the grammar's forced chains (accepted without a drafter)
+
+    def mask(self) -> np.ndarray:
+        """[V] bool: the tokens the grammar admits next from the matcher's state."""
+        self._check()
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
+        if not allowed.any():
+            raise ConstraintError("the grammar admits no token here and cannot end: check that it can complete")
+        return allowed
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar admits deterministically from the committed state."""
+        self._check()
+        return list(self.matcher.compute_ff_tokens()[:limit]) if limit > 0 and self.forced_chains else []
+
+    def admit(self, tree: Tree, sampling: bool) -> tuple[Tree, np.ndarray]:
+        """The tree without what the grammar refuses (see the module docstring for what sampling keeps), and
+        each kept node's mask from its own path's state [N, V]."""
+        children, matcher = tree.topology.children, self.matcher
+        masks = np.ones((tree.size, self.vocab_size), dtype=bool)
+        keep = []
+
+        def visit(node: int) -> None:  # the matcher is at node's path: consumed on the way down, rolled back up
+            keep.append(node)
+            masks[node] = self.mask()
+            for child in children[node]:
+                token = int(tree.tokens[child])
+                if masks[node][token] and matcher.is_stopped():
+                    keep.append(child)  # the grammar has ended: its EOS ends the output and nothing follows
+                elif masks[node][token]:
+                    if not matcher.consume_token(token):
+                        raise ConstraintError(f"the grammar refused a token it admitted: {matcher.get_error()}")
+                    visit(child)
+                    matcher.rollback(1)
+                elif sampling and tree.q_draft is not None and (tree.drawn is None or bool(tree.drawn[child])):
+                    keep.append(child)  # a refused draw: a leaf the walk rejects, its rejection shaping the residual
+
+        visit(0)
+        keep.sort()
+        return tree.subset(keep), masks[keep]
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consumes what a step committed (every token was admitted by its node's mask; past the grammar's
+        end only its EOS, which ends the output)."""
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(int(token)):
+                raise ConstraintError(f"the grammar refused a committed token: {self.matcher.get_error()}")
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise ConstraintError(f"the grammar's parser failed: {self.matcher.get_error()}")
