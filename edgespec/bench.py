@@ -7,6 +7,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from edgespec.runtime.constraints import ConstraintSpec
 from edgespec.runtime.engine import GenerationConfig, Stats
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.runtime.sampling import SamplingConfig
@@ -42,6 +43,19 @@ def prompt_kwargs(item: dict) -> dict:
     return {"messages": item["messages"]} if "messages" in item else {"prompt": item["prompt"]}
 
 
+def prompt_schema(item: dict) -> dict:
+    """The JSON schema a prompt states after "Schema:" (benchmarks/workloads/extraction.jsonl's form)."""
+    text = item["messages"][-1]["content"] if "messages" in item else item["prompt"]
+    at = text.find("Schema:")
+    try:
+        if at < 0:
+            raise ValueError("no 'Schema:' in the prompt")
+        schema = json.JSONDecoder().raw_decode(text[at + len("Schema:"):].lstrip())[0]
+    except ValueError as err:
+        raise ValueError(f"--schema-in-prompt: a prompt states no JSON schema after 'Schema:' ({err})") from err
+    return schema
+
+
 def _summary(stats: list[Stats]) -> dict:
     tokens = sum(s.new_tokens for s in stats)
     decoded = sum(max(0, s.new_tokens - 1) for s in stats)  # the first token of each run comes from prefill
@@ -54,7 +68,9 @@ def _summary(stats: list[Stats]) -> dict:
             total = by_choice.setdefault(choice, {"steps": 0, "tokens": 0})
             total["steps"] += counts["steps"]
             total["tokens"] += counts["tokens"]
+    grammar = [s.grammar_tokens for s in stats if s.grammar_tokens is not None]
     return {**({"steps_by_choice": by_choice} if by_choice else {}),
+            **({"grammar_tokens_per_pass": round(sum(grammar) / passes, 3) if passes else 0.0} if grammar else {}),
             "tokens": tokens, "tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
             "mean_accepted_per_pass": round((accepted + passes) / passes, 3) if passes else 0.0,
             "time_to_first_token_s": round(sum(s.first_token_s for s in stats) / len(stats), 4),
@@ -66,14 +82,21 @@ def _speedup(plain: dict, speculative: dict) -> float:
 
 
 def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
-              sampling: SamplingConfig = SamplingConfig(), rounds: int = 1) -> dict:
+              sampling: SamplingConfig = SamplingConfig(), rounds: int = 1, constraint: ConstraintSpec | None = None,
+              schema_in_prompt: bool = False) -> dict:
     """Greedy by default; with sampling, both modes sample (same seeds) and acceptance is reported.
     `rounds` > 1 runs the prompts that many times: the totals cover every round, and each round's own
-    speedup is reported beside them, so the spread of this machine's noise shows next to the figure."""
+    speedup is reported beside them, so the spread of this machine's noise shows next to the figure.
+    `constraint`: every output must match it; `schema_in_prompt`: each output must match the JSON schema
+    its prompt states (strict); both report the tokens per pass the grammar supplied."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1 (got {rounds})")
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
+    configs = [GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, constraint=(
+        ConstraintSpec.json_schema(prompt_schema(item), strict=True) if schema_in_prompt else constraint))
+        for item in prompts]
     pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8), remember=False)  # first-run allocations
+    if any(c.constraint is not None for c in configs):
+        _ = pipeline.grammars  # the tokenizer as the grammar engine reads it: once per pipeline, not per request
     runs = {"plain": [], "speculative": []}
     engine_s = {mode: 0.0 for mode in runs}  # inside onnxruntime, target and draft
     runners = [r for r in (pipeline.target, pipeline.draft) if r is not None]
@@ -84,7 +107,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         # prompts before it, never its own (plain runs, the reference, are not remembered)
         pipeline.forget_outputs()
         this_round = {mode: [] for mode in runs}
-        for item in prompts:
+        for item, config in zip(prompts, configs):
             ask = prompt_kwargs(item)
             outputs = {}
             for mode in runs:  # alternate per prompt so machine noise falls on both modes alike
@@ -107,6 +130,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
         rounds=rounds, speedup_by_round=by_round,
         identical_greedy=identical if sampling.greedy else None,
         temperature=sampling.temperature,
+        constraint="schema in each prompt" if schema_in_prompt else constraint.kind if constraint else None,
         prompts=len(prompts), max_new_tokens=max_new_tokens, threads=pipeline.threads,
         drafter=pipeline.manifest.drafter.value, tree=pipeline.tree.spec(),
         lookup=pipeline.lookup.tokens if pipeline.lookup else 0,
@@ -142,6 +166,9 @@ def print_report(report: dict, out=None) -> None:
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{100 * s['python_share']:.1f}% outside onnxruntime   {s['mean_accepted_per_pass']:.2f} tokens per target pass",
           file=out)
+    if s.get("grammar_tokens_per_pass") is not None:
+        print(f"constrained ({report['constraint']}): the grammar supplied {s['grammar_tokens_per_pass']:.2f} tokens "
+              "per target pass", file=out)
     if s.get("steps_by_choice"):
         print("steps chosen   " + ", ".join(f"{choice} {c['steps']} ({c['tokens'] / c['steps']:.2f} tokens per pass)"
                                             for choice, c in sorted(s["steps_by_choice"].items())), file=out)

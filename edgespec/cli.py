@@ -242,7 +242,11 @@ def cmd_bench(args) -> None:
     if args.rounds < 1:
         raise ValueError("--rounds must be at least 1")
     sampling = _sampling_config(args)
-    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, sampling, args.rounds)
+    constraint = _constraint(args)
+    if constraint is not None and args.schema_in_prompt:
+        raise ValueError("--schema-in-prompt takes each prompt's schema: give no other constraint with it")
+    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, sampling, args.rounds, constraint,
+                       args.schema_in_prompt)
     if args.json:
         print(json.dumps(report))
     else:

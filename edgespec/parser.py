@@ -59,6 +59,10 @@ def _generation_args(p, max_new=128):
                    help="when the context fills the cache: stop with an error (default), or keep 4 attention "
                         "sinks and the most recent tokens (StreamingLLM)")
     _sampling_args(p)
+    _constraint_args(p)
+
+
+def _constraint_args(p):
     constrain = p.add_mutually_exclusive_group()  # constrained decoding: the output matches one of these
     constrain.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON schema")
     constrain.add_argument("--json-object", action="store_true", help="the output is a JSON object")
@@ -157,6 +161,10 @@ def _add_bench(sub) -> None:
                    help="run the prompts this many times; each round's speedup is printed beside the total's")
     p.add_argument("--json", action="store_true")
     _sampling_args(p)
+    _constraint_args(p)
+    p.add_argument("--schema-in-prompt", action="store_true",
+                   help="each output must match the JSON schema its prompt states after 'Schema:' (strict), as in "
+                        "benchmarks/workloads/extraction.jsonl")
     _placement_arg(p)
     _budget_arg(p)
 

@@ -232,3 +232,17 @@ def test_reference_model_constrained_speculation_is_lossless_and_valid():
     answer = pipeline.generate(messages=ask, config=choice)
     assert answer.text in ("Paris", "London", "Rome")
     assert answer.token_ids == pipeline.generate(messages=ask, config=choice, speculate=False).token_ids
+
+
+def test_bench_reports_the_tokens_the_grammar_supplied(bundle_factory, tmp_path, capsys):
+    bundle = str(bundle_factory(draft="ngram", tree="chain:6"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Fill this in. Schema: {json.dumps(SCHEMA)} {tail}"})
+                                 for tail in ("fox", "dog")))
+    assert main(["bench", bundle, "--prompts", str(prompts), "--schema-in-prompt", "--max-new-tokens", "40",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical_greedy"] and report["constraint"] == "schema in each prompt"
+    assert report["speculative"]["grammar_tokens_per_pass"] > 0 and report["plain"]["grammar_tokens_per_pass"] == 0
+    assert main(["bench", bundle, "--prompts", str(prompts), "--choice", "a b", "--max-new-tokens", "8"]) == 0
+    assert "the grammar supplied" in capsys.readouterr().out
