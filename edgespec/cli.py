@@ -91,7 +91,7 @@ def cmd_export(args) -> None:
                         quant=args.quant, draft_quant=args.draft_quant, block=args.block,
                         symmetric=not (args.asymmetric or args.integer_zero_points),
                         integer_zero_points=args.integer_zero_points, accuracy_level=args.accuracy_level,
-                        integer_matmul=args.integer_matmul,
+                        integer_matmul=args.integer_matmul, gguf_blocks=args.gguf_blocks,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
                         force=args.force, stages=args.stages, lookup=args.lookup, lookup_quote=args.lookup_quote,
                         suffix=args.suffix, lanes=args.lanes, cache_dir=cache_dir(), formats=tuple(args.format.split(",")),

@@ -98,6 +98,9 @@ def _add_export(sub) -> None:
                    help="int4/int8 asymmetric with MatMulNBits' own integer zero points (its fast kernels)")
     p.add_argument("--integer-matmul", action="store_true",
                    help="int8 computed in integers row by row (MatMulInteger): a one-token step needs no padding row")
+    p.add_argument("--gguf-blocks", action="store_true",
+                   help="a GGUF target: keep its Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks as they are (--quant applies "
+                        "to the rest)")
     p.add_argument("--accuracy-level", type=int, default=4,
                    help="MatMulNBits activations: 4 = int8 (fast), 1 = fp32")
     p.add_argument("--quant-policy", default=None,

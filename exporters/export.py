@@ -427,6 +427,8 @@ def _kept_blocks(config: ExportConfig, source, builder, say) -> dict | None:
     kept = kept_blocks(Path(source.location), builder)
     kinds = sorted({grid.kind for grid in kept.grids.values()})
     say(f"keeping the GGUF's own blocks for {len(kept.grids)} matmul weights ({', '.join(kinds) or 'none'})")
+    if kept.floats:
+        say(f"float in the file, quantized as --quant {config.quant}: {', '.join(kept.floats)}")
     if kept.not_kept:
         say(f"not kept, quantized as --quant {config.quant} instead: "
             + "; ".join(f"{name} ({kinds})" for name, kinds in sorted(kept.not_kept.items())))

@@ -20,10 +20,14 @@ from edgespec.runtime.errors import ExportError
 from .llama import LlamaBuilder
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
 @dataclass(frozen=True)
 class KeptBlocks:
     grids: dict[str, BlockGrid]  # graph weight name -> its blocks
     not_kept: dict[str, str]  # graph weight name -> the block types that could not be kept
+    floats: tuple[str, ...]  # graph weights stored as floats in the file (--quant applies, nothing is lost)
 
 
 def _rotary_rows(count: int, heads: int) -> np.ndarray:
@@ -68,14 +72,17 @@ def kept_blocks(path: Path, builder: LlamaBuilder) -> KeptBlocks:
 
     grids, not_kept = {}, {}
     embedding = tensors.get("token_embd.weight")
-    if embedding is not None and embedding.tensor_type.name not in ("F32", "F16", "BF16"):
+    if embedding is not None and embedding.tensor_type.name not in FLOAT_TYPES:
         # a Gather reads the table: transformers' dequantization of it, then --quant's scheme
         not_kept["embed_tokens"] = embedding.tensor_type.name
+    floats = []
     for name, keys in builder.matmul_sources().items():
         parts = [grid_of(key) for key in keys]
-        lost = sorted({p for p in parts if isinstance(p, str)})
+        lost = sorted({p for p in parts if isinstance(p, str) and p not in FLOAT_TYPES})
         if lost:
             not_kept[name] = ", ".join(lost)
+        elif any(isinstance(p, str) for p in parts):
+            floats.append(name)
         else:
             grids[name] = concatenate(parts)
-    return KeptBlocks(grids, not_kept)
+    return KeptBlocks(grids, not_kept, tuple(floats))

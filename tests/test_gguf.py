@@ -122,3 +122,12 @@ def test_gguf_blocks_needs_a_gguf(models, tmp_path):
         export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", quant="int4", context=256,
                             gguf_blocks=True, cache_dir=tmp_path / "cache"))
     assert not (tmp_path / "b").exists()
+
+
+def test_the_cli_keeps_a_gguf_s_blocks(tmp_path):
+    from edgespec.cli import main
+
+    path = _quantized_gguf(tmp_path, {suffix: "Q4_K" for suffix in MATMULS})
+    assert main(["export", str(path), "--draft", "ngram", "--quant", "int4", "--gguf-blocks", "--context", "256",
+                 "--out", str(tmp_path / "b")]) in (0, None)
+    assert open_bundle(tmp_path / "b").target.graph.quantization["tensors"]["layers.0.qkv"] == "gguf Q4_K"
