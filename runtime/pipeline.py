@@ -6,8 +6,8 @@ import warnings
 from pathlib import Path
 
 from . import prepacked
-from .budget import parse_size, plan_memory
-from .bundle import GraphSpec, Manifest, open_bundle, read_head_tokens
+from .budget import parse_size
+from .bundle import Manifest, open_bundle, read_head_tokens
 from .constraints import Grammars
 from .controller import Controller, Measurements
 from .device import describe
@@ -32,14 +32,8 @@ from .overlap import Overlap
 from .paths import cache_dir
 from .placement import Placement
 from .sessions import make_session
-from .staged import (
-    LoadedStage,
-    MappedEmbedding,
-    MappedStage,
-    Stage,
-    StagedRunner,
-    StageWindow,
-)
+from .stage_build import build_measured, plan_on_this_device, window_specs
+from .streamed_tree import tree_under_budget
 from .suffix import SuffixDrafter, SuffixStore
 from .tokenizer import TextCodec
 
@@ -54,18 +48,11 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def window_specs(manifest: Manifest) -> list[GraphSpec]:
-    """The target's stages that run as sessions through the window: all but a float embedding table,
-    which is mapped and indexed instead."""
-    stages = manifest.target.stages
-    return stages[1:] if stages[0].embedding_table is not None else stages
-
-
 def packed_copies(manifest: Manifest, root: Path | None = None) -> list[tuple[str, int | None]]:
-    """Per float stage of the window (the ones mapped from a packed copy on this machine): its checksum and
-    the disk its copy takes, None where it has not been written yet."""
+    """Per stage of the window (each mapped from a packed copy on this machine): its checksum and the disk
+    its copy takes, None where it has not been written yet."""
     root = Path(root) if root else default_prepared_dir()
-    checksums = [prepacked.stage_checksum(manifest.files, spec) for spec in window_specs(manifest) if spec.tensors]
+    checksums = [prepacked.stage_checksum(manifest.files, spec) for spec in window_specs(manifest)]
     return [(c, prepacked.prepared_bytes(c, root)) for c in checksums]
 
 
@@ -74,10 +61,10 @@ class Pipeline:
 
     def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
                  prepared_dir: Path | None = None, evict_page_cache: bool = False, strict: bool = False,
-                 placement: Placement | None = None, profile: str | None = None):
+                 placement: Placement | None = None, profile: str | None = None, context: int | None = None):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
-        `prepared_dir`: where float stages' packed weights are kept for this machine (default: the
+        `prepared_dir`: where stages' packed weights are kept for this machine (default: the
         edgespec cache); written on first use. `evict_page_cache`: a streamed stage's release also drops
         its pages from the OS page cache, so the budget bounds the cache too (a container or device whose
         memory limit counts the cache); otherwise the OS keeps them cached while memory is free.
@@ -85,14 +72,17 @@ class Pipeline:
         fallback with a warning. `placement`: the draft's provider, each role's threads and whether drafting
         overlaps verification (edgespec/calibrate.py measures them); default: the profile's first provider
         for each role, `threads` for both, one after the other. `profile`: which of the bundle's device profiles
-        to run (its providers and its graphs; default: the first it was exported for)."""
+        to run (its providers and its graphs; default: the first it was exported for). `context`: the fewest
+        tokens the caches must hold under a budget (default runtime/budget.py MIN_CONTEXT): the budget goes to
+        speed first, the context gets what is left beyond this floor."""
         self.evict_page_cache = evict_page_cache
         self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else default_prepared_dir()
         self.manifest: Manifest = open_bundle(self.folder, profile)
-        self.memory = plan_memory(self.manifest, self.folder,
-                                  None if memory_budget is None else parse_size(memory_budget))
+        self.memory = plan_on_this_device(self.manifest, self.folder,
+                                          None if memory_budget is None else parse_size(memory_budget), context,
+                                          self.prepared_dir, cache_dir(), evict_page_cache)
         check_threads(threads)
         self.threads = threads or self.manifest.profile.threads or default_threads()
         profile = self.manifest.profile  # what the bundle was exported for: the providers per role
@@ -101,21 +91,18 @@ class Pipeline:
         self.strict = strict
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)
+        self.stream_costs = None  # a staged target's stage costs on this device (runtime/stream_costs.py)
         if self.memory.stage_bytes:  # the single graph does not fit: stages, through a window
-            stages = m.target.stages
-            table = stages[0].embedding_table
-            embedding = None if table is None else MappedEmbedding(self.folder, table, self.memory.context)
-            loaded = window_specs(m)
-            pinned = self.memory.pinned_stages
-            packed = self._packed_stages(loaded)
-            window = StageWindow([self._stage(spec, profile.verify, i in pinned, packed.get(i))
-                                  for i, spec in enumerate(loaded)], pinned)
-            self.target = StagedRunner(window, m.target.facts, m.target.lanes, embedding)
+            self.target, self.memory, self.stream_costs = build_measured(
+                m, self.folder, self.memory, profile.verify, self.target_threads, self.prepared_dir, cache_dir(),
+                evict_page_cache)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify,
                                                    self.target_threads, role="the target", strict=strict),
                                       m.target.facts)
-        self.tree = m.tree  # the tree drafters fill: the manifest's, unless a caller (tune) tries another
+        # the tree drafters fill: the manifest's, or one sized to a streamed pass where stages stream; a caller
+        # (tune) may try another
+        self.tree = tree_under_budget(m, self.memory, self.stream_costs, profile.max_tree_nodes)
         self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
         self._exactness: Verdict | None = None
         self.draft = None
@@ -138,27 +125,6 @@ class Pipeline:
             if static is not None and static.context != self.memory.context:
                 raise InputError(f"this static-shape bundle holds a context of {static.context} tokens, fixed at export; "
                                  f"the memory budget leaves room for {self.memory.context}: raise the budget")
-
-    def _packed_stages(self, specs: list[GraphSpec]) -> dict[int, Path]:
-        """This machine's packed copies of the float stages, by index, where they can be mapped and released."""
-        if not prepacked.available():
-            return {}
-        floats = {i: spec for i, spec in enumerate(specs) if spec.tensors}
-        checksums = [prepacked.stage_checksum(self.manifest.files, spec) for spec in floats.values()]
-        graphs = prepacked.prepare([(self.folder / spec.file, c) for spec, c in zip(floats.values(), checksums)],
-                                   self.prepared_dir)
-        return dict(zip(floats, graphs))
-
-    def _stage(self, spec: GraphSpec, providers, pinned: bool, packed: Path | None) -> Stage:
-        # Float stages are mapped: fetching them is page faults, not a session load. Where onnxruntime's
-        # packed weights can be mapped and released (Linux), every float stage uses them, pinned or not,
-        # so each budget computes the same bits. Elsewhere streamed stages read unpacked weights, slower
-        # per pass than the packed copy a loaded session makes, which pinned stages keep.
-        if packed is not None:
-            return prepacked.PrepackedStage(packed, providers, self.target_threads, self.evict_page_cache and not pinned)
-        if spec.tensors and not pinned:
-            return MappedStage(self.folder, spec, providers, self.target_threads)
-        return LoadedStage(lambda: make_session(self.folder / spec.file, providers, self.target_threads, spin=False))
 
     @property
     def context(self) -> int:

@@ -96,6 +96,26 @@ def plan_on_this_device(manifest: Manifest, folder: Path, budget: int | None, co
     return plan_memory(manifest, folder, budget, context, stage_bytes, costs)
 
 
+def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers, threads: int, prepared_dir: Path,
+                   costs_dir: Path, evicted: bool) -> tuple[StagedRunner, MemoryPlan, StreamCosts]:
+    """The staged target for `plan`, this device's stage costs, and the plan they price: on a first load
+    the plan was made with costs assumed from bytes, so it is made again with the measured ones and the
+    target rebuilt where they pin other stages (later loads read the cached costs and keep their plan)."""
+    runner = build_staged_target(manifest, folder, plan.pinned_stages, plan.context, providers, threads,
+                                 prepared_dir, evicted)
+    costs = measured_costs(runner, manifest, costs_dir, evicted)
+    if plan.costs_measured or plan.budget is None:
+        return runner, plan, costs
+    priced = plan_memory(manifest, folder, plan.budget, plan.min_context, resident_stage_bytes(manifest, prepared_dir),
+                         costs)
+    if priced.pinned_stages == plan.pinned_stages and priced.context == plan.context:
+        return runner, priced, costs
+    runner.window.close()
+    del runner  # its pinned stages' pages go before the new split maps its own: the budget holds one
+    return build_staged_target(manifest, folder, priced.pinned_stages, priced.context, providers, threads,
+                               prepared_dir, evicted), priced, costs
+
+
 def measured_costs(runner: StagedRunner, manifest: Manifest, costs_dir: Path, evicted: bool) -> StreamCosts:
     """This device's stage costs for the bundle: cached, or measured now (before the runner's first pass)."""
     key, count = bundle_key(manifest), runner.window.count

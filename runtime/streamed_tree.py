@@ -8,6 +8,9 @@ Suffix drafting needs none of this: the step controller prices its chains from t
 """
 from __future__ import annotations
 
+from .budget import MemoryPlan
+from .bundle import Manifest
+from .drafters import DrafterKind
 from .stream_costs import StreamCosts
 from .tree import Topology
 from .treeopt import choose_tree
@@ -29,3 +32,25 @@ def tree_for_budget(costs: StreamCosts, pinned, agreement: float, max_nodes: int
     seconds = streamed_pass_seconds(costs, pinned, max_nodes)
     best, _ = choose_tree([agreement], seconds, draft_seconds_per_level, max_paths=lanes)
     return best.topology
+
+
+def draft_agreement(quality: dict | None) -> float | None:
+    """How often the draft's first choice is the target's, as the export measured it (quality.json's
+    `draft_agreement`, the quantized draft's where there is one); None where it was not measured."""
+    agreement = (quality or {}).get("draft_agreement") or {}
+    value = agreement.get("quantized", agreement.get("fp32"))
+    return None if value is None else float(value)
+
+
+def tree_under_budget(manifest: Manifest, plan: MemoryPlan, costs: StreamCosts | None, max_nodes: int) -> Topology:
+    """The tree a draft model fills under `plan`: the manifest's unless stages stream, the draft is a model
+    on a static topology and its agreement was measured; then the tree sized to the streamed pass, within
+    the rows the plan reserved for a tree and the target's lanes. The draft's one-level cost is priced as
+    a target stage's run per byte, times its weights (it runs the same kernels)."""
+    agreement = draft_agreement(manifest.quality)
+    if (not plan.streams or costs is None or manifest.drafter is not DrafterKind.MODEL or manifest.dynamic is not None
+            or agreement is None):
+        return manifest.tree
+    level = sum(costs.run_seconds) * plan.draft_weights / max(sum(plan.stage_bytes), 1)
+    return tree_for_budget(costs, plan.pinned_stages, agreement, max(2, min(max_nodes, plan.tree_slots)),
+                           manifest.target.lanes, level)

@@ -13,6 +13,7 @@ from edgespec.runtime.exactness import check_exact_rows
 from edgespec.runtime.errors import BudgetError
 from edgespec.runtime.kvcache import KVCache
 from edgespec.runtime.model import pass_feed, run_bound
+from edgespec.runtime.stage_build import packed_graphs, resident_stage_bytes
 from edgespec.runtime.staged import LoadedStage, MappedEmbedding, StageWindow
 
 CONFIG = GenerationConfig(max_new_tokens=30)
@@ -31,13 +32,18 @@ def staged_bundle(models, tmp_path_factory):
                                out=root / "b", context=128, stages=6))
 
 
-def _budget_for(folder):
-    """The smallest budget: the minimum context and a window of two streaming stages, none pinned."""
+def _budget_for(folder, prepared=None):
+    """The smallest budget: the minimum context and a window of two streaming stages, none pinned. With
+    `prepared`, where packed copies can be mapped, stages count what their packed copies map (prepared
+    here), as a pipeline's plan on this machine counts them; else their files."""
     manifest = open_bundle(folder)
     full = plan_memory(manifest, folder, None)
     table = manifest.target.stages[0].embedding_table  # mapped, not loaded: stage 0 is not in the window
     mapped = MappedEmbedding.resident_bound(table, manifest.target.facts.max_context) if table else 0
     stages = [sum((folder / n).stat().st_size for n in (s.file, *s.weights)) for s in manifest.target.stages[1:]]
+    if prepared is not None and prepacked.available():
+        packed_graphs(manifest, folder, prepared)
+        stages = resident_stage_bytes(manifest, prepared)
     per_token = full.target_kv_per_token + full.draft_kv_per_token
     return (full.runtime + full.draft_weights + full.scratch + MIN_CONTEXT * per_token + mapped
             + window_bytes(stages, ()))
@@ -58,10 +64,10 @@ def prepared(tmp_path_factory):
     return tmp_path_factory.mktemp("prepacked")
 
 
-def _roomy_budget(folder):
+def _roomy_budget(folder, prepared=None):
     """Room for the first two layer stages to be pinned; the others stream."""
     manifest = open_bundle(folder)
-    return _budget_for(folder) + sum((folder / n).stat().st_size
+    return _budget_for(folder, prepared) + sum((folder / n).stat().st_size
                                      for s in manifest.target.stages[1:3] for n in (s.file, *s.weights))
 
 
@@ -94,12 +100,12 @@ def test_float_stages_map_their_packed_weights_pinned_or_streamed(staged_bundle,
 
     manifest = open_bundle(staged_bundle)
     assert all(s.tensors for s in manifest.target.stages[1:])  # fp32: every weight can be mapped
-    for budget in (_budget_for(staged_bundle), _roomy_budget(staged_bundle)):
+    for budget in (_budget_for(staged_bundle, prepared), _roomy_budget(staged_bundle, prepared)):
         pipeline = Pipeline(staged_bundle, threads=1, memory_budget=budget, prepared_dir=prepared)
         assert all(isinstance(s, prepacked.PrepackedStage) for s in pipeline.target.window.stages)
     assert pipeline.memory.pinned_stages
-    evicting = Pipeline(staged_bundle, threads=1, memory_budget=_roomy_budget(staged_bundle), prepared_dir=prepared,
-                        evict_page_cache=True)
+    evicting = Pipeline(staged_bundle, threads=1, memory_budget=_roomy_budget(staged_bundle, prepared),
+                        prepared_dir=prepared, evict_page_cache=True)
     window = evicting.target.window  # only streamed stages leave the page cache: pinned ones are never released
     assert [s.evict for s in window.stages] == [i not in window.pinned for i in range(window.count)]
     assert not all(s.evict for s in window.stages) and any(s.evict for s in window.stages)
@@ -113,7 +119,7 @@ def test_packed_stages_compute_the_packed_single_graphs_bits_at_every_budget(sta
     from edgespec.runtime.pipeline import Pipeline
 
     expected = _first_pass(_single_graph(staged_bundle, prepack=True))
-    for budget in (_budget_for(staged_bundle), _roomy_budget(staged_bundle)):
+    for budget in (_budget_for(staged_bundle, prepared), _roomy_budget(staged_bundle, prepared)):
         pipeline = Pipeline(staged_bundle, threads=1, memory_budget=budget, prepared_dir=prepared)
         _assert_same_pass(expected, _first_pass(pipeline.target))
     _assert_speculation_exact(pipeline)
@@ -157,11 +163,12 @@ def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
     window.close()
 
 
-def test_a_float_embedding_table_is_mapped_not_loaded(staged_bundle):
+def test_a_float_embedding_table_is_mapped_not_loaded(staged_bundle, prepared):
     from edgespec.runtime.pipeline import Pipeline
 
     assert open_bundle(staged_bundle).target.stages[0].embedding_table["dtype"] == "float32"
-    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle))
+    streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, prepared),
+                        prepared_dir=prepared)
     assert streamed.target.embedding is not None
     assert streamed.memory.mapped_embedding > 0
     streamed.generate(prompt="The quick brown fox", config=CONFIG)
@@ -355,7 +362,7 @@ def test_plan_says_what_the_packed_copies_take_on_disk(staged_bundle, tmp_path, 
     from edgespec.runtime.pipeline import Pipeline
 
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
-    budget = str(_budget_for(staged_bundle))
+    budget = str(_roomy_budget(staged_bundle))  # beside the files, room for what their packed copies add
 
     def packed():
         assert main(["plan", str(staged_bundle), "--memory-budget", budget, "--json"]) == 0

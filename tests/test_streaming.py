@@ -8,6 +8,7 @@ from edgespec.runtime.budget import plan_memory
 from edgespec.runtime.bundle import open_bundle
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.staged import MappedEmbedding
 from edgespec.runtime.stage_build import build_staged_target, resident_stage_bytes, window_specs
 
 pytestmark = pytest.mark.skipif(not prepacked.available(), reason="releases mapped pages through /proc/self/maps")
@@ -44,6 +45,19 @@ def _runner(folder, prepared, pinned=()):
     manifest = open_bundle(folder)
     return build_staged_target(manifest, folder, pinned, manifest.target.facts.max_context, ("CPUExecutionProvider",),
                                1, prepared, evict_page_cache=False)
+
+
+def _streaming_budget(folder, prepared, context=128):
+    """A budget where the target streams through the smallest window, at `context` tokens, and is resident
+    with more: sized from the packed copies (prepared here) as the pipeline's plan counts them."""
+    manifest = open_bundle(folder)
+    _runner(folder, prepared).window.close()
+    measured = resident_stage_bytes(manifest, prepared)
+    full = plan_memory(manifest, folder, None, stage_bytes=measured)
+    table = manifest.target.stages[0].embedding_table
+    mapped = 0 if table is None else MappedEmbedding.resident_bound(table, full.context)
+    return full.total - full.target_weights - full.target_kv - full.draft_kv + context * (
+        full.target_kv_per_token + full.draft_kv_per_token) + sum(sorted(measured)[-2:]) + mapped, full
 
 
 def _single_graph(folder):
@@ -108,3 +122,45 @@ def test_the_plan_counts_what_a_packed_stage_maps_not_its_file(staged, prepared)
         full.target_kv_per_token + full.draft_kv_per_token) + sum(sorted(measured)[-2:])
     plan = plan_memory(manifest, folder, budget, stage_bytes=measured)
     assert plan.streams and plan.stage_bytes == tuple(measured) and plan.total <= budget
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_speculation_under_a_budget_is_plain_decoding_and_the_resident_bundles(staged, prepared, form):
+    from edgespec.runtime.pipeline import Pipeline
+
+    folder = staged(form)
+    config = GenerationConfig(max_new_tokens=24)
+    resident = Pipeline(folder, threads=1, prepared_dir=prepared)
+    budget, full = _streaming_budget(folder, prepared)
+    streamed = Pipeline(folder, threads=1, memory_budget=budget, prepared_dir=prepared)
+    assert streamed.memory.streams and isinstance(streamed.target.window.stages[0], prepacked.PrepackedStage)
+    for prompt in ("The quick brown fox", "def add(a, b):"):
+        want = resident.generate(prompt=prompt, config=config, speculate=False).token_ids
+        assert streamed.generate(prompt=prompt, config=config, speculate=False).token_ids == want
+        assert streamed.generate(prompt=prompt, config=config, speculate=True).token_ids == want
+    streamed.target.window.close()
+    resident_stages = Pipeline(folder, threads=1, memory_budget=2 * full.total, prepared_dir=prepared)
+    assert resident_stages.stream_costs is None and resident_stages.tree == resident_stages.manifest.tree
+
+
+def test_the_first_load_measures_stage_costs_and_the_tree_is_sized_to_the_streamed_pass(staged, prepared, tmp_path,
+                                                                                       monkeypatch):
+    from edgespec.runtime.pipeline import Pipeline
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    folder = staged("int4-offsets")
+    manifest = open_bundle(folder)
+    budget, _ = _streaming_budget(folder, prepared)
+    first = Pipeline(folder, threads=1, memory_budget=budget, prepared_dir=prepared)
+    assert first.stream_costs.measured and first.memory.costs_measured
+    assert len(first.stream_costs.run_seconds) == len(window_specs(manifest))
+    first.target.window.close()
+    again = Pipeline(folder, threads=1, memory_budget=budget, prepared_dir=prepared)
+    assert again.stream_costs == first.stream_costs  # cached per device and bundle: not measured twice
+    assert again.memory.pinned_stages == first.memory.pinned_stages
+    # the export measured the draft's agreement: the tree is tune's program over the streamed pass
+    assert manifest.quality["draft_agreement"]
+    from edgespec.runtime.streamed_tree import tree_under_budget
+    assert again.tree == tree_under_budget(manifest, again.memory, again.stream_costs, manifest.profile.max_tree_nodes)
+    assert again.tree != manifest.tree
+    again.target.window.close()
