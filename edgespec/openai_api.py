@@ -14,24 +14,27 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from edgespec.runtime.constraints import ConstraintSpec
 from edgespec.runtime.engine import GenerationConfig, Result
+from edgespec.runtime.errors import InputError
 from edgespec.runtime.sampling import SamplingConfig
+from edgespec.tool_calls import ToolsError, read_tools, response_format_constraint, tool_constraint, with_tools, \
+    written_call
 
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 # fields a client may send with the value that means "not used" (OpenAI's defaults); any other value is refused
 INERT_FIELDS = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, None),
-                "top_logprobs": (None, 0), "n": (1, None), "logit_bias": (None, {}), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-                "response_format": (None, {"type": "text"}), "echo": (False, None), "best_of": (1, None),
+                "top_logprobs": (None, 0), "n": (1, None), "logit_bias": (None, {}), "echo": (False, None),
+                "best_of": (1, None),
                 "suffix": (None, ""), "service_tier": (None, "auto"), "store": (False, None), "metadata": (None,),
                 "user": None, "cache_salt": None}  # None: any string (a label, or whose cache a request may use)
 # what a client that sends these expects and would not get: said in the 400, so that it does not retry as is
-NOT_BUILT = {"tools": "function calling is not built here: the model answers in text only",
-             "tool_choice": "function calling is not built here: the model answers in text only",
-             "parallel_tool_calls": "function calling is not built here: the model answers in text only",
-             "response_format": "structured output (JSON mode, JSON schema) is not built here: the model answers "
-                                "in free text ({'type': 'text'} only)"}
+NOT_BUILT = {"tools": "tools are for /v1/chat/completions", "tool_choice": "tools are for /v1/chat/completions",
+             "parallel_tool_calls": "tools are for /v1/chat/completions",
+             "response_format": "response_format is for /v1/chat/completions"}
+# chat's structured output (edgespec/tool_calls.py)
+STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 SAMPLING_FIELDS = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
                    "top_p", "seed", "stop")
 
@@ -62,6 +65,9 @@ class Completion:
     prompt: str | None = None
     user: str | None = None  # labels: with the API key, whose kept conversation this request may continue
     cache_salt: str | None = None
+    constraint: ConstraintSpec | None = None  # response_format, or the tools' call grammar
+    tools: tuple[dict, ...] = ()  # the functions offered (edgespec/tool_calls.py)
+    tool_choice: str | None = None  # "auto", "required", a function's name; None: no call
 
     @property
     def characters(self) -> int:
@@ -75,16 +81,32 @@ class Completion:
             asked = f" and {self.max_tokens} new tokens" if self.max_tokens is not None else ""
             raise APIError(f"this model's context is {context} tokens; the prompt has {prompt_tokens}{asked}: "
                            "shorten the messages or lower max_tokens", "messages", "context_length_exceeded")
-        return GenerationConfig(max_new_tokens=self.max_tokens or room, stop_strings=self.stop, sampling=self.sampling)
+        return GenerationConfig(max_new_tokens=self.max_tokens or room, stop_strings=self.stop, sampling=self.sampling,
+                                constraint=self.constraint)
 
 
 def parse_chat(body, model: str) -> Completion:
-    _check_fields(body, ("messages",))
+    _check_fields(body, ("messages", *STRUCTURED_FIELDS))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list of {role, content} objects", "messages")
-    return Completion(messages=tuple(_message(m, i) for i, m in enumerate(messages)),
-                      **_generation(body, model))
+    try:
+        messages = [_message(m, i) for i, m in enumerate(messages)]
+        tools, choice = read_tools(body.get("tools"), body.get("tool_choice"))
+        constraint = response_format_constraint(body.get("response_format"))
+        if choice is not None and constraint is not None:
+            raise ToolsError("give 'response_format' or 'tools', not both: a tool call's arguments follow its own "
+                             "schema", "response_format")
+        if _typed(body, "parallel_tool_calls", bool, True) is not True and not tools:
+            raise ToolsError("'parallel_tool_calls' needs 'tools'", "parallel_tool_calls")
+    except ToolsError as err:
+        raise APIError(str(err), err.param) from err
+    except InputError as err:  # a schema that is not one
+        raise APIError(f"'response_format': {err}", "response_format") from err
+    if choice is not None:
+        messages, constraint = with_tools(messages, tools), tool_constraint(tools, choice)
+    return Completion(messages=tuple(messages), **_generation(body, model), constraint=constraint, tools=tools,
+                      tool_choice=choice)
 
 
 def parse_completion(body, model: str) -> Completion:
@@ -103,6 +125,8 @@ def _check_fields(body, own: tuple[str, ...]) -> None:
     for name, value in body.items():
         if name in own or name in SAMPLING_FIELDS:
             continue
+        if name in NOT_BUILT and value is not None:
+            raise APIError(f"'{name}' is not supported by this server: {NOT_BUILT[name]}", name, "unsupported_parameter")
         if name not in INERT_FIELDS:
             raise APIError(f"'{name}' is not supported by this server", name, "unsupported_parameter")
         inert = INERT_FIELDS[name]
@@ -110,21 +134,25 @@ def _check_fields(body, own: tuple[str, ...]) -> None:
             if not isinstance(value, str):
                 raise APIError(f"'{name}' must be a string", name)
         elif value is not None and not any(type(value) is type(v) and value == v for v in inert):  # True is not 1
-            message = (f"'{name}' is not supported by this server: {NOT_BUILT[name]}" if name in NOT_BUILT
-                       else f"'{name}' = {value!r} is not supported by this server (only {inert[0]!r})")
-            raise APIError(message, name, "unsupported_parameter")
+            raise APIError(f"'{name}' = {value!r} is not supported by this server (only {inert[0]!r})", name,
+                           "unsupported_parameter")
 
 
 def _message(message, index: int) -> dict:
     param = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise APIError(f"{param} must be an object with a 'role' and a 'content'", param)
-    if message["role"] not in ("system", "developer", "user", "assistant"):
-        raise APIError(f"{param}.role {message['role']!r} is not supported (system, developer, user, assistant)",
-                       f"{param}.role")
-    unknown = set(message) - {"role", "content", "name"}  # name: a participant's label, as `user` (not shown)
+    if message["role"] not in ("system", "developer", "user", "assistant", "tool"):
+        raise APIError(f"{param}.role {message['role']!r} is not supported (system, developer, user, assistant, "
+                       "tool)", f"{param}.role")
+    # name: a participant's label, as `user` (not shown); an assistant's earlier tool calls; a tool result's call id
+    allowed = {"role", "content", "name"} | ({"tool_calls"} if message["role"] == "assistant" else set()) \
+        | ({"tool_call_id"} if message["role"] == "tool" else set())
+    unknown = set(message) - allowed
     if unknown:
         raise APIError(f"{param} has unsupported fields: {', '.join(sorted(unknown))}", param, "unsupported_parameter")
+    if message.get("tool_calls") is not None:  # written back as the model writes a call (edgespec/tool_calls.py)
+        return {"role": "assistant", "content": written_call(message["tool_calls"], param)}
     content = message.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -132,6 +160,8 @@ def _message(message, index: int) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise APIError(f"{param}.content must be a string", f"{param}.content")
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"Tool result: {content}"}
     return {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
 
 
@@ -228,25 +258,33 @@ def speculation(result: Result) -> dict:
             "stop_reason": result.stop_reason}
 
 
-def response(request_id: str, chat: bool, model: str, result: Result) -> dict:
-    finish = FINISH_REASONS[result.stop_reason]
-    choice = ({"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": finish}
+def response(request_id: str, chat: bool, model: str, result: Result, tool_calls: list[dict] | None = None) -> dict:
+    """`tool_calls`: the call the answer made (edgespec/tool_calls.py: read_call), which it is instead of text."""
+    finish = "tool_calls" if tool_calls else FINISH_REASONS[result.stop_reason]
+    message = {"role": "assistant", "content": None, "tool_calls": tool_calls} if tool_calls else \
+        {"role": "assistant", "content": result.text}
+    choice = ({"index": 0, "message": message, "finish_reason": finish}
               if chat else {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage(result), "edgespec": speculation(result)}
 
 
 def chunk(request_id: str, chat: bool, model: str, text: str | None = None, result: Result | None = None,
-          first: bool = False, usage_only: bool = False) -> dict:
-    """A stream chunk: text (the first chat chunk also names the role), the last one (finish reason and
-    the extension field), or the usage-only chunk of `stream_options.include_usage`. Usage is on that
-    chunk alone: clients that add up usage over chunks (LangChain) would count it twice."""
+          first: bool = False, usage_only: bool = False, tool_calls: list[dict] | None = None,
+          called: bool = False) -> dict:
+    """A stream chunk: text (the first chat chunk also names the role), a tool call (whole, in one chunk),
+    the last one (finish reason, "tool_calls" when `called`, and the extension field), or the usage-only chunk of
+    `stream_options.include_usage`. Usage is on that chunk alone: clients that add up usage over chunks
+    (LangChain) would count it twice."""
     base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model}
     if usage_only:
         return {**base, "choices": [], "usage": usage(result)}
-    finish = FINISH_REASONS[result.stop_reason] if result is not None else None
-    if chat:
+    finish = None if result is None else "tool_calls" if called else FINISH_REASONS[result.stop_reason]
+    if chat and tool_calls:
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+    elif chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
     else:

@@ -39,10 +39,11 @@ from edgespec.openai_api import (
     response,
 )
 from edgespec.runtime.engine import GenerationConfig, Result
-from edgespec.runtime.errors import EdgespecError
+from edgespec.runtime.errors import ConstraintError, EdgespecError
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, key_digest
 from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
+from edgespec.tool_calls import read_call
 
 LOG = logging.getLogger("edgespec.serve")
 FIRST_GUESS_S = 2.0  # a generation's duration until one has been timed
@@ -110,12 +111,22 @@ class Generations:
         """The generation config, checked against the context before the request's turn: by its length in
         characters first, so that a prompt far too long is never tokenised."""
         check_length(completion, self.pipeline.context, self.longest_token)
+        if completion.constraint is not None:
+            await self.off_loop(self._compiles, completion)
         tokens = await self.off_loop(self._count_tokens, completion)
         try:
             return completion.config(tokens, self.pipeline.context)
         except APIError:
             await self.off_loop(self.pipeline.trim_heap)  # what tokenising a refused prompt took goes back
             raise
+
+    def _compiles(self, completion: Completion) -> None:
+        """A 400 before the request's turn, not a failed stream, for a schema or tools the engine cannot compile."""
+        try:
+            self.pipeline.grammars.start(completion.constraint)
+        except ConstraintError as err:
+            raise APIError(str(err), "tools" if completion.tool_choice else "response_format",
+                           "invalid_schema") from err
 
     def _count_tokens(self, completion: Completion) -> int:
         try:
@@ -181,7 +192,9 @@ class Routes:
             body = await read_body(request, self.config.max_body_bytes)
             completion = await self.generations.off_loop(self.parse, body, chat)
             config = await self.generations.prepare(completion)
-            on_text = (lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)) if completion.stream else None
+            # a tool call is sent whole once the answer is known to be one: text is held until the end
+            streams_text = completion.stream and completion.tool_choice is None
+            on_text = (lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)) if streams_text else None
             task = self.generations.start(completion, config, client_of(key, completion.user, completion.cache_salt),
                                           on_text, cancel)
         except BaseException:
@@ -196,7 +209,8 @@ class Routes:
             result = await self.answer(request, task, cancel)
         except EdgespecError as err:
             raise APIError(str(err), code="generation_failed") from err
-        return JSONResponse(response(request_id, chat, self.config.model, result))
+        calls = read_call(result.text) if completion.tool_choice else None
+        return JSONResponse(response(request_id, chat, self.config.model, result, calls))
 
     def parse(self, body: bytes, chat: bool) -> Completion:
         return (parse_chat if chat else parse_completion)(parse_json(body), self.config.model)
@@ -293,7 +307,12 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
         except EdgespecError as err:
             yield event(APIError(str(err), code="generation_failed").body())
             return
-        yield event(chunk(request_id, chat, model, result=result))
+        calls = read_call(result.text) if completion.tool_choice else None
+        if calls:
+            yield event(chunk(request_id, chat, model, tool_calls=calls))
+        elif completion.tool_choice and result.text:  # held back in case it was a call: it was text
+            yield event(chunk(request_id, chat, model, text=result.text))
+        yield event(chunk(request_id, chat, model, result=result, called=bool(calls)))
         if completion.include_usage:
             yield event(chunk(request_id, chat, model, result=result, usage_only=True))
         yield "data: [DONE]\n\n"

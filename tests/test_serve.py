@@ -143,7 +143,7 @@ def test_a_follow_up_turn_reuses_the_cached_prefix(server):
     ({"model": MODEL}, "messages"),
     ({"model": MODEL, "messages": "hi"}, "messages"),
     ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": MESSAGES}, "model"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "messages": MESSAGES, "max_tokens": "ten"}, "max_tokens"),
@@ -153,7 +153,7 @@ def test_a_follow_up_turn_reuses_the_cached_prefix(server):
     ({"model": MODEL, "messages": MESSAGES, "n": 2}, "n"),
     ({"model": MODEL, "messages": MESSAGES, "n": True}, "n"),  # == 1 in Python, not "not used"
     ({"model": MODEL, "messages": MESSAGES, "logprobs": 0}, "logprobs"),
-    ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]"),
     ({"model": MODEL, "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": MODEL, "messages": MESSAGES, "stop": [""]}, "stop"),
     ({"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
@@ -555,13 +555,12 @@ def test_405_names_the_allowed_methods(server):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "function calling is not built"),
-    ("tool_choice", "auto", "function calling is not built"),
-    ("response_format", {"type": "json_object"}, "structured output"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "structured output"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools are for /v1/chat/completions"),
+    ("tool_choice", "auto", "tools are for /v1/chat/completions"),
+    ("response_format", {"type": "json_object"}, "response_format is for /v1/chat/completions"),
 ])
-def test_tools_and_response_format_get_a_clear_400(server, field, value, words):
-    status, _, reply = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, field: value})
+def test_text_completions_refuse_structured_output_clearly(server, field, value, words):
+    status, _, reply = server.post("/v1/completions", {"model": MODEL, "prompt": "a b", field: value})
     assert status == 400 and reply["error"]["param"] == field and words in reply["error"]["message"]
 
 

@@ -1,0 +1,150 @@
+"""`edgespec serve`'s structured output and tools, through OpenAI's own client, streamed and not: response_format
+(json_object, json_schema strict), tools with every tool_choice, calls whose arguments validate, clear 400s."""
+import json
+
+import jsonschema
+import pytest
+from test_serve import KEY, MESSAGES, MODEL, Server
+
+from edgespec.openai_api import APIError, parse_chat
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.tool_calls import read_call, tool_constraint, with_tools
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"},
+                                           "pet": {"enum": ["fox", "dog"]}},
+          "required": ["name", "age", "pet"]}
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
+TIMER = {"type": "function", "function": {"name": "timer", "parameters": {
+    "type": "object", "properties": {"minutes": {"type": "integer", "minimum": 1, "maximum": 90}},
+    "required": ["minutes"]}}}
+TOOLS = [WEATHER, TIMER]
+
+
+@pytest.fixture(scope="module")
+def pipeline(bundle_factory):
+    return Pipeline(bundle_factory(draft="draft", tree="chain:3", context=512), threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(pipeline):
+    running = Server(pipeline, api_keys=(KEY,), queue=1)
+    yield running
+    running.stop()
+
+
+def streamed(client, **settings):
+    """(the text, the tool calls, the finish reason) of a streamed answer, as a client puts them together."""
+    text, calls, finish = "", [], None
+    for part in client.chat.completions.create(stream=True, **settings):
+        if not part.choices:
+            continue
+        delta = part.choices[0].delta
+        text += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls.append({"name": call.function.name, "arguments": call.function.arguments})
+        finish = part.choices[0].finish_reason or finish
+    return text, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_strict_and_json_object(server, stream):
+    client = server.client()
+    for response_format, check in [
+        ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+         lambda value: jsonschema.validate(value, {**PERSON, "additionalProperties": False})),
+        ({"type": "json_object"}, lambda value: isinstance(value, dict) or pytest.fail("not an object")),
+    ]:
+        settings = dict(model=MODEL, messages=MESSAGES, max_tokens=120, temperature=0, response_format=response_format)
+        if stream:
+            text, calls, finish = streamed(client, **settings)
+        else:
+            answer = client.chat.completions.create(**settings)
+            text, finish = answer.choices[0].message.content, answer.choices[0].finish_reason
+        if finish == "stop":  # else cut at max_tokens: a random tiny model may write a long string
+            check(json.loads(text))
+        assert text.startswith("{")
+
+
+def test_streamed_structured_output_equals_unstreamed(server):
+    client = server.client()
+    settings = dict(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                    response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON,
+                                                                             "strict": True}})
+    whole = client.chat.completions.create(**settings).choices[0].message.content
+    assert streamed(client, **settings)[0] == whole
+
+
+def test_a_schema_the_engine_cannot_compile_is_a_400(server):
+    status, _, reply = server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}})
+    assert status == 400 and reply["error"]["param"] == "response_format"
+    assert "cannot be compiled" in reply["error"]["message"]
+    for body, param in [({"response_format": {"type": "yaml"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+                        ({"tools": [{"type": "function"}]}, "tools[0]"),
+                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format")]:
+        status, _, reply = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, **body})
+        assert status == 400 and reply["error"]["param"] == param, (body, reply)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "timer"}}])
+def test_tool_calls_validate_against_their_schema(server, tool_choice, stream):
+    client = server.client()
+    settings = dict(model=MODEL, messages=MESSAGES, max_tokens=75, temperature=0, tools=TOOLS, tool_choice=tool_choice)
+    if stream:
+        _, calls, finish = streamed(client, **settings)
+    else:
+        answer = client.chat.completions.create(**settings)
+        message, finish = answer.choices[0].message, answer.choices[0].finish_reason
+        assert message.content is None or finish == "length"
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []]
+    assert finish == "tool_calls" and len(calls) == 1
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls[0]["name"] in schemas if tool_choice == "required" else calls[0]["name"] == "timer"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), schemas[calls[0]["name"]])
+
+
+def test_tool_choice_auto_and_none(server):
+    client = server.client()
+    for choice in ("auto", "none"):
+        answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=30, temperature=0,
+                                                tools=TOOLS, tool_choice=choice)
+        message = answer.choices[0].message
+        if message.tool_calls:
+            assert choice == "auto" and answer.choices[0].finish_reason == "tool_calls"
+        else:
+            assert not (message.content or "").startswith("<")
+
+
+def test_a_call_and_its_result_go_back_to_the_model(server):
+    client = server.client()
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "timer", "arguments": "{\"minutes\": 5}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"ok\": true}"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, tools=[TIMER])
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_the_tools_are_told_and_a_call_is_read_back():
+    chat = parse_chat({"model": "m", "messages": [{"role": "system", "content": "Be brief."}, *MESSAGES],
+                       "tools": TOOLS, "tool_choice": "auto"}, "m")
+    assert chat.messages[0]["content"].startswith("Be brief.") and "weather" in chat.messages[0]["content"]
+    assert chat.constraint.kind == "grammar" and chat.tool_choice == "auto"
+    none = parse_chat({"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, "m")
+    assert none.constraint is None and none.messages == tuple(MESSAGES)
+    assert with_tools(MESSAGES, chat.tools)[0]["role"] == "system"
+    calls = read_call('<tool_call>{"name": "timer", "arguments": {"minutes": 5}}</tool_call>')
+    assert calls[0]["function"] == {"name": "timer", "arguments": "{\"minutes\": 5}"}
+    assert read_call("plain words") is None
+    assert "timer" in tool_constraint(chat.tools, "timer").value
+    assert "weather" not in tool_constraint(chat.tools, "timer").value
+    with pytest.raises(APIError, match="arguments are not JSON"):
+        parse_chat({"model": "m", "messages": [{"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{"}}]}]}, "m")
