@@ -255,19 +255,17 @@ AUTO_NEW_TOKENS = 64  # the answers it measures
 
 def export_tuned(config) -> Path:
     """`edgespec export --tree auto`: exports a short chain, then measures this device and writes the
-    tree `tune` chooses before the bundle is moved into place."""
-    from edgespec.exporters.export import (  # the export extra is optional for the runtime
-        ExportError,
-        export,
-        plan_export,
-    )
+    tree `tune` chooses; the bundle is moved into place only with its tree."""
+    from edgespec.exporters.bundle_writer import staged_bundle  # the export extra is optional for the runtime
+    from edgespec.exporters.export import ExportError, plan_export, progress, write_export
 
     start = replace(config, tree=AUTO_TREE_START)
     if plan_export(start).static_nodes is not None:  # refused before the export's work, not after it
         raise ExportError("--tree auto rewrites the tree after measuring it, but static-shape graphs (NPU profiles) "
                           "fix their node count at export: give --tree")
-
-    def finish(folder: Path, say) -> None:
+    say = progress()
+    with staged_bundle(config.out, config.force) as folder:
+        write_export(folder, start, say)
         say("choosing the tree for this device (edgespec tune)")
         try:
             result = tune(folder, None, max_nodes=12, max_new_tokens=AUTO_NEW_TOKENS, threads=None, write=True)
@@ -277,5 +275,5 @@ def export_tuned(config) -> Path:
                               "or give --tree") from err
         say(f"tree: parents {result['tree']['parents']}, predicted {result['predicted_tokens_per_s']} tokens/s, "
             f"measured {result['measured_tokens_per_s']}")
-
-    return export(start, finish=finish)
+    say(f"bundle written to {config.out}")
+    return Path(config.out)

@@ -184,7 +184,7 @@ def check_compatible(target_tok, draft_tok) -> None:
 
 @dataclass(frozen=True)
 class BundleContents:
-    """What `write_bundle`'s `fill` wrote: the manifest's sections that describe files."""
+    """What an export wrote into its folder: the manifest's sections that describe files."""
 
     tokenizer: TokenizerSpec
     target: ModelEntry
@@ -207,11 +207,11 @@ class TreeSettings:
     suffix: SuffixConfig | None = None
 
 
-def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: TreeSettings, prefill_chunk: int,
-                 finish=None) -> Path:
-    """`fill(tmp_folder)` writes graphs and tokenizer into a temporary folder and returns their
-    BundleContents; this function adds the manifest and checksums, lets `finish(tmp_folder)` work on
-    the complete bundle (tuning its tree), and moves the folder into place."""
+@contextlib.contextmanager
+def staged_bundle(out: Path, force: bool):
+    """A temporary folder beside `out` to write a bundle into; when the block ends without an error it
+    becomes `out` (replacing the bundle there with --force), and on any error, Ctrl-C or SIGTERM it is
+    removed: a bundle appears whole or not at all."""
     out = Path(out)
     check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -220,41 +220,46 @@ def write_bundle(out: Path, force: bool, fill, profile: DeviceProfile, tree: Tre
     (tmp / EXPORT_OWNER).write_text(str(os.getpid()))
     try:
         with _terminate_as_interrupt():
-            contents = fill(tmp)
-            manifest = Manifest(
-                target=contents.target, draft=contents.draft, drafter=contents.drafter, tree=tree.topology,
-                dynamic=tree.dynamic, lookup=tree.lookup, ngram=tree.ngram, prefill_chunk=prefill_chunk,
-                tokenizer=contents.tokenizer, profile=profile,
-                files={name: sha256_file(tmp / name) for name in bundle_files(tmp) if name != EXPORT_OWNER},
-                edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                quality=contents.quality, exactness=contents.exactness, coreml=contents.coreml,
-                other_profiles=contents.other_profiles, suffix=tree.suffix)
-            write_manifest(tmp, manifest)
-            if finish is not None:
-                finish(tmp)
+            yield tmp
             check_output(out, force)  # again: the export took a while
             (tmp / EXPORT_OWNER).unlink()
-            # mkdtemp made the folder private, and coremltools writes some package files 0600: a bundle is
-            # written like any other folder, by the user's umask
-            mask = _umask()
-            for path in [tmp, *tmp.rglob("*")]:
-                path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
-            old = out.with_name(f".{out.name}.replaced") if out.exists() else None
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-                out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:
-                if old is not None and not out.exists():
-                    old.rename(out)  # the bundle that was there stays where it was
-                raise
-            if old is not None:
-                shutil.rmtree(old)
+            _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+
+
+def bundle_manifest(folder: Path, contents: BundleContents, profile: DeviceProfile, tree: TreeSettings,
+                    prefill_chunk: int) -> Manifest:
+    """The manifest of what `folder` holds: the files' checksums and what the export wrote."""
+    return Manifest(
+        target=contents.target, draft=contents.draft, drafter=contents.drafter, tree=tree.topology,
+        dynamic=tree.dynamic, lookup=tree.lookup, ngram=tree.ngram, prefill_chunk=prefill_chunk,
+        tokenizer=contents.tokenizer, profile=profile,
+        files={name: sha256_file(folder / name) for name in bundle_files(folder) if name != EXPORT_OWNER},
+        edgespec_version=version("edgespec"), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        quality=contents.quality, exactness=contents.exactness, coreml=contents.coreml,
+        other_profiles=contents.other_profiles, suffix=tree.suffix)
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    # mkdtemp made the folder private, and coremltools writes some package files 0600: a bundle is
+    # written like any other folder, by the user's umask
+    mask = _umask()
+    for path in [tmp, *tmp.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+    old = out.with_name(f".{out.name}.replaced") if out.exists() else None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old is not None and not out.exists():
+            old.rename(out)  # the bundle that was there stays where it was
+        raise
+    if old is not None:
+        shutil.rmtree(old)
 
 
 EXPORT_OWNER = ".export-pid"  # inside an export's temporary folder while it is written: whose it is

@@ -13,7 +13,7 @@ import onnxruntime
 from edgespec.quant.calibrate import Calibration, calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.budget import MAX_LANES, lanes_for
-from edgespec.runtime.bundle import MAX_PREFILL_CHUNK, ProfileGraphs
+from edgespec.runtime.bundle import MAX_PREFILL_CHUNK, ProfileGraphs, write_manifest
 from edgespec.runtime.coreml_package import compute_units_for
 from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
@@ -37,8 +37,8 @@ from .bundle_writer import (
     TreeSettings,
     calibrate,
     check_compatible,
-    check_output,
-    write_bundle,
+    bundle_manifest,
+    staged_bundle,
     write_model,
     write_tokenizer,
 )
@@ -139,10 +139,6 @@ def read_draft_info(source) -> DraftInfo:
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise ExportError(f"{info} is not a valid draft description: {err}") from err
     return DraftInfo(head_tokens, feature_fc)
-
-
-def _say(message: str, started: float) -> None:
-    print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -268,25 +264,31 @@ def _coreml_options(config: ExportConfig, topology: Topology) -> CoreMLOptions |
     return CoreMLOptions(config.coreml_kv, config.coreml_compress)
 
 
-def export(config: ExportConfig, finish=None) -> Path:
-    """Writes the bundle `config` describes. `finish(folder, say)` may work on the complete bundle before
-    it is moved into place (the front door tunes its tree there)."""
+def export(config: ExportConfig) -> Path:
+    """Writes the bundle `config` describes, whole or not at all."""
+    say = progress()
+    with staged_bundle(config.out, config.force) as folder:
+        write_export(folder, config, say)
+    say(f"bundle written to {config.out}")
+    return Path(config.out)
+
+
+def progress():
+    """`say(message)`: a line on stderr with the seconds since this call."""
     started = time.perf_counter()
+    return lambda message: print(f"[{time.perf_counter() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def write_export(folder: Path, config: ExportConfig, say) -> None:
+    """The whole export into `folder`, in order: the plan, the models' graphs (with their quantization,
+    quality and exactness), then the manifest, once."""
     plan = plan_export(config)
-    profile = plan.profiles[0]
-    check_output(Path(config.out), config.force)  # before minutes of work, not after
     target_source = resolve_source(config.model, config.cache_dir)
     training_free = DrafterKind.training_free(config.draft)
     draft_source = None if training_free is not None else resolve_source(config.draft, config.cache_dir)
-    say = lambda message: _say(message, started)  # noqa: E731
-
-    def fill(folder: Path) -> BundleContents:
-        return _write_models(folder, config, plan, target_source, draft_source, say)
-
-    out = write_bundle(config.out, config.force, fill, profile, plan.tree, config.prefill_chunk,
-                       finish=None if finish is None else lambda folder: finish(folder, say))
-    say(f"bundle written to {out}")
-    return out
+    contents = _write_models(folder, config, plan, target_source, draft_source, say)
+    say("writing manifest and checksums")
+    write_manifest(folder, bundle_manifest(folder, contents, plan.profiles[0], plan.tree, config.prefill_chunk))
 
 
 def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_source, draft_source,
@@ -345,7 +347,6 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if config.also_profiles:
         others = _other_profiles(folder, config, plan, static, (target_builder, target_entry), (draft_builder, draft_entry),
                                  (calibration, draft_calibration), say)
-    say("writing manifest and checksums")
     kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
     return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml, others)
 
