@@ -18,7 +18,7 @@ from edgespec.doctor import report as doctor_report
 from edgespec.inspection import check_exact, print_bundle
 from edgespec.parser import build_parser
 from edgespec.runtime import prepacked
-from edgespec.runtime.budget import parse_size, plan_memory
+from edgespec.runtime.budget import MemoryPlan, mib, parse_size, plan_memory, trade_offs
 from edgespec.runtime.bundle import open_bundle, read_manifest
 from edgespec.runtime.coreml import open_coreml
 from edgespec.runtime.constraints import ConstraintSpec
@@ -33,6 +33,7 @@ from edgespec.runtime.pipeline import (
     packed_copies,
 )
 from edgespec.runtime.placement import Placement, candidates
+from edgespec.runtime.stage_build import device_measures
 from edgespec.runtime.sampling import SamplingConfig
 from edgespec.runtime.tokenizer import TextCodec
 from edgespec.tune import export_tuned, tune
@@ -53,7 +54,7 @@ def _pipeline(args):
     return Pipeline(folder, args.threads, getattr(args, "memory_budget", None),
                     evict_page_cache=getattr(args, "evict_page_cache", False),
                     placement=_placement(folder, getattr(args, "placement", "profile"), args.threads, profile),
-                    profile=profile)
+                    profile=profile, context=getattr(args, "context", None))
 
 
 def _placement(folder: Path, mode: str, threads: int | None, profile: str | None) -> Placement | None:
@@ -344,18 +345,42 @@ def cmd_plan(args) -> None:
     folder = resolve_bundle(args.bundle)
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     manifest = open_bundle(folder)
-    plan = plan_memory(manifest, folder, budget)
+    # what this device measured of the stages (their packed sizes, their costs), as a run would plan with
+    measures = device_measures(manifest, default_prepared_dir(), cache_dir(), args.evict_page_cache)
+    splits = trade_offs(manifest, folder, budget, args.context, *measures) if budget is not None else \
+        [plan_memory(manifest, folder, None, args.context, *measures)]
+    plan = splits[0]
     packed = _packed_disk(manifest, folder) if plan.stage_bytes else None
     if args.json:
-        print(json.dumps({**plan.__dict__, "total": plan.total, "packed_copies": packed}))
+        print(json.dumps({**plan.__dict__, "total": plan.total, "packed_copies": packed,
+                          "trade_offs": [_split_dict(p) for p in splits]}))
         return
     print(plan.describe())
+    if len(splits) > 1:
+        print(_trade_table(splits))
     if packed and packed["stages"]:
         written = packed["written_bytes"] / 2**20
-        print(f"disk: packed copies of {packed['stages']} float stages for this machine in {packed['folder']}: "
+        print(f"disk: packed copies of {packed['stages']} stages for this machine in {packed['folder']}: "
               + (f"{written:.1f} MiB" if packed["missing"] == 0 else
                  f"{packed['missing']} not written yet (each about twice its stage's weights, made on first use)"
                  + (f", {written:.1f} MiB written" if written else "")))
+
+
+def _split_dict(plan: MemoryPlan) -> dict:
+    return {"pinned_stages": list(plan.pinned_stages), "streamed_bytes_per_pass": plan.streamed_bytes_per_pass,
+            "context": plan.context, "pass_seconds": plan.pass_seconds, "total": plan.total}
+
+
+def _trade_table(splits: list[MemoryPlan]) -> str:
+    """The plan's split (first, marked) and the others of the same budget: what each pins, what it streams per
+    pass, the context it leaves and the plain decoding its stage costs predict."""
+    rows = ["splits of this budget (* the plan):",
+            f"  {'stages pinned':>14}  {'streamed per pass':>17}  {'context':>7}  expected plain decoding"]
+    for i, p in enumerate(splits):
+        pinned = f"{len(p.pinned_stages)} of {len(p.stage_bytes)}" if p.streams else "all (resident)"
+        speed = "as resident" if p.pass_seconds is None else f"{1 / p.pass_seconds:.1f} tokens/s"
+        rows.append(f"{'*' if i == 0 else ' '} {pinned:>14}  {mib(p.streamed_bytes_per_pass):>17}  {p.context:>7}  {speed}")
+    return "\n".join(rows)
 
 
 def _packed_disk(manifest, folder) -> dict | None:

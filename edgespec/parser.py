@@ -29,6 +29,9 @@ def _budget_arg(p):
                    help="drop streamed stages from the OS page cache too when they are released, where the "
                         "memory limit counts the cache (containers, devices without spare memory); slower "
                         "where memory is free")
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                   help="under a memory budget, the fewest tokens of context the caches must hold (default 128): "
+                        "the budget goes to speed first (stages kept resident), the context gets what is left")
 
 
 def _placement_arg(p):

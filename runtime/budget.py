@@ -181,7 +181,8 @@ def trade_offs(manifest: Manifest, folder: Path, budget: int, context: int | Non
     most = choose_pinned(split.stages, budget - split.others - split.floor * split.per_token - split.mapped, costs)
     order = sorted(most, key=lambda i: (costs.fetch_seconds[i] / split.stages[i], split.stages[i]))
     others = [split.streamed(budget, tuple(sorted(order[k:])), costs) for k in range(len(order) + 1)]
-    return [best] + [p for p in others if p.pinned_stages != best.pinned_stages or not best.streams]
+    # every stage pinned is the resident plan again (or a poorer copy of it): listed once, as the plan
+    return [best] + [p for p in others if p.streams and (not best.streams or p.pinned_stages != best.pinned_stages)]
 
 
 class _Split:

@@ -84,6 +84,16 @@ def bundle_key(manifest: Manifest) -> str:
                           .encode()).hexdigest()
 
 
+def device_measures(manifest: Manifest, prepared_dir: Path, costs_dir: Path,
+                    evicted: bool) -> tuple[list[int] | None, StreamCosts | None]:
+    """What this device has measured of the bundle's stages, writing nothing: what each packed copy maps
+    (None until prepared) and the stages' costs (None until a run measured them)."""
+    if not manifest.target.stages:
+        return None, None
+    return (resident_stage_bytes(manifest, prepared_dir),
+            stream_costs.load(costs_dir, bundle_key(manifest), evicted, len(window_specs(manifest))))
+
+
 def plan_on_this_device(manifest: Manifest, folder: Path, budget: int | None, context: int | None,
                         prepared_dir: Path, costs_dir: Path, evicted: bool) -> MemoryPlan:
     """The plan with what this device measured: each stage's packed size (prepared first where a budget
@@ -91,9 +101,7 @@ def plan_on_this_device(manifest: Manifest, folder: Path, budget: int | None, co
     if budget is None or not manifest.target.stages:
         return plan_memory(manifest, folder, budget, context)
     packed_graphs(manifest, folder, prepared_dir)
-    stage_bytes = resident_stage_bytes(manifest, prepared_dir)
-    costs = stream_costs.load(costs_dir, bundle_key(manifest), evicted, len(window_specs(manifest)))
-    return plan_memory(manifest, folder, budget, context, stage_bytes, costs)
+    return plan_memory(manifest, folder, budget, context, *device_measures(manifest, prepared_dir, costs_dir, evicted))
 
 
 def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers, threads: int, prepared_dir: Path,

@@ -95,3 +95,43 @@ def test_a_streamed_pass_buys_a_longer_tree_than_a_resident_one():
     resident = tree_for_budget(costs, range(6), agreement=0.5, max_nodes=8, lanes=1, draft_seconds_per_level=0.3)
     assert streamed.max_depth > resident.max_depth >= 1
     assert streamed.leaves == 1  # one lane: a chain
+
+
+def test_a_resident_plan_lists_only_the_splits_that_stream_beside_it(staged):
+    manifest = open_bundle(staged)
+    full = plan_memory(manifest, staged, None, stage_bytes=STAGES)
+    splits = trade_offs(manifest, staged, full.total, stage_bytes=STAGES, costs=_costs())
+    assert not splits[0].streams and splits[0].pass_seconds is None
+    assert len(splits) > 1 and all(s.streams for s in splits[1:])
+    assert len({s.pinned_stages for s in splits[1:]}) == len(splits) - 1 and splits[-1].pinned_stages == ()
+
+
+def test_plan_prints_the_trade_and_context_is_a_floor_for_plan_and_pipeline(staged, tmp_path, monkeypatch, capsys):
+    import json
+
+    from edgespec.cli import main
+    from edgespec.runtime.pipeline import Pipeline
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    files = plan_memory(open_bundle(staged), staged, None)
+    # a byte short of the resident target beside the least context: streams, whatever the packed copies add
+    budget = str(files.total - files.target_kv - files.draft_kv + MIN_CONTEXT * (
+        files.target_kv_per_token + files.draft_kv_per_token) - 1)
+    assert main(["plan", str(staged), "--memory-budget", budget, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["min_context"] == MIN_CONTEXT and len(default["trade_offs"]) > 1
+    assert default["trade_offs"][0]["pinned_stages"] == default["pinned_stages"]
+    floor = default["trade_offs"][-1]["context"]  # the split that pins nothing leaves the most context
+    assert floor > default["context"]
+    assert main(["plan", str(staged), "--memory-budget", budget, "--context", str(floor), "--json"]) == 0
+    asked = json.loads(capsys.readouterr().out)
+    assert asked["min_context"] == floor and asked["context"] >= floor
+    assert len(asked["pinned_stages"]) < len(default["pinned_stages"])
+    assert main(["plan", str(staged), "--memory-budget", budget]) == 0
+    printed = capsys.readouterr().out
+    assert "splits of this budget" in printed and "tokens/s" in printed
+    pipeline = Pipeline(staged, threads=1, memory_budget=budget, context=MIN_CONTEXT + 1)
+    assert pipeline.memory.min_context == MIN_CONTEXT + 1 and pipeline.context >= MIN_CONTEXT + 1
+    pipeline.target.window.close()
+    with pytest.raises(BudgetError, match="--context"):
+        Pipeline(staged, threads=1, memory_budget=budget, context=files.context + 1)

@@ -376,7 +376,7 @@ def test_plan_says_what_the_packed_copies_take_on_disk(staged_bundle, tmp_path, 
     on_disk = sum(p.stat().st_size for p in (tmp_path / "prepacked").rglob("*") if p.is_file())
     assert after["missing"] == 0 and after["written_bytes"] == on_disk > 0
     assert main(["plan", str(staged_bundle), "--memory-budget", budget]) == 0
-    assert f"packed copies of {after['stages']} float stages" in capsys.readouterr().out
+    assert f"packed copies of {after['stages']} stages" in capsys.readouterr().out
 
 
 @needs_prepacked
