@@ -27,7 +27,7 @@ from .tokenizer import TextCodec, TextStream
 from .tree import Tree
 
 KV_POLICIES = ("error", "sliding")
-FORCED_TOKENS = 16  # the longest forced chain one pass verifies: past it the pass's rows cost more than they save
+FORCED_TOKENS = 16  # the longest forced chain one pass verifies: the rows of a longer one cost more than a pass
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     """One target pass. Returns (new committed tokens, number of accepted draft tokens). `guide`: the
     constraint's parser state at the committed tokens (runtime/constraints.py), advanced here."""
     cache = session.cache
-    forced = guide.forced(min(cache.room() - 1, FORCED_TOKENS)) if guide is not None else []
+    forced = _forced(target, cache, guide)
     if forced:                                                                # 1. the grammar drafts for free
         tree = Tree.chain(session.window[-1], forced)
     else:                                                                     # 1. draft what fits
@@ -146,6 +146,14 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
         guide.supplied += accepted if forced else 0
     drafter.observe(new_tokens, tree.tokens, logits)
     return new_tokens, accepted
+
+
+def _forced(target: ModelRunner, cache: KVCache, guide: Guide | None) -> list[int]:
+    """The tokens the grammar forces next, as many as one pass takes beside the root."""
+    if guide is None:
+        return []
+    most = min(cache.room(), FORCED_TOKENS + 1, target.static.nodes if target.static else cache.room())
+    return guide.forced(most - 1)
 
 
 def verify(target: ModelRunner, session: Session, tree: Tree, sampler: Sampler | None,

@@ -9,6 +9,7 @@ import onnx
 import pytest
 
 from edgespec.exporters.export import ExportConfig, ExportError, export
+from edgespec.runtime.constraints import ConstraintSpec
 from edgespec.runtime.engine import GenerationConfig
 from edgespec.runtime.errors import InputError
 from edgespec.runtime.pipeline import Pipeline
@@ -175,3 +176,12 @@ def test_profiles_say_static_shapes_per_role():
     assert old.static_draft and old.static_verify
     with pytest.raises(ValueError, match="static_shapes"):
         DeviceProfile.from_dict({**shipped["cpu"].to_dict(), "static_shapes": {"draft": True}})
+
+
+def test_a_constraints_forced_chain_fits_a_static_pass(exported):
+    static = pipeline(exported("ngram", "chain:4", NPU_BOTH))
+    sentence = "The quick brown fox jumps over the lazy dog."
+    config = GenerationConfig(max_new_tokens=60, constraint=ConstraintSpec.choice([sentence]))
+    result = static.generate("x", config=config)
+    assert result.text == sentence and result.stats.grammar_tokens > 0
+    assert static.generate("x", config=config, speculate=False).token_ids == result.token_ids
