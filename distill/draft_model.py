@@ -17,6 +17,8 @@ import copy
 
 import torch
 
+from edgespec.runtime.errors import InputError
+
 DESIGNS = ("cut", "small", "eagle")
 FEATURE_DESIGNS = ("eagle",)  # designs whose draft reads the target's features
 DRAFT_LAYERS = {"cut": 2, "small": 2, "eagle": 1}
@@ -42,7 +44,7 @@ def build_draft(target, design: str):
     """A *ForCausalLM of the target's class; returns (draft, names of the parameters to train)."""
 
     if design not in DESIGNS:
-        raise ValueError(f"unknown draft design {design!r}; choose one of {', '.join(DESIGNS)}")
+        raise InputError(f"unknown draft design {design!r}; choose one of {', '.join(DESIGNS)}")
     draft = type(target)(draft_config(target.config, design)).float()
     with torch.no_grad():
         head = target.get_output_embeddings().weight

@@ -30,6 +30,7 @@ from edgespec.distill.draft_model import (
 )
 from edgespec.distill.vocab import choose_head_tokens, coverage
 from edgespec.exporters.export import DRAFT_INFO
+from edgespec.runtime.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -334,13 +335,13 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
 
 def _check(config: TrainConfig, features_dir: Path | None) -> None:
     if config.design in FEATURE_DESIGNS and features_dir is None:
-        raise ValueError(f"the {config.design} design learns from the target's features: give features_dir")
+        raise InputError(f"the {config.design} design learns from the target's features: give features_dir")
     if config.max_steps and config.min_steps > config.max_steps:
-        raise ValueError(f"min_steps ({config.min_steps}) is above max_steps ({config.max_steps})")
+        raise InputError(f"min_steps ({config.min_steps}) is above max_steps ({config.max_steps})")
     if config.drafting_steps < 1:
-        raise ValueError(f"drafting_steps must be at least 1, got {config.drafting_steps}")
+        raise InputError(f"drafting_steps must be at least 1, got {config.drafting_steps}")
     if config.drafting_steps > 1 and config.design not in FEATURE_DESIGNS:
-        raise ValueError(f"training for later drafting steps is for drafts that read features; "
+        raise InputError(f"training for later drafting steps is for drafts that read features; "
                          f"the {config.design} design drafts every step alike")
 
 
@@ -390,10 +391,10 @@ def read_draft(draft, folder: Path, design: str) -> np.ndarray:
     info, state = draft_state(folder)
     trained_as = info.get("training", {}).get("design")
     if trained_as != design:
-        raise ValueError(f"{folder} holds a {trained_as} draft; it cannot start a {design} one")
+        raise InputError(f"{folder} holds a {trained_as} draft; it cannot start a {design} one")
     missing, unexpected = draft.load_state_dict(state, strict=False)
     if unexpected or [name for name in missing if name != "lm_head.weight"]:  # the head is tied to the embedding
-        raise ValueError(f"{folder} does not fit the {design} draft of this target "
+        raise InputError(f"{folder} does not fit the {design} draft of this target "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return np.array(info["head_tokens"], dtype=np.int64)
 

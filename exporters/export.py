@@ -18,7 +18,7 @@ from edgespec.runtime.coreml_package import compute_units_for
 from edgespec.runtime.device import machine_key
 from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.errors import ExportError, InputError
 from edgespec.runtime.exactness import fewest_exact_rows
 from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.lookup import LookupConfig
@@ -106,7 +106,7 @@ def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
     if spec.startswith("dynamic:"):
         budget = spec.split(":", 1)[1]
         if not budget.isdigit():
-            raise ValueError(f"dynamic:N needs a node count (got {spec!r})")
+            raise InputError(f"dynamic:N needs a node count (got {spec!r})")
         dynamic = DynamicTreeConfig(budget=int(budget))
         return parse_tree_spec(f"chain:{dynamic.budget - 1}"), dynamic
     return parse_tree_spec(spec), None

@@ -14,6 +14,8 @@ import onnx
 from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+from edgespec.runtime.errors import InputError
+
 from . import integer
 from .gguf_grid import BlockGrid, matmul_nbits_inputs
 from .offsets import replace_matmul, write_nbits
@@ -90,13 +92,13 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
     unmatched = [pattern for pattern, _ in policy.overrides
                  if not any(fnmatch.fnmatchcase(name, pattern) for name in set(users) | {"lm_head"})]
     if unmatched and strict:
-        raise ValueError(f"the quantization policy names no weight of this model: {', '.join(unmatched)} "
+        raise InputError(f"the quantization policy names no weight of this model: {', '.join(unmatched)} "
                          f"(weights are named like {', '.join(sorted(users)[:4])}, ...)")
     applied = {name: policy.scheme_for(name).name for name in users}
     for name, nodes in users.items():
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
             if dict(policy.overrides).get(name) == "int8":  # asked for by name, not by a default or a glob
-                raise ValueError(f"the quantization policy asks for {name}: int8, but onnxruntime's "
+                raise InputError(f"the quantization policy asks for {name}: int8, but onnxruntime's "
                                  "GatherBlockQuantized stores 4-bit tables only: use int4, fp16 or fp32")
             applied[name] = "fp32"  # GatherBlockQuantized stores 4-bit tables only
     _store_half(model, [n for n, s in applied.items() if s == "fp16"])

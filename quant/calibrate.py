@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from edgespec.runtime.errors import InputError
 from edgespec.runtime.facts import ModelFacts
 from edgespec.runtime.features import FEATURES, FEATURES_OUT
 from edgespec.runtime.kvcache import KVCache
@@ -39,7 +40,7 @@ def activation_maxima(model: onnx.ModelProto, facts: ModelFacts, ids: list[int],
     CALIBRATION_TOKENS and to the context); `features` [n, hidden]: the input features of a draft that reads them."""
     ids = list(ids[: min(CALIBRATION_TOKENS, facts.max_context - 1)])
     if not ids:
-        raise ValueError("the calibration text gave no tokens")
+        raise InputError("the calibration text gave no tokens")
     weights = {t.name: t for t in model.graph.initializer}
     probed = onnx.ModelProto()
     probed.CopyFrom(model)

@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from edgespec.runtime.errors import InputError
+
 from .rewrite import add_constants, replace_node
 
 
@@ -31,7 +33,7 @@ def _blocks(weight: np.ndarray, block: int) -> np.ndarray:
     """weight [K, N] (MatMul layout) -> [N, K/block, block], MatMulNBits' order."""
     k, n = weight.shape
     if k % block:
-        raise ValueError(f"input size {k} is not a multiple of the block size {block}")
+        raise InputError(f"input size {k} is not a multiple of the block size {block}")
     return weight.T.reshape(n, k // block, block)
 
 

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from edgespec.runtime.errors import InputError
+
 SCHEMES = ("fp32", "fp16", "int8", "int4")
 # the default bundle's policy over int4: the head in int8 (int4 there costs +4.77% perplexity, history.md §49)
 HEAD_INT8_POLICY = Path(__file__).resolve().parent / "policies" / "head-int8.json"
@@ -35,11 +37,11 @@ class QuantScheme:
 
     def __post_init__(self):
         if self.name not in SCHEMES:
-            raise ValueError(f"unknown quantization {self.name!r}: use one of {', '.join(SCHEMES)}")
+            raise InputError(f"unknown quantization {self.name!r}: use one of {', '.join(SCHEMES)}")
         if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block size {self.block_size} is not supported: use one of {BLOCK_SIZES}")
+            raise InputError(f"block size {self.block_size} is not supported: use one of {BLOCK_SIZES}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
-            raise ValueError(f"accuracy level {self.accuracy_level} is not one of 0..4")
+            raise InputError(f"accuracy level {self.accuracy_level} is not one of 0..4")
 
     @property
     def bits(self) -> int | None:
@@ -78,14 +80,14 @@ class QuantPolicy:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"cannot read the quantization policy {path}: {err}") from err
+            raise InputError(f"cannot read the quantization policy {path}: {err}") from err
         tensors = data.get("tensors") if isinstance(data, dict) else None
         if not isinstance(tensors, dict):
-            raise ValueError(f"{path}: a policy holds {{\"tensors\": {{\"<weight name or glob>\": \"<scheme>\"}}}}")
+            raise InputError(f"{path}: a policy holds {{\"tensors\": {{\"<weight name or glob>\": \"<scheme>\"}}}}")
         unknown = set(data) - {"tensors"}
         if unknown:
-            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+            raise InputError(f"{path}: unknown keys {sorted(unknown)}")
         for pattern, name in tensors.items():
             if name not in SCHEMES:
-                raise ValueError(f"{path}: {pattern!r} asks for {name!r}; schemes are {', '.join(SCHEMES)}")
+                raise InputError(f"{path}: {pattern!r} asks for {name!r}; schemes are {', '.join(SCHEMES)}")
         return cls(default=default, overrides=tuple(tensors.items()))
