@@ -1,173 +1,260 @@
-"""`edgespec serve` under load, measured from OpenAI's client: requests/s, latency and time to first
-token at 1, 4 and 16 clients; a single streamed request's tokens/s against `edgespec generate` on the
-same prompt; time to first token of a conversation's turn 2 against its turn 1.
+"""`edgespec serve` under load and under abuse, as clients see it (issue 42, item 5).
 
-    pip install -e ".[serve,dev]"
-    python benchmarks/serve_load.py [BUNDLE] [--port 8765] [--threads 2] [--json FILE]
+    python benchmarks/serve_load.py [BUNDLE] [--max-tokens 64] [--clients 1,4,16] [--requests 16]
+        [--llama-server PATH --gguf FILE] [--json FILE]
 
-Starts the server itself (a process of its own) and stops it at the end.
+Starts `edgespec serve` (the default bundle, or BUNDLE) as a process of its own on a free port, with its
+default queue. Load: the same `--requests` prompts (benchmarks/workloads/*.jsonl, one set after another, so
+that no two clients share a prompt) at each number of concurrent streamed clients, each client sending its
+share one after another, greedy, honouring Retry-After on 429; the one-client run is every prompt's answer
+alone, which the concurrent runs must repeat byte for byte. Reported per level: aggregate generated
+tokens/s (wall clock), p50/p95 time to first token and latency, every status received, lost answers (no
+200) and truncated ones (no [DONE] or finish reason, or fewer tokens than a "length" finish), answers that
+differ from the prompt's answer alone, p95 of time to first token over the same prompt's alone, and the
+server's peak RSS. Abuse: a 50 MB body, JSON nested 10,000 levels and a 5,000-digit max_tokens, each
+answered with a 4xx in under a second while /health keeps answering, RSS back within 10% of its baseline.
+
+With --llama-server and --gguf it runs the same after against llama.cpp's `llama-server --parallel 4` on
+that GGUF (its context split over the 4 slots, each as large as edgespec's default).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import shlex
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
-from importlib import resources
+from pathlib import Path
 
-import openai
+from serve_client import Answer, Watch, peak_rss_bytes, rss_bytes, send_raw, stream_chat
 
-SYSTEM = ("You are a careful assistant for a small engineering team. Answer in plain English, keep answers "
-          "short, say when you are unsure, prefer concrete examples, and never invent facts, names or numbers. "
-          "When asked about code, show a minimal example and explain each step in one sentence. ") * 3
+HOST = "127.0.0.1"
+WORKLOADS = Path(__file__).parent / "workloads"
+SETS = ("chat", "rag", "code_edit", "agent", "extraction", "summary", "multiturn")
+SLOT_CONTEXT = 2048  # edgespec's default context: each llama-server slot gets as much
+ABUSE_S = 1.0  # the issue's bound on answering an abusive request
+RSS_SLACK = 1.10  # RSS after an abusive request, at most this times its baseline
+SETTLE_S = 1.0  # after an abusive request, before its RSS is read
 
 
-def start_server(bundle: str, port: int, threads: int, model: str) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-m", "edgespec.cli", "serve", bundle, "--port", str(port),
-                               "--threads", str(threads), "--queue", "64", "--model-name", model],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600  # the default bundle may be built on first use
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited: {server.stderr.read()[-2000:]}")
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def workload_prompts(sets: list[str], count: int) -> list[list[dict]]:
+    """`count` conversations, the sets' first prompts in turn, then their second ones, and so on."""
+    per_set = [[json.loads(line)["messages"] for line in (WORKLOADS / f"{name}.jsonl").read_text().splitlines()
+                if line.strip()] for name in sets]
+    interleaved = [prompts[i] for i in range(max(map(len, per_set))) for prompts in per_set if i < len(prompts)]
+    if count > len(interleaved):
+        raise SystemExit(f"--requests {count}: the sets {','.join(sets)} hold {len(interleaved)} prompts")
+    return interleaved[:count]
+
+
+class Server:
+    """A server process, its log in a file, up once /health answers 200."""
+
+    def __init__(self, name: str, command: list[str], port: int, log_dir: Path):
+        self.name, self.command, self.port = name, command, port
+        self.log_path = log_dir / f"{name}.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 900  # the default bundle may be built on first use
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"{name} exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"{name} did not come up in 15 minutes: {self.log_path}")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        self.process.terminate()
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return server
-        except OSError:
-            time.sleep(0.5)
-    server.kill()
-    raise SystemExit("the server did not come up")
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
 
 
-def streamed(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed request: latency, time to first token, decode tokens/s at the client, usage."""
-    started = time.perf_counter()
-    first = last = None
-    text, usage = "", None
-    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}):
-        if chunk.choices and chunk.choices[0].delta.content:
-            now = time.perf_counter()
-            first = first if first is not None else now
-            last = now
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            usage = chunk.usage
-    done = time.perf_counter()
-    tokens = usage.completion_tokens
-    return {"latency_s": done - started, "ttft_s": (first or done) - started, "text": text, "tokens": tokens,
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.prompt_tokens_details.cached_tokens,
-            "tokens_per_s": (tokens - 1) / (last - first) if first is not None and last > first else 0.0}
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-def load(client: openai.OpenAI, model: str, prompts: list[list[dict]], clients: int, each: int, max_tokens: int) -> dict:
-    results, lock = [], threading.Lock()
+def run_level(server: Server, model: str, prompts: list[list[dict]], clients: int, max_tokens: int,
+              alone: dict[int, Answer] | None) -> tuple[dict, dict[int, Answer]]:
+    """Every prompt once, over `clients` concurrent clients (client i sends prompts i, i + clients, ...)."""
+    answers: dict[int, Answer] = {}
+    lock = threading.Lock()
 
-    def run(i: int) -> None:
-        for k in range(each):
-            result = streamed(client, model, prompts[(i * each + k) % len(prompts)], max_tokens)
+    def client(i: int) -> None:
+        for k in range(i, len(prompts), clients):
+            answer = stream_chat(HOST, server.port, prompts[k], max_tokens, model)
             with lock:
-                results.append(result)
+                answers[k] = answer
 
-    started = time.perf_counter()
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    wall = time.perf_counter() - started
-    latency = sorted(r["latency_s"] for r in results)
-    ttft = sorted(r["ttft_s"] for r in results)
+    with Watch(HOST, server.port, server.pid, every_s=0.25) as watch:
+        started = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - started
+    done = [a for a in answers.values() if a.status == 200]
+    ttft = [a.ttft_s for a in done if a.ttft_s is not None]
+    codes: dict[str, int] = {}
+    for a in answers.values():
+        for code in a.codes or ["no answer"]:
+            codes[str(code)] = codes.get(str(code), 0) + 1
+    row = {"clients": clients, "requests": len(prompts), "wall_s": round(wall, 2),
+           "tokens_per_s": round(sum(a.tokens for a in done) / wall, 2),
+           "ttft_p50_s": round(percentile(ttft, 0.5), 3), "ttft_p95_s": round(percentile(ttft, 0.95), 3),
+           "latency_p50_s": round(percentile([a.latency_s for a in done], 0.5), 3),
+           "latency_p95_s": round(percentile([a.latency_s for a in done], 0.95), 3),
+           "codes": codes, "lost": sum(a.status != 200 for a in answers.values()),
+           "truncated": sum(a.status == 200 and not a.complete(max_tokens) for a in answers.values()),
+           "errors": sorted({a.error for a in answers.values() if a.error})[:3],
+           "peak_rss_mb": round(watch.peak_rss / 2**20, 1), "health_failed": watch.health_failed}
+    if alone is not None:
+        row["differ_from_alone"] = sum(a.text != alone[k].text for k, a in answers.items() if k in alone)
+        ratios = [a.ttft_s / alone[k].ttft_s for k, a in answers.items()
+                  if a.ttft_s is not None and k in alone and alone[k].ttft_s]
+        row["ttft_over_alone_p95"] = round(percentile(ratios, 0.95), 2)
+    return row, answers
 
-    def pct(values, p):
-        return values[min(len(values) - 1, round(p * (len(values) - 1)))]
 
-    return {"clients": clients, "requests": len(results), "requests_per_s": round(len(results) / wall, 3),
-            "latency_p50_s": round(pct(latency, 0.5), 3), "latency_p95_s": round(pct(latency, 0.95), 3),
-            "ttft_p50_s": round(pct(ttft, 0.5), 3), "ttft_p95_s": round(pct(ttft, 0.95), 3),
-            "tokens_per_s_all": round(sum(r["tokens"] for r in results) / wall, 1)}
+def abuse_bodies(model: str) -> dict[str, bytes]:
+    message = [{"role": "user", "content": "hello"}]
+    fifty_mb = json.dumps({"model": model, "messages": [{"role": "user", "content": "a " * (25 * 10**6)}]})
+    name = json.dumps(model)
+    deep = f'{{"model": {name}, "messages": {"[" * 10_000}{"]" * 10_000}}}'
+    digits = f'{{"model": {name}, "messages": {json.dumps(message)}, "max_tokens": {"9" * 5_000}}}'
+    return {"50 MB body": fifty_mb.encode(), "JSON 10,000 levels deep": deep.encode(),
+            "max_tokens of 5,000 digits": digits.encode()}
 
 
-def generate_tokens_per_s(bundle: str, prompt: str, max_tokens: int, threads: int) -> float:
-    out = subprocess.run([sys.executable, "-m", "edgespec.cli", "generate", bundle, "--prompt", prompt, "--chat",
-                          "--max-new-tokens", str(max_tokens), "--threads", str(threads), "--json"],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)["stats"]["tokens_per_s"]
+def abuse_checks(server: Server, model: str) -> list[dict]:
+    """Each abusive request alone, /health polled throughout, RSS read before and after it settles."""
+    rows = []
+    for name, body in abuse_bodies(model).items():
+        baseline = rss_bytes(server.pid)
+        with Watch(HOST, server.port, server.pid, every_s=0.05) as watch:
+            try:
+                status, took = send_raw(HOST, server.port, "/v1/chat/completions", body)
+            except ConnectionError as err:
+                status, took = None, float("nan")
+                print(f"{server.name}, {name}: {err}", file=sys.stderr)
+            time.sleep(SETTLE_S)
+        after = rss_bytes(server.pid)
+        rows.append({"check": name, "bytes": len(body), "status": status, "answer_s": round(took, 3),
+                     "health_checks": watch.health_checks, "health_failed": watch.health_failed,
+                     "slowest_health_s": round(watch.slowest_health_s, 3),
+                     "rss_before_mb": round(baseline / 2**20, 1), "rss_peak_mb": round(watch.peak_rss / 2**20, 1),
+                     "rss_after_mb": round(after / 2**20, 1),
+                     "ok": status is not None and 400 <= status < 500 and took < ABUSE_S
+                     and watch.health_failed == 0 and after <= RSS_SLACK * baseline})
+    return rows
+
+
+def measure(server: Server, model: str, prompts: list[list[dict]], levels: list[int], max_tokens: int,
+            abuse: bool) -> dict:
+    stream_chat(HOST, server.port, [{"role": "user", "content": "Say hi."}], 8, model)  # warm up
+    report = {"server": server.name, "command": shlex.join(server.command)}
+    report["abuse"] = abuse_checks(server, model) if abuse else []
+    report["load"], alone = [], None
+    for clients in levels:
+        row, answers = run_level(server, model, prompts, clients, max_tokens, alone)
+        report["load"].append(row)
+        alone = alone if alone is not None or clients != 1 else answers
+    report["peak_rss_mb"] = round((peak_rss_bytes(server.pid) or 0) / 2**20, 1)
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"\n{report['server']}: {report['command']}")
+    print("clients  tokens/s  TTFT p50/p95 s  latency p50/p95 s  lost  trunc  differ  TTFT/alone p95  "
+          "peak RSS MB  codes")
+    for r in report["load"]:
+        print(f"{r['clients']:7d}  {r['tokens_per_s']:8.2f}  {r['ttft_p50_s']:6.2f} / {r['ttft_p95_s']:5.2f}  "
+              f"{r['latency_p50_s']:7.2f} / {r['latency_p95_s']:6.2f}  {r['lost']:4d}  {r['truncated']:5d}  "
+              f"{r.get('differ_from_alone', '-')!s:>6}  {r.get('ttft_over_alone_p95', '-')!s:>14}  "
+              f"{r['peak_rss_mb']:11.1f}  {r['codes']}")
+        for error in r["errors"]:
+            print(f"         error: {error}")
+    for a in report["abuse"]:
+        print(f"{a['check']}: {a['status']} in {a['answer_s']} s; /health {a['health_checks'] - a['health_failed']}"
+              f"/{a['health_checks']} answered (slowest {a['slowest_health_s']} s); RSS {a['rss_before_mb']} -> "
+              f"peak {a['rss_peak_mb']} -> {a['rss_after_mb']} MB: {'ok' if a['ok'] else 'FAILED'}")
+    print(f"peak RSS of the server process (VmHWM): {report['peak_rss_mb']} MB")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", nargs="?", default="default")
-    parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--clients", default="1,4,16", help="concurrent clients per level; the first must be 1")
+    parser.add_argument("--requests", type=int, default=16, help="prompts per level (each level sends them all)")
+    parser.add_argument("--sets", default=",".join(SETS), help="workload sets the prompts come from")
+    parser.add_argument("--no-abuse", action="store_true", help="leave out the abusive requests")
+    parser.add_argument("--no-edgespec", action="store_true", help="measure llama-server alone")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    parser.add_argument("--gguf", default=None, help="the GGUF llama-server loads (the default's: Q4_1)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="passed on to edgespec serve, e.g. --serve-arg=--max-body=64MiB (repeatable)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+    if levels[0] != 1:
+        raise SystemExit("--clients must start with 1: the answers alone are what the others are held to")
+    if bool(args.llama_server) != bool(args.gguf):
+        raise SystemExit("--llama-server and --gguf go together")
+    prompts = workload_prompts(args.sets.split(","), args.requests)
     model = "bench"
-    lines = resources.files("edgespec").joinpath("data/prompts.jsonl").read_text().splitlines()
-    prompts = [json.loads(line)["messages"] for line in lines]
-    server = start_server(args.bundle, args.port, args.threads, model)
-    report = {}
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0,
-                               timeout=600)
-        streamed(client, model, prompts[0], 8)  # warm up
-        # 1. one streamed request against `edgespec generate`, alternating, same prompt
-        server_rates, generate_rates = [], []
-        for round_ in range(3):
-            for messages in prompts[:3]:
-                server_rates.append(streamed(client, model, messages, args.max_tokens)["tokens_per_s"])
-        server.send_signal(subprocess.signal.SIGSTOP)  # the idle server keeps no core, but take no chances
-        try:
-            for round_ in range(3):
-                for messages in prompts[:3]:
-                    generate_rates.append(generate_tokens_per_s(args.bundle, messages[-1]["content"], args.max_tokens,
-                                                                args.threads))
-        finally:
-            server.send_signal(subprocess.signal.SIGCONT)
-        report["single_stream"] = {"server_tokens_per_s": round(statistics.median(server_rates), 2),
-                                   "generate_tokens_per_s": round(statistics.median(generate_rates), 2)}
-        report["single_stream"]["ratio"] = round(report["single_stream"]["server_tokens_per_s"]
-                                                 / report["single_stream"]["generate_tokens_per_s"], 3)
-        # 2. load
-        report["load"] = [load(client, model, prompts, clients, 2, args.max_tokens) for clients in (1, 4, 16)]
-        # 3. turn 2 against turn 1, with a system prompt a real assistant carries
-        turns = []
-        for messages in prompts[:4]:
-            conversation = [{"role": "system", "content": SYSTEM}, *messages]
-            streamed(client, model, [{"role": "user", "content": "unrelated: name a colour"}], 4)  # no shared cache
-            first = streamed(client, model, conversation, args.max_tokens)
-            conversation += [{"role": "assistant", "content": first["text"]},
-                             {"role": "user", "content": "Now say that in one sentence."}]
-            second = streamed(client, model, conversation, 16)
-            turns.append({"turn1_ttft_s": round(first["ttft_s"], 4), "turn1_prompt": first["prompt_tokens"],
-                          "turn2_ttft_s": round(second["ttft_s"], 4), "turn2_prompt": second["prompt_tokens"],
-                          "turn2_cached": second["cached_tokens"]})
-        report["turns"] = turns
-        report["turn2_over_turn1_ttft"] = round(statistics.median(t["turn2_ttft_s"] for t in turns)
-                                                / statistics.median(t["turn1_ttft_s"] for t in turns), 3)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    single = report["single_stream"]
-    print(f"one streamed request: {single['server_tokens_per_s']} tokens/s through the server, "
-          f"{single['generate_tokens_per_s']} with edgespec generate ({single['ratio']}x)")
-    print("clients  requests  req/s  latency p50/p95 s  TTFT p50/p95 s  tokens/s (all)")
-    for row in report["load"]:
-        print(f"{row['clients']:7d}  {row['requests']:8d}  {row['requests_per_s']:5.2f}  "
-              f"{row['latency_p50_s']:6.2f} / {row['latency_p95_s']:6.2f}   {row['ttft_p50_s']:5.2f} / "
-              f"{row['ttft_p95_s']:5.2f}  {row['tokens_per_s_all']:8.1f}")
-    for t in report["turns"]:
-        print(f"turn 1: {t['turn1_prompt']} prompt tokens, TTFT {t['turn1_ttft_s'] * 1000:.0f} ms; turn 2: "
-              f"{t['turn2_prompt']} prompt tokens, {t['turn2_cached']} cached, TTFT {t['turn2_ttft_s'] * 1000:.0f} ms")
-    print(f"turn 2 / turn 1 time to first token (medians): {report['turn2_over_turn1_ttft']}")
+    commands = []
+    if not args.no_edgespec:
+        port = free_port()
+        commands.append(("edgespec", port, [sys.executable, "-m", "edgespec.cli", "serve", args.bundle, "--port",
+                                            str(port), "--threads", str(args.threads), "--model-name", model, *args.serve_arg]))
+    if args.llama_server:
+        port = free_port()
+        commands.append(("llama-server", port, [args.llama_server, "-m", args.gguf, "--parallel", "4", "--host", HOST,
+                                                "--port", str(port), "-t", str(args.threads),
+                                                "-c", str(4 * SLOT_CONTEXT), "--alias", model]))
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="serve_load_") as logs:
+        for name, port, command in commands:
+            server = Server(name, command, port, Path(logs))
+            try:
+                reports.append(measure(server, model, prompts, levels, args.max_tokens, not args.no_abuse))
+            finally:
+                server.stop()
+    for report in reports:
+        print_report(report)
+    if len(reports) == 2:
+        for ours, theirs in zip(reports[0]["load"], reports[1]["load"]):
+            print(f"{ours['clients']} clients: edgespec / llama-server tokens/s "
+                  f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "reports": reports}, indent=2))
 
 
 if __name__ == "__main__":
