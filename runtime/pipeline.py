@@ -5,6 +5,8 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from . import prepacked
 from .budget import parse_size
 from .bundle import Manifest, open_bundle, read_head_tokens
@@ -151,29 +153,47 @@ class Pipeline:
             self.target.min_rows = self._exactness.min_rows
         return self._exactness
 
-    def make_drafter(self, speculate: bool, controlled: bool = True) -> Drafter:
+    def new_suffix_store(self) -> SuffixStore | None:
+        """An empty store of earlier outputs, for a caller that keeps its own apart from the pipeline's (a
+        server: one per client, so that what one client's outputs teach the drafter never speeds up, and so
+        never reveals itself in another's timing); None where the bundle has no suffix drafting."""
+        m = self.manifest
+        return SuffixStore(m.suffix.store_tokens) if m.suffix is not None else None
+
+    def new_recycling_table(self) -> np.ndarray | None:
+        """An empty Token Recycling table, for a caller that keeps its own (as `new_suffix_store`); None
+        where the bundle's drafter does not recycle."""
+        m = self.manifest
+        return new_recycling_table(m.target.facts.vocab_size) if m.drafter.recycles else None
+
+    def make_drafter(self, speculate: bool, controlled: bool = True, suffix_store: SuffixStore | None = None,
+                     recycling_table: np.ndarray | None = None) -> Drafter:
         """The bundle's drafter; with suffix drafting, under the step controller (runtime/controller.py) unless
-        not `controlled` (then the drafter alone, on the pipeline's tree: what tune measures)."""
+        not `controlled` (then the drafter alone, on the pipeline's tree: what tune measures). `suffix_store`
+        and `recycling_table`: what it learns from across requests, the caller's own (`new_suffix_store`,
+        `new_recycling_table`); default: the pipeline's, shared by every request it serves."""
         m = self.manifest
         if not speculate or not self._exact_here():
             return NoDrafter()
         if m.suffix is None or not controlled:
-            return NoDrafter() if m.drafter is DrafterKind.SUFFIX else self._main_drafter()
-        main = None if m.drafter is DrafterKind.SUFFIX else self._main_drafter()
+            return NoDrafter() if m.drafter is DrafterKind.SUFFIX else self._main_drafter(recycling_table)
+        main = None if m.drafter is DrafterKind.SUFFIX else self._main_drafter(recycling_table)
         if self.step_measurements is None:
             self.step_measurements = Measurements.fresh(m.dynamic.budget if m.dynamic is not None else self.tree.size)
-        return Controller(SuffixDrafter(m.suffix, self.suffix_store, self.target.lanes), main, self.target.lanes,
+        store = self.suffix_store if suffix_store is None else suffix_store
+        return Controller(SuffixDrafter(m.suffix, store, self.target.lanes), main, self.target.lanes,
                           self.step_measurements)
 
-    def _main_drafter(self) -> Drafter:
+    def _main_drafter(self, recycling_table: np.ndarray | None) -> Drafter:
         m = self.manifest
         ngram = NgramDrafter.from_config(self.tree, m.ngram) if m.ngram is not None else None
         if m.drafter is DrafterKind.NGRAM:
             return ngram
         if m.drafter.recycles:
-            if self.recycling_table is None:
+            if recycling_table is None and self.recycling_table is None:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
-            return RecyclingDrafter(self.tree, self.recycling_table, ngram=ngram)
+            return RecyclingDrafter(self.tree, self.recycling_table if recycling_table is None else recycling_table,
+                                    ngram=ngram)
         cache = self.new_draft_cache()
         if m.dynamic is not None:
             drafter = DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
@@ -219,16 +239,25 @@ class Pipeline:
         return self.codec.encode_chat(messages) if messages is not None else self.codec.encode(prompt)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                 config: GenerationConfig = GenerationConfig(), speculate: bool = True,
-                 session: Session | None = None, drafter: Drafter | None = None, on_text=None,
-                 should_stop=None, remember: bool = True) -> Result:
-        """`remember`: the output joins the earlier outputs suffix drafting continues from (where the bundle has
-        it); a benchmark's reference runs pass False, so that no measured run copies its own answer."""
-        ids = self.encode(prompt, messages)
+                 ids: list[int] | None = None, config: GenerationConfig = GenerationConfig(),
+                 speculate: bool = True, session: Session | None = None, drafter: Drafter | None = None,
+                 on_text=None, should_stop=None, remember: bool = True,
+                 suffix_store: SuffixStore | None = None) -> Result:
+        """Generates after a prompt, chat messages, or `ids` (the conversation already encoded, as `encode`
+        gives it: a caller that had to count its tokens does not encode it twice). `remember`: the output
+        joins the earlier outputs suffix drafting continues from (where the bundle has it); a benchmark's
+        reference runs pass False, so that no measured run copies its own answer. `suffix_store`: those
+        earlier outputs, the caller's own (`new_suffix_store`; the one `drafter` was made with); default:
+        the pipeline's."""
+        if ids is not None and (prompt is not None or messages is not None):
+            raise InputError("give a prompt, chat messages or token ids, one of them")
+        ids = self.encode(prompt, messages) if ids is None else _checked_ids(ids, self.manifest.target.facts.vocab_size)
+        store = self.suffix_store if suffix_store is None else suffix_store
         _ = self.exactness  # plain decoding too: it sets how many rows a one-token step runs here
         owned = session is None  # the request's own caches: freed when it ends
         session = session or self.new_session()
-        drafter = self.make_drafter(speculate) if drafter is None else self._checked(drafter, speculate)
+        drafter = self.make_drafter(speculate, suffix_store=store) if drafter is None \
+            else self._checked(drafter, speculate)
         guide = None if config.constraint is None else \
             self.grammars.start(config.constraint, forced_chains=not isinstance(drafter, NoDrafter))
         overlap = Overlap() if self.overlaps(drafter) and guide is None else None
@@ -240,8 +269,8 @@ class Pipeline:
                 result.stats.drafted_ahead, result.stats.kept_ahead = overlap.drafted_ahead, overlap.kept
             if isinstance(drafter, Controller):
                 result.stats.steps_by_choice = drafter.counts.since(counted)
-            if self.suffix_store is not None and remember:
-                self.suffix_store.add(result.token_ids)
+            if store is not None and remember:
+                store.add(result.token_ids)
             return result
         finally:
             if overlap:
@@ -260,6 +289,14 @@ class Pipeline:
         (a training-free drafter costs too little to hide; the step controller times each pass alone)."""
         return bool(self.placement and self.placement.overlap and self.draft is not None
                     and not isinstance(drafter, (NoDrafter, Controller)))
+
+
+def _checked_ids(ids, vocab_size: int) -> list[int]:
+    """Token ids a caller encoded itself, as the graph can take them."""
+    ids = list(ids)
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise InputError(f"token ids must be integers in 0..{vocab_size - 1}")
+    return [int(t) for t in ids]
 
 
 def check_threads(threads) -> None:
