@@ -8,8 +8,9 @@ whole target stays resident when it fits beside that floor, and the caches take 
 when the bundle carries the target as stages, it streams: the caches get the floor, the stage window
 the rest (two slots for the stages that stream through it, and as many stages pinned as then fit,
 those whose fetch costs a pass most first: runtime/stream_costs.py), and what the window leaves goes
-back to the caches. Below the smallest window (the two largest stages) beside the floor the budget is
-refused with the minimum it needs. `trade_offs` lists the other splits: fewer stages pinned, more
+back to the caches. Where two slots do not fit beside the floor, one does: each streamed stage is then
+fetched when its turn comes, never while the one before computes. Below the smallest window (the
+largest stage in one slot) beside the floor the budget is refused with the minimum it needs. `trade_offs` lists the other splits: fewer stages pinned, more
 context, and what a pass then costs.
 
 A stage's bytes are what it holds while fetched on this device (its packed copy's mapping, measured
@@ -69,6 +70,7 @@ class MemoryPlan:
     suffix_store: int = 0  # suffix drafting's store of earlier outputs (runtime/suffix.py)
     min_context: int = MIN_CONTEXT  # the floor the caller asked for
     pass_seconds: float | None = None  # a streamed one-token pass, expected from the stage costs
+    stream_slots: int = 2  # stages streaming at once: the next one fetched while one computes, or 1 (no room)
     costs_measured: bool = False  # pass_seconds from this device's measured costs, not assumed ones
 
     @property
@@ -96,8 +98,8 @@ class MemoryPlan:
         lines = [f"memory budget   {'none (the bundle full context)' if self.budget is None else mib(self.budget)}",
                  f"  runtime        {mib(self.runtime):>12}  (interpreter and libraries)",
                  f"  target weights {mib(self.target_weights):>12}  " + (
-                     f"at most resident: {len(self.pinned_stages)} of {len(self.stage_bytes)} stages pinned and 2 "
-                     f"streaming, {mib(self.streamed_bytes_per_pass)} loaded per pass"
+                     f"at most resident: {len(self.pinned_stages)} of {len(self.stage_bytes)} stages pinned and "
+                     f"{self.stream_slots} streaming, {mib(self.streamed_bytes_per_pass)} loaded per pass"
                      + (f", embedding rows mapped (at most {mib(self.mapped_embedding)})" if self.mapped_embedding else "")
                      if self.streams else "resident"),
                  f"  draft weights  {mib(self.draft_weights):>12}  resident",
@@ -165,8 +167,8 @@ def plan_memory(manifest: Manifest, folder: Path, budget: int | None, context: i
     split.refuse_below(budget)
     costs = costs or StreamCosts.assumed(split.stages)
     room = budget - split.others - split.floor * split.per_token - split.mapped
-    pinned = choose_pinned(split.stages, room, costs)
-    return split.streamed(budget, pinned, costs)
+    slots = split.slots_within(room)
+    return split.streamed(budget, choose_pinned(split.stages, room, costs, slots), costs, slots)
 
 
 def trade_offs(manifest: Manifest, folder: Path, budget: int, context: int | None = None,
@@ -178,9 +180,11 @@ def trade_offs(manifest: Manifest, folder: Path, budget: int, context: int | Non
     if len(split.stages) < 3 or budget < split.minimum():
         return [best]
     costs = costs or StreamCosts.assumed(split.stages)
-    most = choose_pinned(split.stages, budget - split.others - split.floor * split.per_token - split.mapped, costs)
+    room = budget - split.others - split.floor * split.per_token - split.mapped
+    slots = split.slots_within(room)
+    most = choose_pinned(split.stages, room, costs, slots)
     order = sorted(most, key=lambda i: (costs.fetch_seconds[i] / split.stages[i], split.stages[i]))
-    others = [split.streamed(budget, tuple(sorted(order[k:])), costs) for k in range(len(order) + 1)]
+    others = [split.streamed(budget, tuple(sorted(order[k:])), costs, slots) for k in range(len(order) + 1)]
     # every stage pinned is the resident plan again (or a poorer copy of it): listed once, as the plan
     return [best] + [p for p in others if p.streams and (not best.streams or p.pinned_stages != best.pinned_stages)]
 
@@ -222,7 +226,11 @@ class _Split:
         return MemoryPlan(budget=budget, target_weights=self.resident, context=int(context), **self.common)
 
     def smallest_window(self) -> int:
-        return self.mapped + window_bytes(self.stages, ()) if len(self.stages) >= 3 else self.resident
+        return self.mapped + window_bytes(self.stages, (), slots=1) if len(self.stages) >= 3 else self.resident
+
+    def slots_within(self, room: int) -> int:
+        """Two streaming slots where they fit in `room` with nothing pinned, else one."""
+        return 2 if window_bytes(self.stages, ()) <= room else 1
 
     def minimum(self) -> int:
         return self.others + self.smallest_window() + self.floor * self.per_token
@@ -239,26 +247,26 @@ class _Split:
                 f"runtime {mib(RUNTIME_BASE_BYTES)}): raise the budget" + (" or ask for less context" if
                                                                            self.floor > MIN_CONTEXT else ""))
 
-    def streamed(self, budget: int, pinned: tuple[int, ...], costs: StreamCosts) -> MemoryPlan:
-        weights = self.mapped + window_bytes(self.stages, pinned)
+    def streamed(self, budget: int, pinned: tuple[int, ...], costs: StreamCosts, slots: int = 2) -> MemoryPlan:
+        weights = self.mapped + window_bytes(self.stages, pinned, slots)
         context = min(self.full, (budget - self.others - weights) // self.per_token)
         return MemoryPlan(budget=budget, target_weights=weights, context=int(context), stage_bytes=tuple(self.stages),
                           pinned_stages=pinned, mapped_embedding=self.mapped, pass_seconds=costs.pass_seconds(pinned),
-                          costs_measured=costs.measured, **self.common)
+                          costs_measured=costs.measured, stream_slots=slots, **self.common)
 
 
-def window_bytes(stages: list[int], pinned) -> int:
-    """Weights loaded at once: the pinned stages and the two largest of those that stream."""
+def window_bytes(stages: list[int], pinned, slots: int = 2) -> int:
+    """Weights loaded at once: the pinned stages and the `slots` largest of those that stream."""
     streamed = sorted((s for i, s in enumerate(stages) if i not in pinned), reverse=True)
-    return sum(stages[i] for i in pinned) + sum(streamed[:2])
+    return sum(stages[i] for i in pinned) + sum(streamed[:slots])
 
 
-def choose_pinned(stages: list[int], room: int, costs: StreamCosts | None = None) -> tuple[int, ...]:
+def choose_pinned(stages: list[int], room: int, costs: StreamCosts | None = None, slots: int = 2) -> tuple[int, ...]:
     """Pins stages while the window still fits in `room` bytes: those whose fetch costs a pass the most
     per byte first, the largest first among equals (every stage, with costs assumed from the bytes)."""
     costs = costs or StreamCosts.assumed(stages)
     pinned: list[int] = []
     for i in sorted(range(len(stages)), key=lambda i: (-costs.fetch_seconds[i] / max(stages[i], 1), -stages[i], i)):
-        if window_bytes(stages, pinned + [i]) <= room:
+        if window_bytes(stages, pinned + [i], slots) <= room:
             pinned.append(i)
     return tuple(sorted(pinned))

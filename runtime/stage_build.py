@@ -51,16 +51,17 @@ def resident_stage_bytes(manifest: Manifest, prepared_dir: Path) -> list[int] | 
 
 
 def build_staged_target(manifest: Manifest, folder: Path, pinned, embedding_rows: int, providers, threads: int,
-                        prepared_dir: Path, evict_page_cache: bool) -> StagedRunner:
-    """The staged target with `pinned` (indices into window_specs) resident and the rest streaming.
-    `embedding_rows`: a mapped float embedding table drops its pages after this many rows read (the context)."""
+                        prepared_dir: Path, evict_page_cache: bool, slots: int = 2) -> StagedRunner:
+    """The staged target with `pinned` (indices into window_specs) resident and the rest streaming through
+    `slots` slots. `embedding_rows`: a mapped float embedding table drops its pages after this many rows
+    read (the context)."""
     folder, pinned = Path(folder), set(pinned)
     table = manifest.target.stages[0].embedding_table
     embedding = None if table is None else MappedEmbedding(folder, table, embedding_rows)
     packed = packed_graphs(manifest, folder, prepared_dir)
     stages = [_stage(folder, spec, providers, threads, i in pinned, packed.get(i), evict_page_cache)
               for i, spec in enumerate(window_specs(manifest))]
-    return StagedRunner(StageWindow(stages, pinned), manifest.target.facts, manifest.target.lanes, embedding)
+    return StagedRunner(StageWindow(stages, pinned, slots), manifest.target.facts, manifest.target.lanes, embedding)
 
 
 def _stage(folder: Path, spec: GraphSpec, providers, threads: int, pinned: bool, packed: Path | None,
@@ -110,18 +111,19 @@ def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers
     the plan was made with costs assumed from bytes, so it is made again with the measured ones and the
     target rebuilt where they pin other stages (later loads read the cached costs and keep their plan)."""
     runner = build_staged_target(manifest, folder, plan.pinned_stages, plan.context, providers, threads,
-                                 prepared_dir, evicted)
+                                 prepared_dir, evicted, plan.stream_slots)
     costs = measured_costs(runner, manifest, costs_dir, evicted)
     if plan.costs_measured or plan.budget is None:
         return runner, plan, costs
     priced = plan_memory(manifest, folder, plan.budget, plan.min_context, resident_stage_bytes(manifest, prepared_dir),
                          costs)
-    if priced.pinned_stages == plan.pinned_stages and priced.context == plan.context:
+    if (priced.pinned_stages, priced.context, priced.stream_slots) == (plan.pinned_stages, plan.context,
+                                                                       plan.stream_slots):
         return runner, priced, costs
     runner.window.close()
     del runner  # its pinned stages' pages go before the new split maps its own: the budget holds one
     return build_staged_target(manifest, folder, priced.pinned_stages, priced.context, providers, threads,
-                               prepared_dir, evicted), priced, costs
+                               prepared_dir, evicted, priced.stream_slots), priced, costs
 
 
 def measured_costs(runner: StagedRunner, manifest: Manifest, costs_dir: Path, evicted: bool) -> StreamCosts:

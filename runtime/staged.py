@@ -3,7 +3,8 @@
 `StageWindow` keeps the pinned stages resident and streams the others through two slots. Every pass
 visits the stages in the same order, so least-recently-used would miss every time; instead, while one
 stage computes, the next is fetched by a background thread, and the streamed stage behind is released.
-When every stage is pinned, each is fetched once.
+With one slot (a budget with no room for two) a streamed stage is fetched when its turn comes, after
+the one before is released. When every stage is pinned, each is fetched once.
 
 A stage is either
 - `prepacked.PrepackedStage` (Linux): its session maps onnxruntime's packed copy of the
@@ -89,9 +90,9 @@ class MappedStage:
 
 
 class StageWindow:
-    def __init__(self, stages: list[Stage], pinned):
+    def __init__(self, stages: list[Stage], pinned, slots: int = 2):
         self.stages, self.count, self.pinned = stages, len(stages), set(pinned)
-        self.resident = min(self.count, len(self.pinned) + 2)
+        self.resident = min(self.count, len(self.pinned) + slots)
         self.sessions: dict[int, ort.InferenceSession] = {}
         self.pending: dict[int, Future] = {}
         self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-stage-loader")
@@ -101,23 +102,24 @@ class StageWindow:
             future = self.pending.pop(i, None)
             self._release_streamed(keep=i)
             self.sessions[i] = future.result() if future is not None else self.stages[i].fetch()
-        self._prefetch((i + 1) % self.count)
+        self._prefetch((i + 1) % self.count, running=i)
         return self.sessions[i]
 
-    def _release_streamed(self, keep: int) -> None:
-        """Makes room for stage `keep`: streamed stages other than it and the one being fetched go."""
+    def _release_streamed(self, keep: int, running: int | None = None) -> None:
+        """Makes room for stage `keep`: streamed stages other than it, the one about to run and the one
+        being fetched go."""
         while len(self.sessions) + len(self.pending) >= self.resident:
-            behind = [s for s in self.sessions if s not in self.pinned and s != keep]
+            behind = [s for s in self.sessions if s not in self.pinned and s not in (keep, running)]
             if not behind:
                 break
             del self.sessions[behind[0]]
             self.stages[behind[0]].release()
 
-    def _prefetch(self, i: int) -> None:
+    def _prefetch(self, i: int, running: int) -> None:
         if i in self.sessions or i in self.pending:
             return
         if i not in self.pinned:
-            self._release_streamed(keep=i)
+            self._release_streamed(keep=i, running=running)
         if len(self.sessions) + len(self.pending) < self.resident:
             self.pending[i] = self.loader.submit(self.stages[i].fetch)
 

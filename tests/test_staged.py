@@ -198,15 +198,31 @@ def test_window_loads_each_stage_once_when_all_fit_and_streams_otherwise():
     assert loaded.count(0) == 1  # pinned
     assert all(loaded.count(i) == 3 for i in range(1, 5))  # streamed every pass
 
+    loaded.clear()  # one slot: a streamed stage runs alone beside the pinned one, nothing fetched ahead of it
+    window = StageWindow([LoadedStage(lambda i=i: load(i)) for i in range(5)], pinned={0}, slots=1)
+    for _ in range(3):
+        for i in range(5):
+            assert window.get(i) == f"session {i}"
+            assert len(window.sessions) + len(window.pending) <= 2
+            if i:
+                assert set(window.sessions) == {0, i} and not window.pending
+    window.close()
+    assert loaded.count(0) == 1 and all(loaded.count(i) == 3 for i in range(1, 5))
+
 
 def test_plan_streams_below_the_weights_and_refuses_below_the_smallest_window(staged_bundle):
     manifest = open_bundle(staged_bundle)
     budget = _budget_for(staged_bundle)
     plan = plan_memory(manifest, staged_bundle, budget)
     assert plan.streams and plan.total <= budget
-    assert "stages" in plan.describe()
+    assert "stages" in plan.describe() and plan.stream_slots == 2
+    # no room for two slots: one, each streamed stage fetched when its turn comes (what it frees may pin one)
+    one = plan_memory(manifest, staged_bundle, budget - 1)
+    assert one.streams and one.stream_slots == 1 and one.total <= budget - 1
+    second_largest = sorted(plan.stage_bytes)[-2]
+    plan_memory(manifest, staged_bundle, budget - second_largest)
     with pytest.raises(BudgetError, match="minimum"):
-        plan_memory(manifest, staged_bundle, budget - 1)
+        plan_memory(manifest, staged_bundle, budget - second_largest - 1)
 
 
 def test_a_bundle_without_stages_says_how_to_get_them(bundle_factory):

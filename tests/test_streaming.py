@@ -139,6 +139,14 @@ def test_speculation_under_a_budget_is_plain_decoding_and_the_resident_bundles(s
         assert streamed.generate(prompt=prompt, config=config, speculate=False).token_ids == want
         assert streamed.generate(prompt=prompt, config=config, speculate=True).token_ids == want
     streamed.target.window.close()
+    # no room for two streaming slots: one, each streamed stage fetched in its turn; the same bits
+    one_slot = Pipeline(folder, threads=1, memory_budget=budget - sorted(streamed.memory.stage_bytes)[-2],
+                        prepared_dir=prepared)
+    assert one_slot.memory.stream_slots == 1 and one_slot.target.window.resident == 1
+    prompt = "def add(a, b):"
+    want = resident.generate(prompt=prompt, config=config, speculate=False).token_ids
+    assert one_slot.generate(prompt=prompt, config=config, speculate=True).token_ids == want
+    one_slot.target.window.close()
     resident_stages = Pipeline(folder, threads=1, memory_budget=2 * full.total, prepared_dir=prepared)
     assert resident_stages.stream_costs is None and resident_stages.tree == resident_stages.manifest.tree
 
