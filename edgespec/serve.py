@@ -107,15 +107,16 @@ class Generations:
     async def off_loop(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.reader, function, *args)
 
-    async def prepare(self, completion: Completion) -> GenerationConfig:
-        """The generation config, checked against the context before the request's turn: by its length in
-        characters first, so that a prompt far too long is never tokenised."""
+    async def prepare(self, completion: Completion) -> tuple[GenerationConfig, list[int]]:
+        """The generation config and the prompt's token ids (encoded once: the generation takes them as
+        they are), checked against the context before the request's turn: by its length in characters
+        first, so that a prompt far too long is never tokenised."""
         check_length(completion, self.pipeline.context, self.longest_token)
         if completion.constraint is not None:
             await self.off_loop(self._compiles, completion)
-        tokens = await self.off_loop(self._count_tokens, completion)
+        ids = await self.off_loop(self._encode, completion)
         try:
-            return completion.config(tokens, self.pipeline.context)
+            return completion.config(len(ids), self.pipeline.context), ids
         except APIError:
             await self.off_loop(self.pipeline.trim_heap)  # what tokenising a refused prompt took goes back
             raise
@@ -128,34 +129,34 @@ class Generations:
             raise APIError(str(err), "tools" if completion.tool_choice else "response_format",
                            "invalid_schema") from err
 
-    def _count_tokens(self, completion: Completion) -> int:
+    def _encode(self, completion: Completion) -> list[int]:
         try:
-            return len(self.pipeline.encode(completion.prompt, list(completion.messages) if completion.messages
-                                            else None))
+            return self.pipeline.encode(completion.prompt, list(completion.messages) if completion.messages
+                                        else None)
         except (ValueError, EdgespecError) as err:
             raise APIError(f"the prompt cannot be encoded: {err}",
                            "messages" if completion.messages else "prompt") from err
 
-    def start(self, completion: Completion, config: GenerationConfig, client: str | None, on_text,
+    def start(self, ids: list[int], config: GenerationConfig, client: str | None, on_text,
               cancel: threading.Event) -> asyncio.Future:
-        """The generation on the worker thread, in turn (None when `cancel` was set before its turn came);
-        its end gives the queue place back, whatever the client does meanwhile."""
-        task = asyncio.get_running_loop().run_in_executor(self.worker, self._generate, completion, config, client,
+        """The generation after the prompt's `ids` on the worker thread, in turn (None when `cancel` was set
+        before its turn came); its end gives the queue place back, whatever the client does meanwhile."""
+        task = asyncio.get_running_loop().run_in_executor(self.worker, self._generate, ids, config, client,
                                                           on_text, cancel)
         task.add_done_callback(lambda _: self.release())
         return task
 
-    def _generate(self, completion: Completion, config, client, on_text, cancel) -> Result | None:
+    def _generate(self, ids: list[int], config, client, on_text, cancel) -> Result | None:
         if cancel.is_set():
             return None
-        conversation = self.conversations.take(client) if client is not None else None
+        # no one's request gets a conversation of its own too: what drafters learn is never shared
+        conversation = self.conversations.take(client) if client is not None else self.conversations.new()
         started = time.perf_counter()
-        result = self.pipeline.generate(
-            completion.prompt, messages=list(completion.messages) if completion.messages else None, config=config,
-            session=conversation.session if conversation else None,
-            drafter=conversation.drafter if conversation else None, on_text=on_text, should_stop=cancel.is_set)
+        result = self.pipeline.generate(ids=ids, config=config, session=conversation.session,
+                                        drafter=conversation.drafter, suffix_store=conversation.suffix_store,
+                                        on_text=on_text, should_stop=cancel.is_set)
         # only now: a generation that failed midway leaves a conversation no one should continue
-        if conversation is not None:
+        if client is not None:
             self.conversations.keep(client, conversation)
         if result.stop_reason != "cancelled":
             took = time.perf_counter() - started
@@ -191,11 +192,11 @@ class Routes:
         try:
             body = await read_body(request, self.config.max_body_bytes)
             completion = await self.generations.off_loop(self.parse, body, chat)
-            config = await self.generations.prepare(completion)
+            config, ids = await self.generations.prepare(completion)
             # a tool call is sent whole once the answer is known to be one: text is held until the end
             streams_text = completion.stream and completion.tool_choice is None
             on_text = (lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)) if streams_text else None
-            task = self.generations.start(completion, config, client_of(key, completion.user, completion.cache_salt),
+            task = self.generations.start(ids, config, client_of(key, completion.user, completion.cache_salt),
                                           on_text, cancel)
         except BaseException:
             self.generations.release()

@@ -6,6 +6,10 @@ target cache, its drafter with the draft cache) is continued only by its own cli
 tokens and the time to first token a client sees say nothing of another client's prompt. Keys are kept
 only as digests.
 
+A conversation also holds what its drafter learns from across requests: its own store of earlier
+outputs (suffix drafting) and Token Recycling table, where the bundle has them, so that no client's
+outputs speed up, and so show in the timing of, another's; a request that is no one's gets empty ones.
+
 `KeptConversations` owns the kept conversations; it is touched on the generation worker alone (one
 thread, in turn), so it needs no lock. Each conversation's caches stay allocated while it is kept: at
 most `bound` conversations, and with a memory budget the idle ones within what the budget leaves over
@@ -18,9 +22,12 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from edgespec.runtime.drafters import Drafter
 from edgespec.runtime.engine import Session
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.runtime.suffix import SuffixStore
 
 
 def key_digest(key: str) -> str:
@@ -37,13 +44,17 @@ def client_of(key_digest: str | None, user: str | None, cache_salt: str | None) 
 @dataclass
 class Conversation:
     session: Session
-    drafter: Drafter
+    drafter: Drafter  # made with the two below
+    suffix_store: SuffixStore | None
+    recycling_table: np.ndarray | None
 
     def nbytes(self, draft_kv_per_token: int) -> int:
-        """The target cache's buffers as allocated; the draft's estimated from the tokens it holds."""
+        """The target cache's buffers as allocated; the draft's estimated from the tokens it holds; the
+        drafter's store and table as allocated."""
         cache = self.session.cache
         features = 0 if cache.features is None else cache.features.nbytes
-        return cache.data.nbytes + features + len(self.session.committed) * draft_kv_per_token
+        learned = sum(0 if x is None else x.nbytes for x in (self.suffix_store, self.recycling_table))
+        return cache.data.nbytes + features + len(self.session.committed) * draft_kv_per_token + learned
 
 
 class KeptConversations:
@@ -61,9 +72,13 @@ class KeptConversations:
         conversation = self.kept.pop(client, None)
         while self.kept and (len(self.kept) >= self.bound or (self.room is not None and self.held() > self.room)):
             self.kept.popitem(last=False)
-        if conversation is None:
-            conversation = Conversation(self.pipeline.new_session(), self.pipeline.make_drafter(speculate=True))
-        return conversation
+        return self.new() if conversation is None else conversation
+
+    def new(self) -> Conversation:
+        """A conversation with empty caches, store and table (kept only if `keep` is given it)."""
+        store, table = self.pipeline.new_suffix_store(), self.pipeline.new_recycling_table()
+        drafter = self.pipeline.make_drafter(speculate=True, suffix_store=store, recycling_table=table)
+        return Conversation(self.pipeline.new_session(), drafter, store, table)
 
     def keep(self, client: str, conversation: Conversation) -> None:
         """Keeps a conversation its generation left in a state to continue (not one that failed midway)."""

@@ -23,13 +23,13 @@ def test_a_callers_suffix_store_is_the_only_one_its_requests_learn_from(bundle_f
     # another caller's store knows nothing of the first output: no faster than the first time
     other = pipeline.generate(PROMPT, config=CONFIG, drafter=pipeline.make_drafter(True, suffix_store=theirs),
                               suffix_store=theirs)
-    assert other.token_ids == first.token_ids
-    assert other.stats.mean_accepted_per_pass == pytest.approx(first.stats.mean_accepted_per_pass)
+    assert other.token_ids == first.token_ids and theirs.array.length == mine.array.length
     # the first caller's store does know it: its drafter quotes it (the same bits, fewer passes)
     again = pipeline.generate(PROMPT, config=CONFIG, suffix_store=mine)
     assert again.token_ids == first.token_ids
-    assert again.stats.mean_accepted_per_pass > first.stats.mean_accepted_per_pass
-    assert pipeline.suffix_store.array.length == 0
+    assert again.stats.mean_accepted_per_pass > max(first.stats.mean_accepted_per_pass,
+                                                    other.stats.mean_accepted_per_pass)
+    assert pipeline.suffix_store.array.length == 0 and mine.array.length == 2 * theirs.array.length
 
 
 def test_without_suffix_drafting_there_is_no_store_to_keep(bundle_factory):

@@ -595,7 +595,8 @@ def test_kept_conversations_stay_within_the_budgets_room():
         return SimpleNamespace(cache=SimpleNamespace(data=np.zeros(600, np.uint8), features=None), committed=[])
 
     fake = SimpleNamespace(memory=SimpleNamespace(budget=5000, total=4000, draft_kv_per_token=0),
-                           new_session=new_session, make_drafter=lambda speculate: None)
+                           new_session=new_session, make_drafter=lambda speculate, **learned: None,
+                           new_suffix_store=lambda: None, new_recycling_table=lambda: None)
     kept = KeptConversations(fake, bound=4)
     for client in "abc":
         kept.keep(client, kept.take(client))
