@@ -148,3 +148,25 @@ def test_the_tools_are_told_and_a_call_is_read_back():
     with pytest.raises(APIError, match="arguments are not JSON"):
         parse_chat({"model": "m", "messages": [{"role": "assistant", "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": "{"}}]}]}, "m")
+
+
+def test_langchain_with_structured_output_and_bind_tools(server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Timer(BaseModel):
+        """Start a countdown timer."""
+        minutes: int = Field(ge=1, le=90)
+
+    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=75,
+                     max_retries=0)
+    for method in ("json_schema", "json_mode"):
+        if method == "json_schema":
+            answer = llm.with_structured_output(Timer, method=method).invoke(MESSAGES)
+            assert isinstance(answer, Timer) and 1 <= answer.minutes <= 90
+        else:  # JSON mode: any object; the tiny model's keys are its own
+            reply = llm.with_structured_output(None, method=method, include_raw=True).invoke(MESSAGES)
+            assert reply["raw"].content.startswith("{")
+    called = llm.bind_tools([Timer], tool_choice="Timer").invoke(MESSAGES)
+    assert called.tool_calls and called.tool_calls[0]["name"] == "Timer"
+    assert 1 <= called.tool_calls[0]["args"]["minutes"] <= 90
