@@ -379,7 +379,8 @@ def _trade_table(splits: list[MemoryPlan]) -> str:
     for i, p in enumerate(splits):
         pinned = f"{len(p.pinned_stages)} of {len(p.stage_bytes)}" if p.streams else "all (resident)"
         speed = "as resident" if p.pass_seconds is None else f"{1 / p.pass_seconds:.1f} tokens/s"
-        rows.append(f"{'*' if i == 0 else ' '} {pinned:>14}  {mib(p.streamed_bytes_per_pass):>17}  {p.context:>7}  {speed}")
+        streamed = mib(p.streamed_bytes_per_pass)
+        rows.append(f"{'*' if i == 0 else ' '} {pinned:>14}  {streamed:>17}  {p.context:>7}  {speed}")
     return "\n".join(rows)
 
 

@@ -10,8 +10,8 @@ the rest (two slots for the stages that stream through it, and as many stages pi
 those whose fetch costs a pass most first: runtime/stream_costs.py), and what the window leaves goes
 back to the caches. Where two slots do not fit beside the floor, one does: each streamed stage is then
 fetched when its turn comes, never while the one before computes. Below the smallest window (the
-largest stage in one slot) beside the floor the budget is refused with the minimum it needs. `trade_offs` lists the other splits: fewer stages pinned, more
-context, and what a pass then costs.
+largest stage in one slot) beside the floor the budget is refused with the minimum it needs.
+`trade_offs` lists the other splits: fewer stages pinned, more context, and what a pass then costs.
 
 A stage's bytes are what it holds while fetched on this device (its packed copy's mapping, measured
 when prepared: runtime/prepacked.py) where the caller has them, else its files.
