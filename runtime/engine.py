@@ -27,7 +27,7 @@ from .tokenizer import TextCodec, TextStream
 from .tree import Tree
 
 KV_POLICIES = ("error", "sliding")
-FORCED_TOKENS = 16  # the longest forced chain one pass verifies: the rows of a longer one cost more than a pass
+FORCED_TOKENS = 16  # the longest forced chain a pass verifies (then the drafter's tree): longer costs more than a pass
 
 
 @dataclass(frozen=True)
@@ -131,29 +131,34 @@ def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
     """One target pass. Returns (new committed tokens, number of accepted draft tokens). `guide`: the
     constraint's parser state at the committed tokens (runtime/constraints.py), advanced here."""
     cache = session.cache
-    forced = _forced(target, cache, guide)
-    if forced:                                                                # 1. the grammar drafts for free
-        tree = Tree.chain(session.window[-1], forced)
-    else:                                                                     # 1. draft what fits
-        tree = drafter.propose(session.window, cache.room(), sampler, cache.feature_rows())
-        tree = tree.within_paths(cache.lanes)                                 #    a lane per path
+    forced, room = _forced(target, cache, guide)                              # 1. the grammar's forced tokens,
+    committed = session.window + forced if forced else session.window       #    then what the drafter drafts
+    tree = drafter.propose(committed, room, sampler, cache.feature_rows())    #    after them
+    tree = tree.within_paths(cache.lanes)                                     #    a lane per path
+    tree = tree.after(session.window[-1], forced) if forced else tree
     masks = None
     if guide is not None:                                                     #    each node masked by its path
         tree, masks = guide.admit(tree, sampler is not None)
     new_tokens, accepted, logits = verify(target, session, tree, sampler, masks)  # 2.-4.
     if guide is not None:
         guide.advance(new_tokens)
-        guide.supplied += accepted if forced else 0
+    if forced and accepted >= len(forced):  # the drafter took the forced tokens as committed: the rest is its step
+        guide.supplied += len(forced)
+        drafter.observe(new_tokens[len(forced):], tree.tokens[len(forced):], logits[len(forced):])
+        return new_tokens, accepted
+    if forced:  # the target spelled the forced text otherwise: the drafter forgets what it took as committed
+        guide.supplied += accepted
+        drafter.rewind(len(session.window) - len(new_tokens) + accepted)
     drafter.observe(new_tokens, tree.tokens, logits)
     return new_tokens, accepted
 
 
-def _forced(target: ModelRunner, cache: KVCache, guide: Guide | None) -> list[int]:
-    """The tokens the grammar forces next, as many as one pass takes beside the root."""
-    if guide is None:
-        return []
-    most = min(cache.room(), FORCED_TOKENS + 1, target.static.nodes if target.static else cache.room())
-    return guide.forced(most - 1)
+def _forced(target: ModelRunner, cache: KVCache, guide: Guide | None) -> tuple[list[int], int]:
+    """The tokens the grammar forces next, and the nodes left for the drafter's tree after them: a pass takes
+    the cache's room, or a static graph's nodes."""
+    most = min(cache.room(), target.static.nodes) if target.static else cache.room()
+    forced = guide.forced(min(most - 1, FORCED_TOKENS)) if guide is not None else []
+    return forced, most - len(forced)
 
 
 def verify(target: ModelRunner, session: Session, tree: Tree, sampler: Sampler | None,

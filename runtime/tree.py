@@ -190,10 +190,17 @@ class Tree:
                     None if self.q_draft is None else self.q_draft[keep],
                     None if self.drawn is None else self.drawn[keep])
 
-    @classmethod
-    def chain(cls, root: int, tokens: list[int]) -> "Tree":
-        """The root and `tokens` after it, one path."""
-        return cls.from_parents(tuple(range(-1, len(tokens))), [root, *tokens])
+    def after(self, root: int, chain: list[int]) -> "Tree":
+        """This tree hung below a chain of point masses from `root` through `chain` (whose last token is this
+        tree's root): the grammar's forced tokens, then the drafter's tree."""
+        k = len(chain)
+        parents = tuple(range(-1, k)) + tuple(p + k for p in self.parents[1:])
+        tokens = np.concatenate([np.asarray([root, *chain[:-1]], dtype=np.int64), self.tokens])
+        if self.q_draft is None:
+            return Tree(Topology(parents), tokens)
+        q_draft = np.concatenate([np.zeros((k, self.q_draft.shape[1])), self.q_draft])
+        drawn = np.ones(self.size, dtype=bool) if self.drawn is None else self.drawn
+        return Tree(Topology(parents), tokens, q_draft, np.concatenate([np.zeros(k + 1, dtype=bool), drawn[1:]]))
 
     @property
     def parents(self) -> tuple[int, ...]:

@@ -246,3 +246,30 @@ def test_bench_reports_the_tokens_the_grammar_supplied(bundle_factory, tmp_path,
     assert report["speculative"]["grammar_tokens_per_pass"] > 0 and report["plain"]["grammar_tokens_per_pass"] == 0
     assert main(["bench", bundle, "--prompts", str(prompts), "--choice", "a b", "--max-new-tokens", "8"]) == 0
     assert "the grammar supplied" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("draft,tree,suffix", [("draft", "chain:3", False), ("ngram", "chain:6", False),
+                                               ("suffix", None, True)])
+def test_a_forced_chain_the_target_spells_otherwise_rewinds_the_drafter(draft, tree, suffix, bundle_factory):
+    """The engine's forced tokens are certain with llguidance (its mask admits only them); a guide whose
+    forced token is merely admitted is rejected by the target now and then: the drafter, which took the
+    token as committed, forgets it, and the output is still plain decoding's."""
+    pipeline = Pipeline(bundle_factory(draft=draft, tree=tree, suffix=suffix))
+    start = pipeline.grammars.start
+
+    def loose(spec, forced_chains=True):
+        guide = start(spec, forced_chains)
+        guide.forced = lambda limit: [int(np.flatnonzero(guide.mask())[0])] if forced_chains and limit > 0 else []
+        return guide
+
+    pipeline.grammars.start = loose
+    rejected = 0
+    for prompt in PROMPTS:
+        session, drafter = pipeline.new_session(), pipeline.make_drafter(True)
+        plain = pipeline.generate(prompt, config=config(SPECS["json_object"]), speculate=False)
+        fast = pipeline.generate(prompt, config=config(SPECS["json_object"]), session=session, drafter=drafter)
+        assert fast.token_ids == plain.token_ids
+        rejected += fast.stats.target_passes - fast.stats.grammar_tokens
+        if draft == "ngram":  # what the drafter indexed is what was committed
+            assert drafter.context == session.committed[: len(drafter.context)]
+    assert rejected > 0
