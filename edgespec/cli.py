@@ -265,7 +265,8 @@ def cmd_serve(args) -> None:
     except BudgetError as err:
         raise ValueError(f"--max-body {args.max_body!r}: give bytes or a size like 4MiB") from err
     config = ServeConfig(model=name, host=args.host, port=args.port, api_keys=tuple(args.api_key), queue=args.queue,
-                         kept_conversations=args.kept_conversations, max_body_bytes=max_body)
+                         interleave=args.interleave, kept_conversations=args.kept_conversations,
+                         max_body_bytes=max_body)
     serve(_pipeline(args), config)
 
 

@@ -250,7 +250,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on API requests; repeat it for several clients, "
                         "each with a conversation of its own")
-    p.add_argument("--queue", type=int, default=8, help="requests that may wait while one generates; more get 429")
+    p.add_argument("--queue", type=int, default=8,
+                   help="requests that may wait beside those in flight; more get 429")
+    p.add_argument("--interleave", type=int, default=4, metavar="N",
+                   help="generations in flight at once, taking target passes in turn, so a new request's first "
+                        "token waits one pass of each, not their ends (default 4; 1: one after another; "
+                        "with --memory-budget, as many as fit)")
     p.add_argument("--kept-conversations", type=int, default=4, metavar="N",
                    help="clients whose conversation (its KV caches) is kept for follow-ups (default 4; 0: none)")
     p.add_argument("--max-body", default="4MiB", metavar="SIZE",

@@ -1,9 +1,10 @@
 """`edgespec serve`: one bundle behind a local OpenAI-compatible HTTP API (Starlette on uvicorn).
 
-One pipeline serves every request, one generation at a time on a single worker thread (the target
-pass already uses every core), in arrival order. A request takes its place in the queue as it arrives,
-before its body is read; at most `queue` wait beside the one generating, more get 429 with a
-Retry-After from the queue's expected wait. Each client's conversation is kept
+One pipeline serves every request. Up to `interleave` generations are in flight, each on a worker
+thread of its own, and take target passes in turn, one pass at a time (the target pass already uses
+every core; edgespec/serve_turns.py: a new request's prefill waits one pass of each, not their ends).
+A request takes its place in the queue as it arrives, before its body is read; at most `queue` wait
+beside those in flight, more get 429 with a Retry-After from the queue's expected wait. Each client's conversation is kept
 (edgespec/serve_clients.py), so a follow-up turn that repeats the earlier messages prefills only what
 is new (`usage.prompt_tokens_details.cached_tokens`), and no client continues another's. Every request
 meets the limits of edgespec/serve_limits.py; bodies are parsed and prompts tokenised on a thread of
@@ -41,13 +42,14 @@ from edgespec.openai_api import (
 from edgespec.runtime.engine import GenerationConfig, Result
 from edgespec.runtime.errors import ConstraintError, EdgespecError
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.serve_clients import KeptConversations, client_of, key_digest
+from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
 from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
+from edgespec.serve_turns import Turn, Turns
 from edgespec.tool_calls import read_call
 
 LOG = logging.getLogger("edgespec.serve")
-FIRST_GUESS_S = 2.0  # a generation's duration until one has been timed
-MEAN_WEIGHT = 0.25  # of the latest generation in the running mean of their durations
+FIRST_GUESS_S = 2.0  # a generation's turns, in seconds, until one has been timed
+MEAN_WEIGHT = 0.25  # of the latest generation in the running mean of their turns' seconds
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request looks whether its client is still there
 
 
@@ -57,7 +59,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # any one is accepted; each is a client of its own
-    queue: int = 8  # requests that may wait while one generates
+    queue: int = 8  # requests that may wait beside those in flight
+    interleave: int = 4  # generations in flight, taking target passes in turn (with a budget: what fits)
     kept_conversations: int = 4  # clients whose conversation (its KV caches) is kept between requests
     max_body_bytes: int = 4 * 2**20
 
@@ -68,6 +71,8 @@ class ServeConfig:
             raise ValueError(f"--port must be in 0..65535 (got {self.port})")
         if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ValueError("api_keys must be a tuple of keys, none of them empty (--api-key cannot be empty)")
+        if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
+            raise ValueError(f"--interleave must be >= 1 (got {self.interleave})")
         if self.kept_conversations < 0:
             raise ValueError(f"--kept-conversations must be >= 0 (got {self.kept_conversations})")
         if self.max_body_bytes < 1024:
@@ -75,17 +80,22 @@ class ServeConfig:
 
 
 class Generations:
-    """The one pipeline, its worker thread, the conversations it keeps, and the queue in front of it."""
+    """The one pipeline, the generations in flight and their turns, the conversations it keeps, and the
+    queue in front of them."""
 
     def __init__(self, pipeline: Pipeline, config: ServeConfig):
         self.pipeline = pipeline
-        self.limit = config.queue + 1  # the running request and the waiting ones
+        self.in_flight = in_flight(config.interleave, pipeline.memory)
+        self.limit = config.queue + self.in_flight  # the generations in flight and the waiting ones
         self.pending = 0  # touched on the event loop only
-        self.mean_s: float | None = None  # written by the worker, read for Retry-After: one float, no lock
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-generate")
+        # the seconds a generation holds the turns (its cost to the queue): written by the workers under
+        # the turn, read for Retry-After (one float)
+        self.mean_s: float | None = None
+        self.worker = ThreadPoolExecutor(max_workers=self.in_flight, thread_name_prefix="edgespec-generate")
+        self.turns = Turns()
         # parsing and tokenising: off the event loop, and never queued behind a generation
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-read")
-        self.conversations = KeptConversations(pipeline, config.kept_conversations)
+        self.conversations = KeptConversations(pipeline, config.kept_conversations, self.in_flight)
         self.longest_token = longest_token(pipeline.codec.tokenizer)
 
     def admit(self) -> None:
@@ -101,7 +111,8 @@ class Generations:
         self.pending -= 1
 
     def expected_wait(self) -> int:
-        """Seconds until the queue has likely drained: the requests in it times a generation's mean duration."""
+        """Seconds until the queue has likely drained: the requests in it times the mean seconds a
+        generation holds the turns (interleaved or not, the passes run one at a time)."""
         return max(1, math.ceil(self.pending * (self.mean_s if self.mean_s is not None else FIRST_GUESS_S)))
 
     async def off_loop(self, function, *args):
@@ -147,20 +158,28 @@ class Generations:
         return task
 
     def _generate(self, ids: list[int], config, client, on_text, cancel) -> Result | None:
-        if cancel.is_set():
-            return None
-        # no one's request gets a conversation of its own too: what drafters learn is never shared
-        conversation = self.conversations.take(client) if client is not None else self.conversations.new()
-        started = time.perf_counter()
-        result = self.pipeline.generate(ids=ids, config=config, session=conversation.session,
-                                        drafter=conversation.drafter, suffix_store=conversation.suffix_store,
-                                        on_text=on_text, should_stop=cancel.is_set)
-        # only now: a generation that failed midway leaves a conversation no one should continue
-        if client is not None:
-            self.conversations.keep(client, conversation)
-        if result.stop_reason != "cancelled":
-            took = time.perf_counter() - started
-            self.mean_s = took if self.mean_s is None else (1 - MEAN_WEIGHT) * self.mean_s + MEAN_WEIGHT * took
+        """Holds the turn from the start to the end, but for the passes of the others between its own; the
+        kept conversations and the mean are touched only under it."""
+        turn = Turn(self.turns)
+
+        def should_stop() -> bool:  # asked before each target pass
+            turn.pass_on()
+            return cancel.is_set()
+
+        with turn:
+            if cancel.is_set():
+                return None
+            # no one's request gets a conversation of its own too: what drafters learn is never shared
+            conversation = self.conversations.take(client) if client is not None else self.conversations.new()
+            result = self.pipeline.generate(ids=ids, config=config, session=conversation.session,
+                                            drafter=conversation.drafter, suffix_store=conversation.suffix_store,
+                                            on_text=on_text, should_stop=should_stop)
+            # only now: a generation that failed midway leaves a conversation no one should continue
+            if client is not None:
+                self.conversations.keep(client, conversation)
+            if result.stop_reason != "cancelled":
+                took = turn.held_s + time.perf_counter() - turn.since
+                self.mean_s = took if self.mean_s is None else (1 - MEAN_WEIGHT) * self.mean_s + MEAN_WEIGHT * took
         return result
 
 

@@ -10,10 +10,11 @@ A conversation also holds what its drafter learns from across requests: its own 
 outputs (suffix drafting) and Token Recycling table, where the bundle has them, so that no client's
 outputs speed up, and so show in the timing of, another's; a request that is no one's gets empty ones.
 
-`KeptConversations` owns the kept conversations; it is touched on the generation worker alone (one
-thread, in turn), so it needs no lock. Each conversation's caches stay allocated while it is kept: at
-most `bound` conversations, and with a memory budget the idle ones within what the budget leaves over
-after the one it plans for; the least recently used goes first.
+`KeptConversations` owns the kept conversations; it is touched by generations under their turn
+(edgespec/serve_turns.py: one at a time), so it needs no lock of its own. Each conversation's caches
+stay allocated while it is kept: at most `bound` conversations, and with a memory budget the idle ones
+within what the budget leaves over after the one it plans for and the others in flight; the least
+recently used goes first.
 """
 from __future__ import annotations
 
@@ -57,13 +58,29 @@ class Conversation:
         return cache.data.nbytes + features + len(self.session.committed) * draft_kv_per_token + learned
 
 
+def full_conversation_bytes(memory) -> int:
+    """What one conversation takes at the full context (a `MemoryPlan` plans one): both caches, the store."""
+    return memory.target_kv + memory.draft_kv + memory.suffix_store
+
+
+def in_flight(interleave: int, memory) -> int:
+    """How many generations may be in flight at once: `interleave`, and under a memory budget only as many
+    as its room holds beside the one it plans for, each at the full context (one at least)."""
+    if memory.budget is None:
+        return interleave
+    room = max(0, memory.budget - memory.total)
+    return max(1, min(interleave, 1 + room // full_conversation_bytes(memory)))
+
+
 class KeptConversations:
-    def __init__(self, pipeline: Pipeline, bound: int):
+    def __init__(self, pipeline: Pipeline, bound: int, in_flight: int = 1):
         self.pipeline, self.bound = pipeline, bound
         self.kept: OrderedDict[str, Conversation] = OrderedDict()  # least recently used first
         memory = pipeline.memory
-        # the budget plans one conversation's caches at full context; the idle ones live on what is left
-        self.room = None if memory.budget is None else max(0, memory.budget - memory.total)
+        # the budget plans one conversation's caches at full context; the others in flight take their
+        # share of what is left, and the idle ones live on the rest
+        reserved = (in_flight - 1) * full_conversation_bytes(memory) if in_flight > 1 else 0
+        self.room = None if memory.budget is None else max(0, memory.budget - memory.total - reserved)
 
     def take(self, client: str) -> Conversation:
         """`client`'s conversation (a new one the first time), out of the kept ones while it generates. The

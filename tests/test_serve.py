@@ -209,10 +209,11 @@ class SlowPipeline:
 
 
 def test_a_full_queue_answers_429_and_a_disconnect_frees_the_worker(pipeline):
-    """queue=1: one generating, one waiting, the third refused with Retry-After. A streamed client that
-    leaves stops its generation at the next pass, so the one waiting does not sit out the rest of it."""
+    """queue=1, one in flight: one generating, one waiting, the third refused with Retry-After. A streamed
+    client that leaves stops its generation at the next pass, so the one waiting does not sit out the rest of
+    it."""
     slow = SlowPipeline(pipeline)
-    server = Server(slow, queue=1)
+    server = Server(slow, queue=1, interleave=1)
     try:
         client = server.client()
         long = dict(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0.9, seed=1)
@@ -489,7 +490,7 @@ def test_a_client_leaving_while_it_sends_its_body_is_one_line_in_the_log(server,
 
 
 def test_retry_after_is_the_queues_expected_wait(pipeline):
-    generations = Generations(pipeline, ServeConfig(model=MODEL, queue=2))
+    generations = Generations(pipeline, ServeConfig(model=MODEL, queue=2, interleave=1))
     generations.pending = 3
     with pytest.raises(APIError) as refused:
         generations.admit()

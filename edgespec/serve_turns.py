@@ -1,0 +1,69 @@
+"""Generations in flight taking target passes in turn: `edgespec serve`'s interleaving.
+
+Several conversations cannot share one target pass with the bits each gets alone on this runtime
+(history.md §61: onnxruntime's attention takes several sequences with a past only at one new token
+each, and that one-query path rounds unlike an exact pass's two slots). So each generation keeps its
+own passes, exactly those it runs alone, and the generations in flight run them one at a time, in
+turn: a generation holds the turn from its start (prefill included) to its next target pass, then
+hands it to the one that has waited longest. A new request's prefill waits for one pass of each
+generation ahead of it, not for their ends; no answer changes, whatever runs beside it (each pass
+reads only its own conversation's caches, drafter and sampler).
+
+`Turns` is the order (a ticket lock: first come, first served); each generation's `Turn` holds it and
+counts the seconds it held it, which is what the generation cost the others. Touched from the
+generation threads; its own lock guards it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+
+class Turns:
+    """Who runs now: tickets served in the order they were drawn."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._drawn = 0  # tickets handed out
+        self._serving = 0  # the ticket whose holder runs
+
+    def acquire(self) -> None:
+        with self._changed:
+            ticket = self._drawn
+            self._drawn += 1
+            self._changed.wait_for(lambda: self._serving == ticket)
+
+    def release(self) -> None:
+        with self._changed:
+            self._serving += 1
+            self._changed.notify_all()
+
+    def waiting(self) -> int:
+        """Generations waiting for the turn (beside the one holding it)."""
+        with self._changed:
+            return max(0, self._drawn - self._serving - 1)
+
+
+class Turn:
+    """One generation's hold on the turns: `with turn:` from its start to its end, `pass_on()` between its
+    target passes."""
+
+    def __init__(self, turns: Turns):
+        self.turns = turns
+        self.held_s = 0.0  # seconds this generation held the turn before the current hold
+        self.since = 0.0  # when the current hold began
+
+    def __enter__(self) -> Turn:
+        self.turns.acquire()
+        self.since = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.held_s += time.perf_counter() - self.since
+        self.turns.release()
+
+    def pass_on(self) -> None:
+        """Lets every generation waiting now run one turn first (a no-op when none waits)."""
+        if self.turns.waiting():
+            self.__exit__()
+            self.__enter__()
