@@ -206,6 +206,16 @@ def print_report(report: dict) -> None:
     print(f"peak RSS of the server process (VmHWM): {report['peak_rss_mb']} MB")
 
 
+def built(bundle: str) -> str:
+    """The bundle's folder, the default one built first in a process of its own: the server's peak RSS is
+    then serving's, not the export's."""
+    if bundle != "default":
+        return bundle
+    code = "from edgespec.defaults import resolve_bundle; print(resolve_bundle('default'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", nargs="?", default="default")
@@ -232,7 +242,8 @@ def main() -> None:
     commands = []
     if not args.no_edgespec:
         port = free_port()
-        commands.append(("edgespec", port, [sys.executable, "-m", "edgespec.cli", "serve", args.bundle, "--port",
+        bundle = built(args.bundle)
+        commands.append(("edgespec", port, [sys.executable, "-m", "edgespec.cli", "serve", bundle, "--port",
                                             str(port), "--threads", str(args.threads), "--model-name", model, *args.serve_arg]))
     if args.llama_server:
         port = free_port()
