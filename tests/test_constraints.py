@@ -273,3 +273,14 @@ def test_a_forced_chain_the_target_spells_otherwise_rewinds_the_drafter(draft, t
         if draft == "ngram":  # what the drafter indexed is what was committed
             assert drafter.context == session.committed[: len(drafter.context)]
     assert rejected > 0
+
+
+def test_a_drafted_tree_hangs_below_the_forced_chain():
+    drafted = Tree(Tree.from_parents((-1, 0, 0, 1), [7, 8, 9, 10]).topology, np.array([7, 8, 9, 10]),
+                   q_draft=np.full((4, 12), 1 / 12), drawn=np.array([False, True, True, False]))
+    tree = drafted.after(5, [6, 7])
+    assert tree.parents == (-1, 0, 1, 2, 2, 3) and list(tree.tokens) == [5, 6, 7, 8, 9, 10]
+    assert list(tree.drawn) == [False, False, False, True, True, False]  # the chain is point masses
+    assert not tree.q_draft[:2].any() and np.array_equal(tree.q_draft[2:], drafted.q_draft)
+    greedy = Tree.from_parents((-1, 0), [7, 8]).after(5, [6, 7])
+    assert greedy.q_draft is None and list(greedy.tokens) == [5, 6, 7, 8]
