@@ -18,8 +18,7 @@ from edgespec.runtime.constraints import ConstraintSpec
 from edgespec.runtime.engine import GenerationConfig, Result
 from edgespec.runtime.errors import InputError
 from edgespec.runtime.sampling import SamplingConfig
-from edgespec.tool_calls import ToolsError, read_tools, response_format_constraint, tool_constraint, with_tools, \
-    written_call
+from edgespec.tool_calls import ToolsError, read_tools, response_format_constraint, tool_constraint, written_call
 
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -104,7 +103,7 @@ def parse_chat(body, model: str) -> Completion:
     except InputError as err:  # a schema that is not one
         raise APIError(f"'response_format': {err}", "response_format") from err
     if choice is not None:
-        messages, constraint = with_tools(messages, tools), tool_constraint(tools, choice)
+        constraint = tool_constraint(tools, choice)
     return Completion(messages=tuple(messages), **_generation(body, model), constraint=constraint, tools=tools,
                       tool_choice=choice)
 

@@ -45,7 +45,7 @@ from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
 from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
 from edgespec.serve_turns import Turn, Turns
-from edgespec.tool_calls import read_call
+from edgespec.tool_calls import read_call, told
 
 LOG = logging.getLogger("edgespec.serve")
 FIRST_GUESS_S = 2.0  # a generation's turns, in seconds, until one has been timed
@@ -142,6 +142,9 @@ class Generations:
 
     def _encode(self, completion: Completion) -> list[int]:
         try:
+            if completion.tool_choice is not None:  # the tools are told to the model (edgespec/tool_calls.py)
+                messages, tools = told(list(completion.messages), completion.tools, self.pipeline.codec.takes_tools)
+                return self.pipeline.encode(messages=messages, tools=tools)
             return self.pipeline.encode(completion.prompt, list(completion.messages) if completion.messages
                                         else None)
         except (ValueError, EdgespecError) as err:

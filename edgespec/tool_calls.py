@@ -1,8 +1,9 @@
 """OpenAI's structured output and tools as constraints: `response_format` and `tools` / `tool_choice` read into a
 ConstraintSpec, the tools told to the model, and its answer read back as `tool_calls`. Pure functions.
 
-The model is told its tools by a system instruction (TOOL_INSTRUCTION: the tools' JSON, then how to call one),
-added to the conversation's first system message or as one of its own; it calls a tool by writing
+The model is told its tools by its chat template where the template renders a `tools` list, otherwise by a
+system instruction (TOOL_INSTRUCTION: the tools' JSON, then how to call one) added to the conversation's
+first system message or as one of its own; it calls a tool by writing
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the form Hermes, Qwen and SmolLM2 were tuned on.
 The call is constrained by a grammar whose JSON part is the tools' schemas (objects closed, as OpenAI's strict
 mode), so its arguments validate against their tool's parameters: `tool_choice` "required" or a named
@@ -102,6 +103,14 @@ def tool_constraint(functions: tuple[dict, ...], choice: str) -> ConstraintSpec:
     if choice == "auto":  # text cannot begin with "<", so the two never share a beginning
         return ConstraintSpec.grammar("start: call | TEXT\nTEXT: /[^<][\\s\\S]*/\n" + call)
     return ConstraintSpec.grammar("start: call\n" + call)
+
+
+def told(messages: list[dict], functions: tuple[dict, ...], template_takes_tools: bool) -> tuple[list[dict], list | None]:
+    """(the messages, the tools for the chat template): the template renders the tools where it can (the
+    call format its model was tuned on is the one Hermes-style templates ask for), else the instruction does."""
+    if template_takes_tools:
+        return messages, [{"type": "function", "function": f} for f in functions]
+    return with_tools(messages, functions), None
 
 
 def with_tools(messages: list[dict], functions: tuple[dict, ...]) -> list[dict]:

@@ -233,10 +233,12 @@ class Pipeline:
                                       self.manifest.tokenizer.eos_token_ids)
         return self._grammars
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               tools: list[dict] | None = None) -> list[int]:
+        """`tools`: OpenAI's tool objects, for a chat template that renders them (`codec.takes_tools`)."""
         if (prompt is None) == (messages is None):
             raise InputError("give either a prompt or chat messages")
-        return self.codec.encode_chat(messages) if messages is not None else self.codec.encode(prompt)
+        return self.codec.encode_chat(messages, tools) if messages is not None else self.codec.encode(prompt)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  ids: list[int] | None = None, config: GenerationConfig = GenerationConfig(),

@@ -6,6 +6,7 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -61,11 +62,14 @@ class TextCodec:
         except Exception as err:  # the tokenizers library raises a bare Exception for a file it cannot parse
             raise BundleError(f"the bundle's tokenizer {spec.file} cannot be read ({err}): re-export the bundle") from err
         self._template = None
+        self.takes_tools = False  # whether the chat template renders a `tools` list itself
         if spec.chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
             try:
-                self._template = env.from_string((folder / spec.chat_template).read_text(encoding="utf-8"))
+                source = (folder / spec.chat_template).read_text(encoding="utf-8")
+                self._template = env.from_string(source)
+                self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
             except (OSError, UnicodeDecodeError, jinja2.TemplateError) as err:
                 raise BundleError(f"the bundle's chat template {spec.chat_template} cannot be read ({err}): "
                                   "re-export the bundle") from err
@@ -81,8 +85,9 @@ class TextCodec:
             ids = [self.tokenizer.token_to_id(self.spec.bos_token)] + ids
         return ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The chat template supplies every special token itself (no extra BOS)."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat template supplies every special token itself (no extra BOS). `tools`: OpenAI's tool
+        objects, for a template that renders them (`takes_tools`)."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise InputError(f"chat message {i} needs a 'role' and a 'content'")
@@ -91,7 +96,7 @@ class TextCodec:
             raise InputError("this bundle's tokenizer has no chat template; use a plain prompt")
         try:
             text = self._template.render(messages=messages, add_generation_prompt=True,
-                                         bos_token=self.spec.bos_token or "")
+                                         bos_token=self.spec.bos_token or "", **({"tools": tools} if tools else {}))
         except jinja2.TemplateError as err:
             raise InputError(f"the model's chat template refused these messages: {err}") from err
         return self.tokenizer.encode(text, add_special_tokens=False).ids

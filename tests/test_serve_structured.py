@@ -8,7 +8,7 @@ from test_serve import KEY, MESSAGES, MODEL, Server
 
 from edgespec.openai_api import APIError, parse_chat
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.tool_calls import read_call, tool_constraint, with_tools
+from edgespec.tool_calls import read_call, told, tool_constraint, with_tools
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"},
                                            "pet": {"enum": ["fox", "dog"]}},
@@ -135,8 +135,11 @@ def test_a_call_and_its_result_go_back_to_the_model(server):
 def test_the_tools_are_told_and_a_call_is_read_back():
     chat = parse_chat({"model": "m", "messages": [{"role": "system", "content": "Be brief."}, *MESSAGES],
                        "tools": TOOLS, "tool_choice": "auto"}, "m")
-    assert chat.messages[0]["content"].startswith("Be brief.") and "weather" in chat.messages[0]["content"]
     assert chat.constraint.kind == "grammar" and chat.tool_choice == "auto"
+    messages, tools = told(list(chat.messages), chat.tools, template_takes_tools=False)
+    assert messages[0]["content"].startswith("Be brief.") and "weather" in messages[0]["content"] and tools is None
+    messages, tools = told(list(chat.messages), chat.tools, template_takes_tools=True)
+    assert messages == list(chat.messages) and tools[0] == {"type": "function", "function": chat.tools[0]}
     none = parse_chat({"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, "m")
     assert none.constraint is None and none.messages == tuple(MESSAGES)
     assert with_tools(MESSAGES, chat.tools)[0]["role"] == "system"
@@ -170,3 +173,32 @@ def test_langchain_with_structured_output_and_bind_tools(server):
     called = llm.bind_tools([Timer], tool_choice="Timer").invoke(MESSAGES)
     assert called.tool_calls and called.tool_calls[0]["name"] == "Timer"
     assert 1 <= called.tool_calls[0]["args"]["minutes"] <= 90
+
+
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTOOLS {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+                  "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_tools_is_given_them(bundle_factory, tmp_path):
+    import shutil
+
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundle_factory(draft="ngram", tree="chain:3", context=512), folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    template = folder / manifest["tokenizer"]["chat_template"]
+    template.write_text(TOOLS_TEMPLATE)
+    manifest["files"][template.name] = __import__("hashlib").sha256(template.read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    pipeline = Pipeline(folder, threads=1)
+    assert pipeline.codec.takes_tools
+    running = Server(pipeline, api_keys=(KEY,), queue=1)
+    try:
+        answer = running.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=75,
+                                                          temperature=0, tools=TOOLS, tool_choice="required")
+    finally:
+        running.stop()
+    rendered = pipeline.codec.decode(pipeline.encode(messages=MESSAGES, tools=[TIMER]))
+    assert "TOOLS timer" in rendered and "Tools (JSON Schema" not in rendered
+    assert answer.usage.prompt_tokens == len(pipeline.encode(messages=MESSAGES, tools=TOOLS))
+    assert answer.choices[0].finish_reason == "tool_calls"
