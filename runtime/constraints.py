@@ -7,7 +7,8 @@ pipeline) and compiles a spec into a `Guide`, one generation's parser state.
 State ownership: the engine's caller owns the Guide, as it owns the session; the Guide's matcher is at the
 committed tokens between steps. Within a step, `admit` walks the tree depth first on that one matcher,
 consuming a node's token on the way down and rolling it back on the way up, so each node's mask is that
-of its own path's state; `advance` then consumes what the step committed.
+of its own path's state; `advance` then consumes what the step committed. `forced` gives the tokens the
+grammar admits deterministically next, which the engine verifies as the first nodes of the step's tree.
 
 Exactness: the target's logits at a node are masked with that node's mask before acceptance, in plain and
 speculative decoding alike, so greedy output is the argmax of the masked logits and sampling draws from the
@@ -29,8 +30,8 @@ from .errors import ConstraintError, InputError
 from .tree import Tree
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-# JSON as json.dumps writes it (and as models were trained on): fixed separators make keys, quotes and
-# punctuation forced tokens, which the grammar supplies to the tree (history.md §58)
+# JSON as json.dumps writes it: fixed separators make keys, quotes and punctuation forced tokens, which the
+# grammar supplies to the tree; flexible whitespace completed hardly more often (history.md §58)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
