@@ -17,7 +17,7 @@ decoding runs (the token and a padding row):
      sequence costs in bits;
 
 and counts the passes whose logits differ in any bit, the largest difference, and the greedy tokens that
-differ, and times the step passes. history.md §61 has the run.
+differ, and times the step passes. history.md §62 has the run.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Generations in flight taking target passes in turn: `edgespec serve`'s interleaving.
 
 Several conversations cannot share one target pass with the bits each gets alone on this runtime
-(history.md §61: onnxruntime's attention takes several sequences with a past only at one new token
+(history.md §62: onnxruntime's attention takes several sequences with a past only at one new token
 each, and that one-query path rounds unlike an exact pass's two slots). So each generation keeps its
 own passes, exactly those it runs alone, and the generations in flight run them one at a time, in
 turn: a generation holds the turn from its start (prefill included) to its next target pass, then
