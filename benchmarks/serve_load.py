@@ -15,7 +15,8 @@ server's peak RSS. Abuse: a 50 MB body, JSON nested 10,000 levels and a 5,000-di
 answered with a 4xx in under a second while /health keeps answering, RSS back within 10% of its baseline.
 
 With --llama-server and --gguf it runs the same after against llama.cpp's `llama-server --parallel 4` on
-that GGUF (its context split over the 4 slots, each as large as edgespec's default).
+that GGUF (its context split over the 4 slots, each as large as edgespec's default), its prompt cache off:
+the levels send the same prompts, and edgespec's anonymous requests reuse nothing either.
 """
 from __future__ import annotations
 
@@ -249,7 +250,10 @@ def main() -> None:
         port = free_port()
         commands.append(("llama-server", port, [args.llama_server, "-m", args.gguf, "--parallel", "4", "--host", HOST,
                                                 "--port", str(port), "-t", str(args.threads),
-                                                "-c", str(4 * SLOT_CONTEXT), "--alias", model]))
+                                                "-c", str(4 * SLOT_CONTEXT), "--alias", model,
+                                                # as edgespec's requests that are no one's: nothing reused
+                                                # across requests (each level sends the same prompts again)
+                                                "--no-cache-prompt", "--cache-ram", "0"]))
     reports = []
     with tempfile.TemporaryDirectory(prefix="serve_load_") as logs:
         for name, port, command in commands:
