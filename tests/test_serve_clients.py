@@ -57,7 +57,8 @@ def test_requests_that_are_no_ones_learn_nothing_from_each_other(pipeline):
 def test_a_prompt_is_encoded_once(pipeline, monkeypatch):
     encoded = []
     encode_chat = pipeline.codec.encode_chat
-    monkeypatch.setattr(pipeline.codec, "encode_chat", lambda messages: encoded.append(1) or encode_chat(messages))
+    monkeypatch.setattr(pipeline.codec, "encode_chat",
+                        lambda *args, **kwargs: encoded.append(1) or encode_chat(*args, **kwargs))
     server = Server(pipeline)
     try:
         passes(server)
