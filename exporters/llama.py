@@ -431,9 +431,11 @@ class LlamaBuilder:
             if attend["cos"] is not None:
                 cos = g.op("Unsqueeze", [g.op("Gather", [attend["cos"], attend["pos"]], axis=0), g.const([2])])
                 sin = g.op("Unsqueeze", [g.op("Gather", [attend["sin"], attend["pos"]], axis=0), g.const([2])])
-                first, second, rest = g.op("Split", [x, g.const([half, half, d - 2 * half])], n_out=3, axis=-1)
+                # no empty third part where every dimension turns: OpenVINO cannot bind a tensor of size 0
+                parts = [half, half] + ([d - 2 * half] if d > 2 * half else [])
+                first, second, *rest = g.op("Split", [x, g.const(parts)], n_out=len(parts), axis=-1)
                 x = g.op("Concat", [g.op("Sub", [g.op("Mul", [first, cos]), g.op("Mul", [second, sin])]),
-                                    g.op("Add", [g.op("Mul", [second, cos]), g.op("Mul", [first, sin])]), rest], axis=-1)
+                                    g.op("Add", [g.op("Mul", [second, cos]), g.op("Mul", [first, sin])]), *rest], axis=-1)
             return g.op("Transpose", [x], perm=[0, 2, 1, 3])
 
         q, k = rotary(q, heads), rotary(k, kv_heads)
