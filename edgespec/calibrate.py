@@ -3,7 +3,7 @@
 Every placement runtime/placement.py lists for the bundle's profile (each provider of the draft role this
 onnxruntime has; one role after the other with every core, or both at once with the cores split) decodes
 a few short prompts, greedy, twice: the first round warms the sessions up (OpenVINO compiles its
-subgraphs per input shape: without it the prediction was 35–40% low, history.md §51), the second is
+subgraphs per input shape: without it the prediction was far too low, history.md §51), the second is
 timed, and its decoding speed is the prediction for that placement; the fastest is chosen. The choice and every measurement are cached per device (onnxruntime release, CPU) and
 bundle (its manifest's checksum), so a later `--placement auto` reads it instead of measuring again.
 `benchmarks/placement.py` checks the predictions against longer runs."""

@@ -15,8 +15,8 @@ from edgespec.runtime.paths import cache_dir
 
 # The draft ships packed (trained tensors only, float16) and is rebuilt against the target on first use.
 SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
-# int4 weights, the one int4 scheme within +2% perplexity of fp32 here: exact per-block float offsets
-# (the reference GGUF's Q4_1 grid, reproduced) with the head in int8, +0.07% (history.md §40); the
+# int4 weights, the one int4 scheme that kept fp32's perplexity here: exact per-block float offsets
+# (the reference GGUF's Q4_1 grid, reproduced) with the head in int8 (history.md §40); the
 # tree `edgespec tune` chose for this draft (§13), beside suffix drafting over the conversation and earlier
 # outputs; each step's tree (the draft's, a suffix chain or the root alone) is chosen by the step controller
 # from this device's pass costs (runtime/controller.py, §57). On int4 every node costs a row of compute:

@@ -38,12 +38,12 @@ The matmuls run on the N tokens, not on the lanes' slots: q/k/v are gathered int
 their projection (one Gather of head rows) and the attention output gathered back (another). In a
 target's graph of one lane, token k sits in slot k and the slots past the N tokens (a one-token step's second
 slot) come last, so a Pad of the N tokens' q/k/v and a Slice of the output do the same with four fewer
-nodes a layer (0.35-0.47 ms of a 6-8 ms step, history.md §54); the padding slot's zeros are never read.
+nodes a layer (history.md §54); the padding slot's zeros are never read.
 
 The draft's passes (rows that need not match anything) use one lane and attention_bias for their
 tree masks, with position_ids giving each row its depth. A target's passes are exact, every path in a
 lane of its own, so the op's causal mask is their whole mask: its graph takes no attention_bias (adding
-a zero bias cost 0.1-0.35 ms of a 7-10 ms step, history.md §54).
+a zero bias cost time on every step, history.md §54).
 
 A graph built with `sequences=True` runs S new tokens of each of B independent sequences, each at its
 own past length (distill's data engine, distill/engine.py): the N = B * S tokens still go through the

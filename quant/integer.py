@@ -13,11 +13,11 @@ elementwise or a row's own reduction, so a row's result never depends on its nei
 step needs no padding row and runs the one-row kernel.
 
 u8 x u8: MLAS's u8 x s8 kernel on AVX2 without VNNI adds pairs of products in int16 with saturation
-(255 * 127 * 2 overflows), which cost +18.6% perplexity on SmolLM2; 7-bit weights avoid it at +5.5%;
+(255 * 127 * 2 overflows), which costs perplexity; 7-bit weights avoid it at a smaller cost;
 u8 x u8 widens to int16 first and is as fast here (history.md §41).
 
-One scale per row lets a few channels that are always large take the row's precision (+2.3%
-perplexity), so each input channel k is first divided by s_k = amax_k^a / wmax_k^(1-a) and the
+One scale per row lets a few channels that are always large take the row's precision (history.md
+§41), so each input channel k is first divided by s_k = amax_k^a / wmax_k^(1-a) and the
 weight's row k multiplied by it (SmoothQuant, a = SMOOTHING): amax_k from a calibration pass
 (calibrate.py), wmax_k the weight row's largest magnitude.
 """
@@ -29,7 +29,7 @@ from onnx import helper, numpy_helper
 
 from .rewrite import add_constants, replace_node
 
-SMOOTHING = 0.3  # history.md §41: -0.07% perplexity at 0.3, +1.9% at 0.5, +2.3% without
+SMOOTHING = 0.3  # the strength that kept perplexity at fp32's among those tried (history.md §41)
 
 _SHARED = {  # constants every rewritten matmul reads
     "int_rows_axis": np.array([-1], np.int64),

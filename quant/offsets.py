@@ -9,13 +9,13 @@ split:
             ---------------------    -----------------------------
             symmetric MatMulNBits    a small fp32 matmul: [K / block] x N offsets
 
-blocksum(x) is a ReduceSum over x viewed as [rows, K / block, block] (a third cheaper per matmul than
-the matmul with a 0/1 matrix it replaced: 12 against 19 us, history.md §40). Weights that already lie
+blocksum(x) is a ReduceSum over x viewed as [rows, K / block, block] (cheaper per matmul than
+the matmul with a 0/1 matrix it replaced, history.md §40). Weights that already lie
 on such a grid — a model that came from a Q4_1/Q8_1 GGUF file — are reproduced exactly.
 
 A weight whose every block is d * q with |q| <= 2^(bits-1) - 1 (a Q8_0 tensor: the reference model's
 tied embedding, read as its int8 head) needs no offset: MatMulNBits' implied zero point holds it exactly,
-and the offsets' fp32 matrix and three nodes cost the reference target's step ~0.4 ms (history.md §53).
+and the offsets' fp32 matrix and three nodes cost the reference target's step time (history.md §53).
 A min-max fit would not even reproduce it: 255 levels over a block that spans at most 254 steps.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 from edgespec.runtime.errors import InputError
 
 SCHEMES = ("fp32", "fp16", "int8", "int4")
-# the default bundle's policy over int4: the head in int8 (int4 there costs +4.77% perplexity, history.md §49)
+# the default bundle's policy over int4: the head in int8 (int4 there costs perplexity, history.md §49)
 HEAD_INT8_POLICY = Path(__file__).resolve().parent / "policies" / "head-int8.json"
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 

@@ -52,7 +52,7 @@ class BoundSession:
     def bind(self, name: str, value: np.ndarray) -> None:
         """Binds input `name` to `value`'s contents: written into the array bound before when the shape and type
         are the same (a one-token step's every input, step after step), else bound to a copy of its own. After
-        onnxruntime has evicted the caches, a new OrtValue and its binding cost ~15 us of Python a pass each."""
+        onnxruntime has evicted the caches, a new OrtValue and its binding cost Python time every pass (history.md §55)."""
         held = self.held.get(name)
         if held is not None and held.shape == value.shape and held.dtype == value.dtype:
             held[...] = value

@@ -302,7 +302,7 @@ def head_rows_of(path_nodes: np.ndarray, node_slots: np.ndarray, heads: tuple[in
 
 def _is_chain(mask: np.ndarray) -> bool:
     """Whether every row sees itself and all earlier rows (one path: no need to look for others)."""
-    if mask.shape == (1, 1):  # a plain step's: answered without numpy's calls (50 us after a run's cache misses)
+    if mask.shape == (1, 1):  # a plain step's: answered without numpy's calls, slow after a run's cache misses (history.md §55)
         return bool(mask[0, 0])
     return bool(np.array_equal(mask, np.tri(len(mask), dtype=bool)))
 

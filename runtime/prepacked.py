@@ -147,7 +147,7 @@ class PrepackedStage:
 
     The file is first read with read(), before the session exists: the read path fills the cache in
     large folios, which later fetches map and releases drop far faster than the small pages faults read
-    in (measured: 16-19 against 12-13 tokens/s at half the weights, history.md §22)."""
+    in (history.md §22)."""
 
     def __init__(self, prepared: Path, providers: tuple, threads: int, evict: bool = False):
         """`evict`: release also drops the pages from the OS page cache, for a budget that must bound

@@ -26,7 +26,7 @@ def make_session(path: Path, providers: tuple, threads: int,
                                         else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     options.log_severity_level = 3
     # The pool's threads spin between the nodes of a run (waking a sleeping thread for each of a graph's
-    # thousand small nodes cost int4 decoding ~20%) and stop spinning when the run ends, so the draft
+    # thousand small nodes slowed int4 decoding) and stop spinning when the run ends, so the draft
     # and target sessions, which take turns on the same cores, do not keep both busy for each other:
     # spinning past the run halved speculative decoding with a draft model (history.md §13, §31). While
     # a streamed target's loader thread faults the next stage in, spinning takes its core: no spinning.
