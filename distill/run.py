@@ -24,7 +24,7 @@ from edgespec.distill.data import DataConfig, feature_file
 from edgespec.distill.draft_model import FEATURE_DESIGNS
 from edgespec.distill.engine import DATA_QUANTS, OnnxTarget, engine_graph
 from edgespec.distill.train import TrainConfig, train
-from edgespec.exporters.export import DRAFT_INFO
+from edgespec.exporters.drafts import DRAFT_INFO
 from edgespec.exporters.sources import resolve_source
 from edgespec.runtime.errors import ExportError
 from edgespec.runtime.pipeline import default_threads

@@ -29,7 +29,7 @@ from edgespec.distill.draft_model import (
     draft_hidden_steps,
 )
 from edgespec.distill.vocab import choose_head_tokens, coverage
-from edgespec.exporters.export import DRAFT_INFO
+from edgespec.exporters.drafts import DRAFT_INFO
 from edgespec.runtime.errors import InputError
 
 

@@ -7,10 +7,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import onnxruntime
 
-from edgespec.quant.calibrate import Calibration, calibration_text
+from edgespec.quant.calibrate import calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
 from edgespec.runtime.budget import MAX_LANES, lanes_for
 from edgespec.runtime.bundle import MAX_PREFILL_CHUNK, ProfileGraphs, write_manifest
@@ -20,7 +19,6 @@ from edgespec.runtime.drafters import DrafterKind, NgramConfig
 from edgespec.runtime.dynamic_tree import DynamicTreeConfig
 from edgespec.runtime.errors import ExportError, InputError
 from edgespec.runtime.exactness import fewest_exact_rows
-from edgespec.runtime.features import draft_inputs
 from edgespec.runtime.lookup import LookupConfig
 from edgespec.runtime.model import ModelRunner
 from edgespec.runtime.paths import cache_dir as default_cache_dir
@@ -36,12 +34,12 @@ from .bundle_writer import (
     BundleContents,
     TreeSettings,
     calibrate,
-    check_compatible,
     bundle_manifest,
     staged_bundle,
     write_model,
     write_tokenizer,
 )
+from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
 from .coreml import CoreMLOptions
 from .quality import Written, write_quality_report
 from .sources import resolve_source
@@ -110,35 +108,6 @@ def tree_plan(spec: str) -> tuple[Topology, DynamicTreeConfig | None]:
         dynamic = DynamicTreeConfig(budget=int(budget))
         return parse_tree_spec(f"chain:{dynamic.budget - 1}"), dynamic
     return parse_tree_spec(spec), None
-
-
-DRAFT_HEAD_FILE = "draft_head_tokens.json"
-DRAFT_INFO = "edgespec_draft.json"  # written by `edgespec distill` next to the draft's config.json
-
-
-@dataclass(frozen=True)
-class DraftInfo:
-    """What `edgespec distill` says about a draft beyond its Hugging Face folder."""
-    head_tokens: np.ndarray | None = None  # the vocabulary ids its trimmed head predicts; None: the full head
-    feature_fc: tuple[np.ndarray, np.ndarray] | None = None  # (weight, bias) when it reads the target's features
-
-
-def read_draft_info(source) -> DraftInfo:
-    info = Path(source.location) / DRAFT_INFO
-    if source.kind != "hf_folder" or not info.is_file():
-        return DraftInfo()
-    try:
-        data = json.loads(info.read_text())
-        head_tokens = np.array(data["head_tokens"], dtype=np.int64)
-        feature_fc = None
-        if data.get("features") is not None:
-            from safetensors.numpy import load_file
-
-            tensors = load_file(Path(source.location) / data["features"]["file"])
-            feature_fc = (tensors["weight"].astype(np.float32), tensors["bias"].astype(np.float32))
-    except (ValueError, KeyError, TypeError, OSError) as err:
-        raise ExportError(f"{info} is not a valid draft description: {err}") from err
-    return DraftInfo(head_tokens, feature_fc)
 
 
 @dataclass(frozen=True)
@@ -318,10 +287,10 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     draft_entry, draft_builder, draft_calibration = None, None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
-        draft_builder = _draft_builder(draft_source, draft_info, tokenizer, target_builder, config.context)
+        draft_builder = draft_builder_for(draft_source, draft_info, tokenizer, target_builder, config.context)
         draft_builder.rope_slack = target_builder.rope_slack
         say(f"writing draft graph ({plan.draft_scheme.name})")
-        draft_calibration = _draft_calibration(draft_builder, calibration) if plan.draft_scheme.bits else None
+        draft_calibration = draft_calibration_from(draft_builder, calibration) if plan.draft_scheme.bits else None
         # a static draft is for an NPU: its attention in standard operators (no contrib op to compile)
         draft_builder.portable_attention = plan.main_static[1]
         draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
@@ -434,37 +403,3 @@ def _kept_blocks(config: ExportConfig, source, builder, say) -> dict | None:
         say(f"not kept, quantized as --quant {config.quant} instead: "
             + "; ".join(f"{name} ({kinds})" for name, kinds in sorted(kept.not_kept.items())))
     return kept.grids
-
-
-def _draft_builder(source, info: DraftInfo, tokenizer, target_builder, context: int):
-    """The draft model's graph builder, checked against the target it will draft for."""
-    draft, draft_tokenizer = source.load()
-    check_compatible(tokenizer, draft_tokenizer)
-    head_tokens, vocab = info.head_tokens, target_builder.facts.vocab_size
-    rows = draft.config.vocab_size
-    if rows != vocab:
-        # models of one family pad their embedding rows differently (Qwen2.5: 151,936 or 152,064): the draft
-        # predicts only ids both have, its logits laid out as the target's
-        usable = min(rows, vocab)
-        if len(tokenizer) > usable:
-            raise ExportError(f"the draft has {rows} vocabulary rows and the target {vocab}, fewer than the "
-                              f"tokenizer's {len(tokenizer)} tokens: they cannot be the same vocabulary")
-        head_tokens = np.arange(usable) if head_tokens is None else head_tokens[head_tokens < usable]
-    builder = builder_for(draft, context, head_tokens, info.feature_fc, features_out=info.feature_fc is not None)
-    builder.facts = replace(builder.facts, vocab_size=vocab)
-    if info.feature_fc is not None and builder.facts.hidden_size != target_builder.facts.hidden_size:
-        raise ExportError(f"the draft reads the target's features but its hidden size "
-                          f"({builder.facts.hidden_size}) differs from the target's "
-                          f"({target_builder.facts.hidden_size}): it was trained for another target")
-    return builder
-
-
-def _draft_calibration(draft_builder, target_calibration: Calibration | None) -> Calibration | None:
-    """The draft's activation ranges over the target's calibration tokens (with the target's features
-    for a draft that reads them); None when the target was not calibrated (no integer matmuls)."""
-    if target_calibration is None:
-        return None
-    features = None
-    if draft_builder.feature_fc is not None:
-        features = draft_inputs(target_calibration.features, 0, len(target_calibration.features))
-    return calibrate(draft_builder, list(target_calibration.ids), features)

@@ -245,7 +245,8 @@ def test_an_eagle_draft_exports_packs_and_generates_losslessly(eagle, models, tm
     import json
 
     from edgespec.distill.pack import pack_draft, unpack_draft
-    from edgespec.exporters.export import DRAFT_INFO, ExportConfig, export
+    from edgespec.exporters.drafts import DRAFT_INFO
+    from edgespec.exporters.export import ExportConfig, export
     from edgespec.exporters.sources import resolve_source
     from edgespec.runtime.engine import GenerationConfig
     from edgespec.runtime.pipeline import Pipeline
@@ -409,7 +410,7 @@ def test_a_draft_trained_on_from_another_for_two_drafting_steps(eagle, models, t
     """--init starts from a finished draft (its head too); --drafting-steps 2 reports both steps."""
     import json
 
-    from edgespec.exporters.export import DRAFT_INFO
+    from edgespec.exporters.drafts import DRAFT_INFO
 
     first = json.loads((eagle.out / DRAFT_INFO).read_text())
     config = DistillConfig(target=str(models["target"]), out=tmp_path / "two", minutes=0.2, seed=0, design="eagle",

@@ -15,7 +15,7 @@ def write_feature_draft(folder, hidden=64, seed=5):
     from safetensors.numpy import save_file
     from tiny import make_model
 
-    from edgespec.exporters.export import DRAFT_INFO
+    from edgespec.exporters.drafts import DRAFT_INFO
 
     make_model(folder, "llama", seed=seed, layers=1, hidden=hidden)
     rng = np.random.default_rng(seed)
