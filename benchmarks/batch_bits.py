@@ -29,15 +29,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from edgespec.distill.engine import SequenceEngine, engine_graph
 from edgespec.exporters.export import ExportConfig, export
 from edgespec.exporters.sources import resolve_source
 from edgespec.quant.schemes import HEAD_INT8_POLICY
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import commit, prefill
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import commit, prefill
+from edgespec.runtime.execution.sessions import make_session
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sessions import make_session
 
 WORKLOADS = Path(__file__).parent / "workloads"
 SETS = ("chat", "rag", "code_edit", "agent", "extraction", "summary", "multiturn")

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from edgespec.exporters.architectures import builder_for
 from edgespec.exporters.coreml import NEEDS_IOS18, CoreMLOptions, write_coreml
 from edgespec.exporters.mil_reference import reference_logits
 from edgespec.exporters.sources import resolve_source
-from edgespec.runtime.paths import cache_dir
-from edgespec.runtime.tree import parse_tree_spec
+from edgespec.runtime.contract.topology import parse_tree_spec
+from edgespec.runtime.execution.paths import cache_dir
 
 TEXT = ("The Neural Engine runs fixed shapes in half precision, so a language model for it is exported with a "
         "static number of tokens per call and a cache of fixed capacity. Speculative decoding drafts a few tokens "

@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from edgespec.distill.data import TorchTarget, end_of_turn_ids
 from edgespec.distill.engine import OnnxTarget, engine_graph
 from edgespec.distill.prompts import default_corpus, training_prompts
 from edgespec.exporters.sources import resolve_source
-from edgespec.runtime.paths import cache_dir
+from edgespec.runtime.execution.paths import cache_dir
 
 
 def main() -> None:

@@ -8,11 +8,12 @@ and we count the answer positions where the draft's argmax is the token the targ
 import argparse
 from pathlib import Path
 
+from edgespec.quant.report import agreement
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
+
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import resolve_bundle
-from edgespec.quant.report import agreement
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.pipeline import Pipeline
 
 parser = argparse.ArgumentParser()
 parser.add_argument("bundle", nargs="?", default="default")

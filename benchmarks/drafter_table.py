@@ -18,22 +18,23 @@ in the same minutes, since sampled outputs cannot be compared with a reference.
 import argparse
 from pathlib import Path
 
-from edgespec.bench import load_prompts, prompt_kwargs
-from edgespec.defaults import resolve_bundle
-from edgespec.runtime.drafters import (
+from edgespec.runtime.contract.drafting import DynamicTreeConfig, LookupConfig, NgramConfig
+from edgespec.runtime.contract.topology import parse_tree_spec
+from edgespec.runtime.decoding.drafters import (
     ModelDrafter,
-    NgramConfig,
     NgramDrafter,
     NoDrafter,
     RecyclingDrafter,
     new_recycling_table,
 )
-from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.lookup import LookupConfig, WithLookup
+from edgespec.runtime.decoding.dynamic_tree import DynamicDrafter
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.lookup import WithLookup
+from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
-from edgespec.runtime.tree import parse_tree_spec
+
+from edgespec.bench import load_prompts, prompt_kwargs
+from edgespec.defaults import resolve_bundle
 
 parser = argparse.ArgumentParser()
 parser.add_argument("bundle", nargs="?", default="default")

@@ -204,8 +204,9 @@ def main(argv=None) -> int:
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    from edgespec.defaults import resolve_bundle
     from tokenizers import Tokenizer
+
+    from edgespec.defaults import resolve_bundle
 
     folder = Path(resolve_bundle(args.bundle))
     manifest = json.loads((folder / "manifest.json").read_text())

@@ -24,10 +24,11 @@ import numpy as np
 
 def measure(bundle: str, graphs: list[Path], past: int, rounds: int, steps: int, threads: int | None) -> dict:
     """{graph: median seconds of a one-token step}, the graphs loaded and first run in the order given."""
-    from edgespec.defaults import resolve_bundle
-    from edgespec.runtime.model import ModelRunner, commit, prefill
+    from edgespec.runtime.execution.model import ModelRunner, commit, prefill
+    from edgespec.runtime.execution.sessions import make_session
     from edgespec.runtime.pipeline import Pipeline
-    from edgespec.runtime.sessions import make_session
+
+    from edgespec.defaults import resolve_bundle
 
     pipeline = Pipeline(resolve_bundle(bundle), threads)
     rows = pipeline.exactness.min_rows

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
-
 from edgespec.exporters.weights import externalize
-from edgespec.runtime.bundle import sha256_file
+from edgespec.runtime.contract.manifest import sha256_file
+from onnx import numpy_helper
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("src", type=Path, help="a bundle exported with --quant int8 --integer-matmul")

@@ -27,10 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgespec.runtime.budget import plan_memory
-from edgespec.runtime.bundle import open_bundle
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.execution.budget import plan_memory
+from edgespec.runtime.execution.stage_build import packed_graphs, resident_stage_bytes
 from edgespec.runtime.pipeline import default_prepared_dir
-from edgespec.runtime.stage_build import packed_graphs, resident_stage_bytes
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("bundle", nargs="?")

@@ -11,9 +11,10 @@ import argparse
 import time
 from pathlib import Path
 
-from edgespec.defaults import cache_dir
 from edgespec.distill import data, prompts
 from edgespec.exporters.sources import resolve_source
+
+from edgespec.defaults import cache_dir
 
 parser = argparse.ArgumentParser()
 parser.add_argument("data_dir", type=Path, help="the `data` folder of an earlier distill run")

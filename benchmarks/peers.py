@@ -55,7 +55,7 @@ class System(NamedTuple):
 
 
 def cache_dir() -> Path:
-    from edgespec.runtime.paths import cache_dir
+    from edgespec.runtime.execution.paths import cache_dir
     return cache_dir()
 
 
@@ -112,9 +112,10 @@ def encode_set(path: Path, bundle: Path, out: Path, first: int | None) -> tuple[
     """The set's prompts with the token ids every system is fed (`bundle`'s tokenizer and chat template), and
     on how many of the chats genai's own template gives the same ids (SmolLM2's: every workload prompt)."""
     import onnxruntime_genai as og
+    from edgespec.runtime.contract.manifest import read_manifest
+    from edgespec.runtime.decoding.text import TextCodec
+
     from edgespec.bench import load_prompts, prompt_kwargs
-    from edgespec.runtime.bundle import read_manifest
-    from edgespec.runtime.tokenizer import TextCodec
 
     codec = TextCodec(bundle, read_manifest(bundle).tokenizer)
     items = [prompt_kwargs(item) for item in load_prompts(path)][:first]
@@ -186,7 +187,7 @@ def run_openvino(folder: Path, items: list[dict], max_new_tokens: int, lookup: b
 
 
 def run_bundle(folder: Path, items: list[dict], max_new_tokens: int, speculate: bool, threads: int) -> dict:
-    from edgespec.runtime.engine import GenerationConfig
+    from edgespec.runtime.decoding.engine import GenerationConfig
     from edgespec.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(folder, threads=threads)
@@ -230,7 +231,6 @@ def peer_perplexity(folder: Path, ids: list[int]) -> float:
     """The peer's graph run directly by onnxruntime over `ids` at once (an empty past)."""
     import numpy as np
     import onnxruntime as ort
-
     from edgespec.quant.report import perplexity_of
 
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])

@@ -11,11 +11,12 @@ import json
 import sys
 from pathlib import Path
 
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline, default_threads
+
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.calibrate import CALIBRATION_PROMPTS, calibrate
 from edgespec.defaults import resolve_bundle
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.pipeline import Pipeline, default_threads
 
 HERE = Path(__file__).parent
 

@@ -40,13 +40,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-
+from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.execution.sessions import make_session
 from verify_cost import Form, curves_dict, measure, parse_rows, print_curves, profile, profiled_session  # noqa: E402
 
 from edgespec.defaults import resolve_bundle  # noqa: E402
-from edgespec.runtime.facts import ModelFacts  # noqa: E402
-from edgespec.runtime.model import ModelRunner  # noqa: E402
-from edgespec.runtime.sessions import make_session  # noqa: E402
 
 # the shapes of the public models (their configs on the Hugging Face hub); both tie the head to the embedding
 SIZES = {
@@ -119,11 +118,10 @@ def write_target(name: str, layers: int, folder: Path, threads: int) -> dict:
     """Writes the int4 target graph of `name` with `layers` layers into `folder` and checks exactness;
     returns (and keeps in folder/meta.json) {facts, min_rows, exact, export_seconds, ...}."""
     import torch
-
     from edgespec.exporters.architectures import builder_for
     from edgespec.exporters.bundle_writer import write_model
     from edgespec.quant.schemes import QuantPolicy, QuantScheme
-    from edgespec.runtime.exactness import fewest_exact_rows
+    from edgespec.runtime.decoding.exactness import fewest_exact_rows
 
     started = time.perf_counter()
     say = lambda message: print(f"[{time.perf_counter() - started:6.1f}s] {name}:{layers} {message}",  # noqa: E731

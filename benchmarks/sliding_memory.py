@@ -10,9 +10,10 @@ import os
 import threading
 import time
 
-from edgespec.defaults import resolve_bundle
-from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
+
+from edgespec.defaults import resolve_bundle
 
 
 class RssSampler(threading.Thread):

@@ -17,10 +17,11 @@ import sys
 import time
 from importlib import resources
 
-from edgespec.defaults import resolve_bundle
-from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
+
+from edgespec.defaults import resolve_bundle
 
 
 def rss_mib() -> float:

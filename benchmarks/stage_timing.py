@@ -10,10 +10,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from edgespec.runtime.budget import plan_memory
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime import staged
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.execution import staged
+from edgespec.runtime.execution.budget import plan_memory
 from edgespec.runtime.pipeline import Pipeline
 
 parser = argparse.ArgumentParser()

@@ -12,9 +12,10 @@ import argparse
 import warnings
 from pathlib import Path
 
-from edgespec.bench import load_prompts, prompt_kwargs
-from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
+
+from edgespec.bench import load_prompts, prompt_kwargs
 
 HERE = Path(__file__).parent
 

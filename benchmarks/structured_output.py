@@ -7,7 +7,7 @@ token with a 2 KB schema.
 
 Per prompt, alternating: unconstrained speculative (does its answer parse as JSON after stripping code fences,
 and validate?), constrained plain and constrained speculative with the prompt's own schema in strict form
-(runtime/constraints.py: closed objects). Reported: outputs that parse and validate (jsonschema), tokens/s of
+(runtime/decoding/constraints.py: closed objects). Reported: outputs that parse and validate (jsonschema), tokens/s of
 both constrained modes and whether their tokens are identical, tokens per target pass and those the grammar
 supplied, and the grammar's seconds per pass (masks per tree node, forced tokens, advancing the parser,
 timed around the Guide's methods) against the rest of the pass. TTFT: one extraction prompt, with and
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 
 import jsonschema
+from edgespec.runtime.decoding.constraints import ConstraintSpec, Guide
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
 
 from edgespec.bench import prompt_schema
 from edgespec.defaults import resolve_bundle
-from edgespec.runtime.constraints import ConstraintSpec, Guide
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.pipeline import Pipeline
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "extraction.jsonl"
 

@@ -7,9 +7,9 @@ import argparse
 import time
 
 import numpy as np
-
-from edgespec.runtime.controller import Controller, Measurements
-from edgespec.runtime.suffix import SuffixConfig, SuffixDrafter, SuffixStore
+from edgespec.runtime.contract.drafting import SuffixConfig
+from edgespec.runtime.decoding.controller import Controller, Measurements
+from edgespec.runtime.decoding.suffix import SuffixDrafter, SuffixStore
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--conversation", type=int, default=1500, help="tokens of the conversation")

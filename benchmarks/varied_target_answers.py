@@ -191,10 +191,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
 
     import torch
-
-    from edgespec.defaults import cache_dir
     from edgespec.distill import data
     from edgespec.exporters.sources import resolve_source
+
+    from edgespec.defaults import cache_dir
 
     torch.set_num_threads(2)
     torch.manual_seed(args.seed)

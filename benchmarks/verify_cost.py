@@ -7,7 +7,7 @@ model's pass beside it.
 
 Every pass is a chain of `rows` tokens after `past` cached ones with logits for every row, as a verify pass
 (and `edgespec.tune.pass_seconds`) runs it. rows = 1 is the one-token step as this device runs it: padded to
-the bundle's `min_rows` (its exactness verdict here, runtime/exactness.py: 2 unless this device's check
+the bundle's `min_rows` (its exactness verdict here, runtime/decoding/exactness.py: 2 unless this device's check
 proves one row exact). `--unpadded` adds "1*", one row at one row whatever the verdict (not an exact pass
 where min_rows is 2): the kernels' own curve.
 
@@ -36,16 +36,16 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.contract.topology import Topology
+from edgespec.runtime.decoding.exactness import verdict_here
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import ModelRunner, prefill
+from edgespec.runtime.execution.paths import cache_dir
+from edgespec.runtime.execution.sessions import make_session
+from edgespec.runtime.pipeline import default_threads
 
 from edgespec.defaults import resolve_bundle
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.exactness import verdict_here
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import ModelRunner, prefill
-from edgespec.runtime.paths import cache_dir
-from edgespec.runtime.pipeline import default_threads
-from edgespec.runtime.sessions import make_session
-from edgespec.runtime.tree import Topology
 
 
 def parse_rows(text: str) -> list[int]:
@@ -256,6 +256,7 @@ def print_profile(name: str, table: dict, rows: list[int]) -> None:
 def draft_costs(folder: Path, args, target_t1: float) -> None:
     """The bundle's draft model (if any): one pass of 1, 2 and 4 nodes, against the target's t(1)."""
     from edgespec.runtime.pipeline import Pipeline
+
     from edgespec.tune import pass_seconds
 
     pipeline = Pipeline(folder, args.threads)

@@ -16,8 +16,7 @@ from __future__ import annotations
 import copy
 
 import torch
-
-from edgespec.runtime.errors import InputError
+from edgespec.runtime.contract.errors import InputError
 
 DESIGNS = ("cut", "small", "eagle")
 FEATURE_DESIGNS = ("eagle",)  # designs whose draft reads the target's features

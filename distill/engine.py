@@ -21,14 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-
 from edgespec.exporters.architectures import builder_for
 from edgespec.exporters.bundle_writer import save_graph
 from edgespec.quant.schemes import HEAD_INT8_POLICY, QuantPolicy, QuantScheme
-from edgespec.runtime.errors import ExportError
-from edgespec.runtime.facts import ModelFacts
-from edgespec.runtime.features import FEATURES_OUT
-from edgespec.runtime.sessions import make_session
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.contract.graph import FEATURES_OUT
+from edgespec.runtime.execution.sessions import make_session
 
 DATA_QUANTS = ("int4", "int8", "fp32")
 FACTS_FILE = "facts.json"  # written last: its presence says the graph is complete

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-
 from edgespec.distill.draft_model import build_draft
 from edgespec.distill.train import draft_state, write_draft
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
+from safetensors.torch import load_file, save_file
 
 PACKED_INFO = "draft.json"
 PACKED_WEIGHTS = "weights.safetensors"

@@ -17,8 +17,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
 from edgespec.distill import data, prompts
 from edgespec.distill.data import DataConfig, feature_file
 from edgespec.distill.draft_model import FEATURE_DESIGNS
@@ -26,8 +24,9 @@ from edgespec.distill.engine import DATA_QUANTS, OnnxTarget, engine_graph
 from edgespec.distill.train import TrainConfig, train
 from edgespec.exporters.drafts import DRAFT_INFO
 from edgespec.exporters.sources import resolve_source
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
 from edgespec.runtime.pipeline import default_threads
+from tqdm import tqdm
 
 DATA_ENGINES = ("onnx", "torch")
 

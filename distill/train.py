@@ -18,8 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-
 from edgespec.distill.data import feature_file, load_shard
 from edgespec.distill.draft_model import (
     FEATURE_DESIGNS,
@@ -30,7 +28,8 @@ from edgespec.distill.draft_model import (
 )
 from edgespec.distill.vocab import choose_head_tokens, coverage
 from edgespec.exporters.drafts import DRAFT_INFO
-from edgespec.runtime.errors import InputError
+from edgespec.runtime.contract.errors import InputError
+from safetensors.torch import load_file, save_file
 
 
 @dataclass(frozen=True)

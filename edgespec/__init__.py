@@ -3,9 +3,9 @@ from importlib.metadata import version as _version
 
 __version__ = _version("edgespec")  # pyproject.toml holds the one number
 
-from edgespec.runtime.constraints import ConstraintSpec  # noqa: E402
-from edgespec.runtime.engine import GenerationConfig  # noqa: E402
-from edgespec.runtime.errors import EdgespecError  # noqa: E402
-from edgespec.runtime.pipeline import Pipeline, load  # noqa: E402
+from edgespec.runtime.contract.errors import EdgespecError
+from edgespec.runtime.decoding.constraints import ConstraintSpec
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline, load
 
 __all__ = ["__version__", "ConstraintSpec", "EdgespecError", "GenerationConfig", "Pipeline", "load"]

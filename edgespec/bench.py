@@ -7,10 +7,10 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from edgespec.runtime.constraints import ConstraintSpec
-from edgespec.runtime.engine import GenerationConfig, Stats
+from edgespec.runtime.decoding.constraints import ConstraintSpec
+from edgespec.runtime.decoding.engine import GenerationConfig, Stats
+from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
 
 # getrusage's ru_maxrss is in kilobytes on Linux, in bytes on macOS
 RU_MAXRSS_PER_MB = 1024 * 1024 if sys.platform == "darwin" else 1024
@@ -62,7 +62,7 @@ def _summary(stats: list[Stats]) -> dict:
     decode_s = sum(s.decode_s for s in stats)
     passes = sum(s.target_passes for s in stats)
     accepted = sum(s.accepted_drafts for s in stats)
-    by_choice: dict[str, dict[str, int]] = {}  # the step controller's choices (runtime/controller.py)
+    by_choice: dict[str, dict[str, int]] = {}  # the step controller's choices (runtime/decoding/controller.py)
     for s in stats:
         for choice, counts in s.steps_by_choice.items():
             total = by_choice.setdefault(choice, {"steps": 0, "tokens": 0})

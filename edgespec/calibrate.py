@@ -1,6 +1,6 @@
 """`edgespec calibrate`: where a bundle's draft and target run fastest on this device, by measurement.
 
-Every placement runtime/placement.py lists for the bundle's profile (each provider of the draft role this
+Every placement runtime/execution/placement.py lists for the bundle's profile (each provider of the draft role this
 onnxruntime has; one role after the other with every core, or both at once with the cores split) decodes
 a few short prompts, greedy, twice: the first round warms the sessions up (OpenVINO compiles its
 subgraphs per input shape: without it the prediction was far too low, history.md §51), the second is
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgespec.bench import prompt_kwargs
-from edgespec.runtime.bundle import Manifest, open_bundle
-from edgespec.runtime.device import describe, machine_key
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import InputError
-from edgespec.runtime.paths import cache_dir
+from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.contract.manifest import Manifest, open_bundle
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.execution.device import describe, machine_key
+from edgespec.runtime.execution.paths import cache_dir
+from edgespec.runtime.execution.placement import Placement, candidates
 from edgespec.runtime.pipeline import Pipeline, default_threads
-from edgespec.runtime.placement import Placement, candidates
 
 CALIBRATION_TOKENS = 48
 CALIBRATION_PROMPTS = 3  # of the built-in prompts, unless the caller gives its own

@@ -17,25 +17,19 @@ from edgespec.defaults import resolve_bundle
 from edgespec.doctor import report as doctor_report
 from edgespec.inspection import check_exact, print_bundle
 from edgespec.parser import build_parser
-from edgespec.runtime import prepacked
-from edgespec.runtime.budget import MemoryPlan, mib, parse_size, plan_memory, trade_offs
-from edgespec.runtime.bundle import open_bundle, read_manifest
-from edgespec.runtime.coreml import open_coreml
-from edgespec.runtime.constraints import ConstraintSpec
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import BudgetError, ContextOverflowError, EdgespecError, InputError
-from edgespec.runtime.paths import cache_dir
-from edgespec.runtime.pipeline import (
-    Pipeline,
-    check_threads,
-    default_prepared_dir,
-    default_threads,
-    packed_copies,
-)
-from edgespec.runtime.placement import Placement, candidates
-from edgespec.runtime.stage_build import device_measures
-from edgespec.runtime.sampling import SamplingConfig
-from edgespec.runtime.tokenizer import TextCodec
+from edgespec.runtime.contract.errors import BudgetError, ContextOverflowError, EdgespecError, InputError
+from edgespec.runtime.contract.manifest import open_bundle, read_manifest
+from edgespec.runtime.decoding.constraints import ConstraintSpec
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.decoding.text import TextCodec
+from edgespec.runtime.execution import prepacked
+from edgespec.runtime.execution.budget import MemoryPlan, mib, parse_size, plan_memory, trade_offs
+from edgespec.runtime.execution.coreml import open_coreml
+from edgespec.runtime.execution.paths import cache_dir
+from edgespec.runtime.execution.placement import Placement, candidates
+from edgespec.runtime.execution.stage_build import device_measures
+from edgespec.runtime.pipeline import Pipeline, check_threads, default_prepared_dir, default_threads, packed_copies
 from edgespec.tune import export_tuned, tune
 
 DEMO_QUESTION = "What are three good habits for writing clear code? Answer briefly."

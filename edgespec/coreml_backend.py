@@ -1,4 +1,4 @@
-"""The CoreML backend on macOS: coremltools' prediction API behind runtime/coreml.py's predictor contract.
+"""The CoreML backend on macOS: coremltools' prediction API behind runtime/execution/coreml.py's predictor contract.
 
 It lives at the front door because coremltools (the [coreml] extra) is no runtime dependency: the
 runtime's CoreML loop takes any predictor, and elsewhere the packages are refused with what runs instead.
@@ -8,9 +8,9 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from edgespec.runtime.coreml import Predict, io_cache
-from edgespec.runtime.coreml_package import CoreMLPackage
-from edgespec.runtime.errors import InputError
+from edgespec.runtime.contract.coreml_package import CoreMLPackage
+from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.execution.coreml import Predict, io_cache
 
 
 def coreml_refusal() -> str | None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from edgespec import __version__
 from edgespec.quant.schemes import HEAD_INT8_POLICY
-from edgespec.runtime.bundle import SCHEMA_VERSION
-from edgespec.runtime.paths import cache_dir
+from edgespec.runtime.contract.manifest import SCHEMA_VERSION
+from edgespec.runtime.execution.paths import cache_dir
 
 # The draft ships packed (trained tensors only, float16) and is rebuilt against the target on first use.
 SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instruct"
@@ -19,7 +19,7 @@ SHIPPED_DRAFT = Path(__file__).parent / "data" / "drafts" / "smollm2-135m-instru
 # (the reference GGUF's Q4_1 grid, reproduced) with the head in int8 (history.md §40); the
 # tree `edgespec tune` chose for this draft (§13), beside suffix drafting over the conversation and earlier
 # outputs; each step's tree (the draft's, a suffix chain or the root alone) is chosen by the step controller
-# from this device's pass costs (runtime/controller.py, §57). On int4 every node costs a row of compute:
+# from this device's pass costs (runtime/decoding/controller.py, §57). On int4 every node costs a row of compute:
 # one path a step, and the graph one lane (§49)
 DEFAULT_RECIPE = {"model": "default", "draft": "shipped", "tree": "chain:1", "context": 2048, "quant": "int4",
                   "symmetric": False, "lanes": 1, "suffix": True}

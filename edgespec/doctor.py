@@ -8,8 +8,8 @@ import warnings
 import onnxruntime as ort
 
 from edgespec.calibrate import cached
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.device import describe
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.execution.device import describe
 from edgespec.runtime.pipeline import default_threads
 from edgespec.targets.profiles import DeviceProfile, profiles, provider_label, usable_providers
 

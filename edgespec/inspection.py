@@ -5,9 +5,9 @@ from pathlib import Path
 
 import onnxruntime
 
-from edgespec.runtime.bundle import SCHEMA_VERSION, open_bundle
-from edgespec.runtime.device import machine_key
-from edgespec.runtime.errors import InexactRowsError
+from edgespec.runtime.contract.errors import InexactRowsError
+from edgespec.runtime.contract.manifest import SCHEMA_VERSION, open_bundle
+from edgespec.runtime.execution.device import machine_key
 from edgespec.runtime.pipeline import Pipeline
 
 
@@ -72,7 +72,7 @@ def print_bundle(folder: Path) -> None:
 
 
 def check_exact(folder: Path) -> None:
-    """Runs runtime/exactness.py's checks on the bundle's target here; raises InexactRowsError if a row differs."""
+    """Runs runtime/decoding/exactness.py's checks on the bundle's target here; raises InexactRowsError if a row differs."""
     pipeline = Pipeline(folder)
     compared, differ = pipeline.check_exact()
     where = f"onnxruntime {onnxruntime.__version__} on this CPU"

@@ -14,10 +14,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from edgespec.runtime.constraints import ConstraintSpec
-from edgespec.runtime.engine import GenerationConfig, Result
-from edgespec.runtime.errors import InputError
-from edgespec.runtime.sampling import SamplingConfig
+from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.decoding.constraints import ConstraintSpec
+from edgespec.runtime.decoding.engine import GenerationConfig, Result
+from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.tool_calls import ToolsError, read_tools, response_format_constraint, tool_constraint, written_call
 
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}

@@ -39,8 +39,8 @@ from edgespec.openai_api import (
     parse_completion,
     response,
 )
-from edgespec.runtime.engine import GenerationConfig, Result
-from edgespec.runtime.errors import ConstraintError, EdgespecError
+from edgespec.runtime.contract.errors import ConstraintError, EdgespecError
+from edgespec.runtime.decoding.engine import GenerationConfig, Result
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
 from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgespec.runtime.drafters import Drafter
-from edgespec.runtime.engine import Session
+from edgespec.runtime.decoding.drafters import Drafter
+from edgespec.runtime.decoding.engine import Session
+from edgespec.runtime.decoding.suffix import SuffixStore
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.suffix import SuffixStore
 
 
 def key_digest(key: str) -> str:

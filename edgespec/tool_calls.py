@@ -18,7 +18,7 @@ import json
 import re
 import uuid
 
-from edgespec.runtime.constraints import JSON_OPTIONS, ConstraintSpec, closed_objects
+from edgespec.runtime.decoding.constraints import JSON_OPTIONS, ConstraintSpec, closed_objects
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_INSTRUCTION = ("Tools (JSON Schema of each one's arguments):\n{tools}\nTo call one, answer only "

@@ -4,7 +4,7 @@
    tree, counting, at every accepted node, which rank of candidate (if any) the target continued with;
 2. cost: the target pass's time for every node count at a typical context length, and the draft's
    time per level of depth;
-3. the tree maximizing expected tokens per second (runtime/treeopt.py), and the best chain;
+3. the tree maximizing expected tokens per second (runtime/decoding/treeopt.py), and the best chain;
 4. both measured end to end on the same prompts, so the prediction can be checked.
 
 Beside a draft model, prompt lookup (`export --lookup K --lookup-quote Q`) is chosen too: calibration
@@ -25,16 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.bench import load_prompts, prompt_kwargs, run_bench
-from edgespec.runtime.bundle import read_manifest, write_manifest
-from edgespec.runtime.drafters import DrafterKind
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import ContextOverflowError
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.lookup import LookupConfig
-from edgespec.runtime.model import ModelRunner, prefill
+from edgespec.runtime.contract.drafting import DrafterKind, LookupConfig
+from edgespec.runtime.contract.errors import ContextOverflowError
+from edgespec.runtime.contract.manifest import read_manifest, write_manifest
+from edgespec.runtime.contract.topology import Topology
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.treeopt import choose_tree
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import ModelRunner, prefill
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.tree import Topology
-from edgespec.runtime.treeopt import choose_tree
 
 PROBE_WIDTH, PROBE_DEPTH = 4, 6
 # Lookup lengths measured beside a draft model (and the bundle's own): what a lookup token costs depends

@@ -10,8 +10,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from edgespec.runtime.errors import ExportError, UnsupportedArchitectureError
+from edgespec.runtime.contract.errors import ExportError, UnsupportedArchitectureError
 
 from .llama import LlamaBuilder
 

@@ -15,11 +15,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 import onnx
-
 from edgespec.quant.apply import quantize_model
 from edgespec.quant.calibrate import Calibration, activation_maxima
 from edgespec.quant.schemes import QuantPolicy
-from edgespec.runtime.bundle import (
+from edgespec.runtime.contract.coreml_package import CoreMLPackage
+from edgespec.runtime.contract.drafting import DrafterKind, DynamicTreeConfig, LookupConfig, NgramConfig, SuffixConfig
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.contract.graph import ATTENTION_KEY, EXACT_ROWS_KEY, MIN_ROWS, STANDARD_ATTENTION
+from edgespec.runtime.contract.manifest import (
     MANIFEST,
     GraphSpec,
     Manifest,
@@ -29,15 +32,8 @@ from edgespec.runtime.bundle import (
     sha256_file,
     write_manifest,
 )
-from edgespec.runtime.coreml_package import CoreMLPackage
-from edgespec.runtime.drafters import DrafterKind, NgramConfig
-from edgespec.runtime.dynamic_tree import DynamicTreeConfig
-from edgespec.runtime.errors import ExportError
-from edgespec.runtime.lookup import LookupConfig
-from edgespec.runtime.suffix import SuffixConfig
-from edgespec.runtime.model import ATTENTION_KEY, EXACT_ROWS_KEY, MIN_ROWS, STANDARD_ATTENTION
-from edgespec.runtime.tokenizer import TokenizerSpec
-from edgespec.runtime.tree import Topology
+from edgespec.runtime.contract.tokenizer import TokenizerSpec
+from edgespec.runtime.contract.topology import Topology
 from edgespec.targets.profiles import DeviceProfile
 
 from .llama import LlamaBuilder
@@ -90,7 +86,7 @@ def _graph_spec(name: str, model: onnx.ModelProto, applied: dict, policy: QuantP
     )
 
 
-# operators whose one-row kernel rounds unlike their multi-row one (runtime/model.py, MIN_ROWS)
+# operators whose one-row kernel rounds unlike their multi-row one (runtime/execution/model.py, MIN_ROWS)
 ROW_DEPENDENT_OPS = ("MatMul", "Gemm", "MatMulNBits")
 
 

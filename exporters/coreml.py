@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from edgespec.runtime.coreml_package import COMPUTE_UNITS, CoreMLPackage
-from edgespec.runtime.errors import ExportError
-from edgespec.runtime.tree import Topology
+from edgespec.runtime.contract.coreml_package import COMPUTE_UNITS, CoreMLPackage
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.contract.topology import Topology
 
 from .llama import LlamaBuilder
 

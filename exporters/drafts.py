@@ -7,10 +7,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-
 from edgespec.quant.calibrate import Calibration
-from edgespec.runtime.errors import ExportError
-from edgespec.runtime.features import draft_inputs
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.execution.features import draft_inputs
 
 from .architectures import builder_for
 from .bundle_writer import calibrate, check_compatible

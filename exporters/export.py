@@ -8,39 +8,35 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnxruntime
-
 from edgespec.quant.calibrate import calibration_text
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
-from edgespec.runtime.budget import MAX_LANES, lanes_for
-from edgespec.runtime.bundle import MAX_PREFILL_CHUNK, ProfileGraphs, write_manifest
-from edgespec.runtime.coreml_package import compute_units_for
-from edgespec.runtime.device import machine_key
-from edgespec.runtime.drafters import DrafterKind, NgramConfig
-from edgespec.runtime.dynamic_tree import DynamicTreeConfig
-from edgespec.runtime.errors import ExportError, InputError
-from edgespec.runtime.exactness import fewest_exact_rows
-from edgespec.runtime.lookup import LookupConfig
-from edgespec.runtime.model import ModelRunner
-from edgespec.runtime.paths import cache_dir as default_cache_dir
+from edgespec.runtime.contract.coreml_package import compute_units_for
+from edgespec.runtime.contract.drafting import DrafterKind, DynamicTreeConfig, LookupConfig, NgramConfig, SuffixConfig
+from edgespec.runtime.contract.errors import ExportError, InputError
+from edgespec.runtime.contract.manifest import MAX_PREFILL_CHUNK, ProfileGraphs, write_manifest
+from edgespec.runtime.contract.topology import Topology, parse_tree_spec
+from edgespec.runtime.decoding.exactness import fewest_exact_rows
+from edgespec.runtime.execution.budget import MAX_LANES, lanes_for
+from edgespec.runtime.execution.device import machine_key
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.execution.paths import cache_dir as default_cache_dir
+from edgespec.runtime.execution.sessions import make_session
 from edgespec.runtime.pipeline import default_threads
-from edgespec.runtime.sessions import make_session
-from edgespec.runtime.suffix import SuffixConfig
-from edgespec.runtime.tree import Topology, parse_tree_spec
 from edgespec.targets.profiles import DeviceProfile, get_profile
 
 from .architectures import builder_for
-from .gguf_weights import kept_blocks
 from .bundle_writer import (
     BundleContents,
     TreeSettings,
-    calibrate,
     bundle_manifest,
+    calibrate,
     staged_bundle,
     write_model,
     write_tokenizer,
 )
-from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
 from .coreml import CoreMLOptions
+from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
+from .gguf_weights import kept_blocks
 from .quality import Written, write_quality_report
 from .sources import resolve_source
 
@@ -381,7 +377,7 @@ def static_dims(nodes: int | None, context: int) -> dict[str, int] | None:
 
 
 def check_exactness(graph: Path, facts) -> dict:
-    """runtime/exactness.py's check on the written target graph, as the manifest records it."""
+    """runtime/decoding/exactness.py's check on the written target graph, as the manifest records it."""
     runner = ModelRunner(make_session(graph, ("CPUExecutionProvider",), default_threads()), facts)
     min_rows, compared, differ = fewest_exact_rows(runner)
     return {"machine": machine_key(), "onnxruntime": onnxruntime.__version__, "exact": not differ,

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
 
 ROPE_TYPES = ("none", "linear", "yarn")  # llama.cpp's rope.scaling.type values this module maps
 

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from edgespec.quant.gguf_grid import KEPT, BlockGrid, concatenate, decode
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
 
 from .llama import LlamaBuilder
-
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 

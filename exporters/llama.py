@@ -28,7 +28,7 @@ matmul kernels round those sums differently when the same values sit at other co
 attention_bias that masks a sibling still moves the columns: measured, 6e-8). In plain decoding a
 token's path lies at columns past, past+1, ...; so the runtime gives each root-to-leaf path of a tree a
 lane of its own in which every token sees exactly the columns plain decoding shows it, and its row has
-the same bits (runtime/model.py). The op takes several sequences with a past only as one, so the
+the same bits (runtime/execution/model.py). The op takes several sequences with a past only as one, so the
 lanes are folded into its heads: lane b's query heads are b * H .. b * H + H - 1 over its kv heads
 b * kvH .., each head computed alone as in plain decoding. Every lane of a cache holds the same
 committed rows; the runtime copies an accepted path's rows from its lane to the others (a few rows,
@@ -51,7 +51,7 @@ matmuls as [1, N, H], batch-major, and only the attention sees them as [B, S]: p
 seqlens_k [B], KV buffers [B, kv_heads, capacity, head_dim], no qkv_rows/out_rows/attention_bias
 (the op's own causal mask). Plain decoding's exactness is not its concern: it makes training data.
 
-A feature-reading draft (runtime/features.py) also takes `features` [1, N, H] and mixes them into its
+A feature-reading draft (runtime/execution/features.py) also takes `features` [1, N, H] and mixes them into its
 embeddings through a trained projection; a graph built with `features_out` also returns `features_out`
 [1, N, H], the final-norm hidden state of every row.
 
@@ -64,11 +64,9 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-
-from edgespec.runtime.errors import ExportError
-from edgespec.runtime.facts import ModelFacts
-from edgespec.runtime.features import FEATURES, FEATURES_OUT
-from edgespec.runtime.kvcache import KV_SLACK
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.contract.graph import FEATURES, FEATURES_OUT, KV_SLACK
 
 from .attention import LayerAttention
 from .onnx_builder import FLOAT, INT32, INT64, GraphBuilder

@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
-from edgespec.runtime.coreml import CoreMLModel, io_cache, merged_package
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.execution.coreml import CoreMLModel, io_cache, merged_package
 
 from .coreml import quiet_coremltools
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from edgespec.quant.report import quality_report
 from edgespec.quant.schemes import QuantPolicy
-from edgespec.runtime.model import ModelRunner
+from edgespec.runtime.contract.tokenizer import TokenizerSpec
+from edgespec.runtime.decoding.text import TextCodec
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.execution.sessions import make_session
 from edgespec.runtime.pipeline import default_threads
-from edgespec.runtime.sessions import make_session
-from edgespec.runtime.tokenizer import TextCodec, TokenizerSpec
 
 from .bundle_writer import save_graph
 from .llama import LlamaBuilder

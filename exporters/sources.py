@@ -15,12 +15,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from edgespec.runtime.contract.errors import ExportError
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-from edgespec.runtime.errors import ExportError
 
 from .architectures import family_for
 from .gguf_meta import apply_rope_factors, fix_config, read_gguf_facts

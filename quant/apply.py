@@ -11,10 +11,9 @@ import logging
 
 import numpy as np
 import onnx
+from edgespec.runtime.contract.errors import InputError
 from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-from edgespec.runtime.errors import InputError
 
 from . import integer
 from .gguf_grid import BlockGrid, matmul_nbits_inputs

@@ -13,12 +13,11 @@ from importlib import resources
 import numpy as np
 import onnx
 import onnxruntime as ort
-
-from edgespec.runtime.errors import InputError
-from edgespec.runtime.facts import ModelFacts
-from edgespec.runtime.features import FEATURES, FEATURES_OUT
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import padded_features, pass_feed, run_bound
+from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.contract.graph import FEATURES, FEATURES_OUT
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import padded_features, pass_feed, run_bound
 
 CALIBRATION_TOKENS = 512
 

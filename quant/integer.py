@@ -1,7 +1,7 @@
 """int8 matmuls whose every row is computed in integers: the same bits at any row count.
 
 MatMulNBits (and MLAS sgemm) round a one-row product differently from a multi-row one, so an exact
-pass must pad a one-token step to two rows (runtime/model.py, MIN_ROWS): a third of a plain step
+pass must pad a one-token step to two rows (runtime/execution/model.py, MIN_ROWS): a third of a plain step
 (benchmarks/history.md §40). Here the product is
 
     x . W  ~=  s_x[row] * s_w[col] * sum_k qx[row, k] * qw[k, col]

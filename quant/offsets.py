@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from edgespec.runtime.contract.errors import InputError
 from onnx import helper, numpy_helper
-
-from edgespec.runtime.errors import InputError
 
 from .rewrite import add_constants, replace_node
 

@@ -6,11 +6,10 @@ Pure runtime code (onnxruntime sessions, numpy): it compares graphs, not torch m
 from __future__ import annotations
 
 import numpy as np
-
-from edgespec.runtime.drafters import NoDrafter
-from edgespec.runtime.engine import Session, speculative_step
-from edgespec.runtime.features import draft_inputs
-from edgespec.runtime.model import ModelRunner, commit, prefill
+from edgespec.runtime.decoding.drafters import NoDrafter
+from edgespec.runtime.decoding.engine import Session, speculative_step
+from edgespec.runtime.execution.features import draft_inputs
+from edgespec.runtime.execution.model import ModelRunner, commit, prefill
 
 
 def _passes(runner: ModelRunner, ids: list[int], chunk: int, features: np.ndarray | None = None):

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from edgespec.runtime.errors import InputError
+from edgespec.runtime.contract.errors import InputError
 
 SCHEMES = ("fp32", "fp16", "int8", "int4")
 # the default bundle's policy over int4: the head in int8 (int4 there costs perplexity, history.md §49)

@@ -7,37 +7,30 @@ from pathlib import Path
 
 import numpy as np
 
-from . import prepacked
-from .budget import parse_size
-from .bundle import Manifest, open_bundle, read_head_tokens
-from .constraints import Grammars
-from .controller import Controller, Measurements
-from .device import describe
-from .drafters import (
-    Drafter,
-    DrafterKind,
-    ModelDrafter,
-    NgramDrafter,
-    NoDrafter,
-    RecyclingDrafter,
-    new_recycling_table,
-)
-from .dynamic_tree import DynamicDrafter
-from .engine import GenerationConfig, Result, Session, generate, speculative_step
-from .errors import BundleError, InputError
-from .exactness import RowMismatch, Verdict, fewest_exact_rows, verdict_here
-from .heap import heap_trimmer
-from .kvcache import KVCache
-from .lookup import WithLookup
-from .model import ModelRunner
-from .overlap import Overlap
-from .paths import cache_dir
-from .placement import Placement
-from .sessions import make_session
-from .stage_build import build_measured, plan_on_this_device, window_specs
-from .streamed_tree import tree_under_budget
-from .suffix import SuffixDrafter, SuffixStore
-from .tokenizer import TextCodec
+from .contract.drafting import DrafterKind
+from .contract.errors import BundleError, InputError
+from .contract.manifest import Manifest, open_bundle, read_head_tokens
+from .decoding.constraints import Grammars
+from .decoding.controller import Controller, Measurements
+from .decoding.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
+from .decoding.dynamic_tree import DynamicDrafter
+from .decoding.engine import GenerationConfig, Result, Session, generate, speculative_step
+from .decoding.exactness import RowMismatch, Verdict, fewest_exact_rows, verdict_here
+from .decoding.lookup import WithLookup
+from .decoding.overlap import Overlap
+from .decoding.streamed_tree import tree_under_budget
+from .decoding.suffix import SuffixDrafter, SuffixStore
+from .decoding.text import TextCodec
+from .execution import prepacked
+from .execution.budget import parse_size
+from .execution.device import describe
+from .execution.heap import heap_trimmer
+from .execution.kvcache import KVCache
+from .execution.model import ModelRunner
+from .execution.paths import cache_dir
+from .execution.placement import Placement
+from .execution.sessions import make_session
+from .execution.stage_build import build_measured, plan_on_this_device, window_specs
 
 MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxruntime's pools thrash
 
@@ -75,7 +68,7 @@ class Pipeline:
         overlaps verification (edgespec/calibrate.py measures them); default: the profile's first provider
         for each role, `threads` for both, one after the other. `profile`: which of the bundle's device profiles
         to run (its providers and its graphs; default: the first it was exported for). `context`: the fewest
-        tokens the caches must hold under a budget (default runtime/budget.py MIN_CONTEXT): the budget goes to
+        tokens the caches must hold under a budget (default runtime/execution/budget.py MIN_CONTEXT): the budget goes to
         speed first, the context gets what is left beyond this floor."""
         self.evict_page_cache = evict_page_cache
         self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
@@ -93,7 +86,7 @@ class Pipeline:
         self.strict = strict
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)
-        self.stream_costs = None  # a staged target's stage costs on this device (runtime/stream_costs.py)
+        self.stream_costs = None  # a staged target's stage costs on this device (runtime/execution/stream_costs.py)
         if self.memory.stage_bytes:  # the single graph does not fit: stages, through a window
             self.target, self.memory, self.stream_costs = build_measured(
                 m, self.folder, self.memory, profile.verify, self.target_threads, self.prepared_dir, cache_dir(),
@@ -146,7 +139,7 @@ class Pipeline:
     def exactness(self) -> Verdict:
         """Whether speculation keeps plain decoding's bits here, and at how many rows a one-token step does:
         recorded at export for the device that exported it; elsewhere checked once on first use and cached
-        per device (runtime/exactness.py). The target runs that many rows from then on, plain or not."""
+        per device (runtime/decoding/exactness.py). The target runs that many rows from then on, plain or not."""
         if self._exactness is None:
             m = self.manifest
             self._exactness = verdict_here(m.exactness, m.files.get(m.target.graph.file, ""), self.target, cache_dir())
@@ -168,7 +161,7 @@ class Pipeline:
 
     def make_drafter(self, speculate: bool, controlled: bool = True, suffix_store: SuffixStore | None = None,
                      recycling_table: np.ndarray | None = None) -> Drafter:
-        """The bundle's drafter; with suffix drafting, under the step controller (runtime/controller.py) unless
+        """The bundle's drafter; with suffix drafting, under the step controller (runtime/decoding/controller.py) unless
         not `controlled` (then the drafter alone, on the pipeline's tree: what tune measures). `suffix_store`
         and `recycling_table`: what it learns from across requests, the caller's own (`new_suffix_store`,
         `new_recycling_table`); default: the pipeline's, shared by every request it serves."""

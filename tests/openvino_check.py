@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from edgespec.runtime.contract.manifest import open_bundle, read_head_tokens
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.pipeline import Pipeline
 
 from edgespec.calibrate import calibrate
-from edgespec.runtime.bundle import open_bundle, read_head_tokens
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.model import ModelRunner
-from edgespec.runtime.pipeline import Pipeline
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "{\"name\": \"edge"]
 

@@ -1,7 +1,7 @@
 """A check shared by the fp32 and quantized tests: a token's logits do not depend on the pass's shape.
-The comparisons live in the runtime (runtime/exactness.py), where `inspect --check-exact` runs them too."""
-from edgespec.runtime.exactness import TREE_PARENTS, chunk_mismatches, tree_mismatches
-from edgespec.runtime.model import ModelRunner
+The comparisons live in the runtime (runtime/decoding/exactness.py), where `inspect --check-exact` runs them too."""
+from edgespec.runtime.decoding.exactness import TREE_PARENTS, chunk_mismatches, tree_mismatches
+from edgespec.runtime.execution.model import ModelRunner
 
 
 def assert_rows_shape_invariant(runner: ModelRunner, seed: int, prefix: int, chunk: int, tail: int = 10) -> None:

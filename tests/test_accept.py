@@ -1,7 +1,6 @@
 import numpy as np
-
-from edgespec.runtime.accept import accept_greedy
-from edgespec.runtime.tree import parse_tree_spec
+from edgespec.runtime.contract.topology import parse_tree_spec
+from edgespec.runtime.decoding.accept import accept_greedy
 
 
 def test_chain_accepts_longest_matching_prefix_and_bonus():

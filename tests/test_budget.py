@@ -3,10 +3,9 @@ import json
 import re
 
 import pytest
-
-from edgespec.runtime.budget import MIN_CONTEXT, parse_size, plan_memory
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.errors import BudgetError, ContextOverflowError
+from edgespec.runtime.contract.errors import BudgetError, ContextOverflowError
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.execution.budget import MIN_CONTEXT, parse_size, plan_memory
 
 
 @pytest.mark.parametrize("text,expected", [("300MB", 300_000_000), ("1.5GiB", 3 * 2**29), ("2048", 2048),
@@ -54,7 +53,7 @@ def test_a_budget_below_the_minimum_is_refused_with_the_minimum(bundle_factory):
 
 
 def test_pipeline_caches_hold_the_planned_context_and_say_so_when_full(bundle_factory):
-    from edgespec.runtime.engine import GenerationConfig
+    from edgespec.runtime.decoding.engine import GenerationConfig
     from edgespec.runtime.pipeline import Pipeline
 
     folder = bundle_factory(draft="draft", context=512)
@@ -84,7 +83,7 @@ def test_plan_command_prints_the_split(bundle_factory, capsys):
 
 
 def test_the_largest_tree_counts_the_longest_lookup_chain(bundle_factory):
-    from edgespec.runtime.budget import largest_tree
+    from edgespec.runtime.execution.budget import largest_tree
 
     manifest = open_bundle(bundle_factory(draft="draft", tree="chain:1", lookup=4, lookup_quote=9))
     assert largest_tree(manifest) == (2 + 9, 2, 9 + 1)  # the chain's path and the lookup's, 9 deep below the root

@@ -2,10 +2,9 @@
 earlier outputs and Token Recycling table, and a conversation it already encoded."""
 import numpy as np
 import pytest
-
-from edgespec.runtime.drafters import NoDrafter
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import InputError
+from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.decoding.drafters import NoDrafter
+from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
 
 CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)

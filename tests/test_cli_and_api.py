@@ -2,9 +2,10 @@ import json
 import subprocess
 import sys
 
-from edgespec.cli import main
-from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
+
+from edgespec.cli import main
 
 
 def test_runtime_imports_neither_torch_nor_transformers():
@@ -72,7 +73,7 @@ def test_inspect_checks_on_this_device_that_rows_keep_their_bits(bundle_factory,
     assert "exact rows: 48 of 48 tokens have plain decoding's bits" in capsys.readouterr().out  # one lane: a chain of 4
     assert "exact rows" not in (main(["inspect", bundle]), capsys.readouterr().out)[1]
 
-    from edgespec.runtime.exactness import RowMismatch
+    from edgespec.runtime.decoding.exactness import RowMismatch
     from edgespec.runtime.pipeline import Pipeline
 
     monkeypatch.setattr(Pipeline, "check_exact",

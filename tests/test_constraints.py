@@ -6,16 +6,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from edgespec.runtime.contract.errors import ConstraintError, InputError
+from edgespec.runtime.decoding.constraints import ConstraintSpec, Grammars
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.decoding.tree import Tree
+from edgespec.runtime.execution.model import prefill
+from edgespec.runtime.pipeline import Pipeline
 from test_sampling_engine import TRIALS, assert_same_distribution
 
 from edgespec.cli import main
-from edgespec.runtime.constraints import ConstraintSpec, Grammars
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import ConstraintError, InputError
-from edgespec.runtime.model import prefill
-from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
-from edgespec.runtime.tree import Tree
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "count": {"type": "integer"},

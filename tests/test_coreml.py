@@ -11,16 +11,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from edgespec.exporters.export import ExportConfig, export
 from edgespec.exporters.mil_reference import (
     load_program,
     reference_logits,
     reference_predictor,
 )
-from edgespec.runtime.bundle import open_bundle, read_manifest, verify_files
-from edgespec.runtime.coreml import open_coreml
-from edgespec.runtime.errors import BundleError, ExportError
+from edgespec.runtime.contract.errors import BundleError, ExportError
+from edgespec.runtime.contract.manifest import open_bundle, read_manifest, verify_files
+from edgespec.runtime.execution.coreml import open_coreml
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 12, 100, 3, 64, 9, 150, 21]
 
@@ -194,7 +193,7 @@ def test_bad_coreml_settings_fail_before_work(models, tmp_path, settings, messag
 
 
 def test_manifest_round_trip_keeps_the_packages(coreml_bundles):
-    from edgespec.runtime.bundle import Manifest
+    from edgespec.runtime.contract.manifest import Manifest
 
     data = json.loads((coreml_bundles["int8"] / "manifest.json").read_text())
     assert Manifest.from_dict(data).to_dict() == data
@@ -217,7 +216,7 @@ def test_reference_model_with_its_shipped_draft_converts_and_decodes(tmp_path):
     _, spec = load_program(folder / manifest.coreml[1].file)
     inputs = {i.name for f in spec.description.functions for i in f.input}
     assert "features" in inputs  # the eagle draft reads the target's features
-    from edgespec.runtime.tokenizer import TextCodec
+    from edgespec.runtime.decoding.text import TextCodec
 
     prompt = TextCodec(folder, manifest.tokenizer).encode_chat([{"role": "user", "content": "Name three colors."}])
     plain, _ = open_coreml(folder, manifest, "state", reference_predictor).generate(prompt, 12, speculate=False)

@@ -3,12 +3,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from edgespec.distill.data import DataConfig, load_shard, shard_paths
 from edgespec.distill.run import DistillConfig, distill
 from edgespec.distill.train import TrainConfig, make_batch, read_sequences
 from edgespec.distill.vocab import choose_head_tokens, coverage
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
 
 SMALL_DATA = DataConfig(batch=8, max_new_tokens=24, max_prompt_tokens=48, top_k=4, prompts_per_shard=8)
 SMALL_TRAIN = TrainConfig(head_size=96, window=32, batch=4, checkpoint_s=1.0, eval_s=2.0)
@@ -112,7 +111,7 @@ def test_an_interrupted_training_resumes_from_its_checkpoint(distilled, tmp_path
 
 def test_distilled_draft_exports_and_generates_losslessly(distilled, models, tmp_path):
     from edgespec.exporters.export import ExportConfig, export
-    from edgespec.runtime.engine import GenerationConfig
+    from edgespec.runtime.decoding.engine import GenerationConfig
     from edgespec.runtime.pipeline import Pipeline
 
     bundle = export(ExportConfig(model=str(models["target"]), draft=str(distilled.out), out=tmp_path / "b",
@@ -148,10 +147,9 @@ def test_batches_supervise_only_positions_after_the_prompt(distilled):
 
 def test_packed_draft_rebuilds_the_same_draft_against_its_target(distilled, models, tmp_path):
     import torch
-    from transformers import AutoModelForCausalLM
-
     from edgespec.distill.pack import pack_draft, unpack_draft
     from edgespec.exporters.sources import resolve_source
+    from transformers import AutoModelForCausalLM
 
     packed = pack_draft(distilled.out, tmp_path / "packed", {"command": "test"})
     target, tokenizer = resolve_source(str(models["target"]), tmp_path).load()
@@ -212,7 +210,6 @@ def eagle(distilled, models, tmp_path_factory):
 
 def test_features_are_the_targets_final_hidden_states_at_every_token(eagle, distilled, models, tmp_path):
     import torch
-
     from edgespec.distill.train import feature_file
     from edgespec.exporters.sources import resolve_source
 
@@ -248,7 +245,7 @@ def test_an_eagle_draft_exports_packs_and_generates_losslessly(eagle, models, tm
     from edgespec.exporters.drafts import DRAFT_INFO
     from edgespec.exporters.export import ExportConfig, export
     from edgespec.exporters.sources import resolve_source
-    from edgespec.runtime.engine import GenerationConfig
+    from edgespec.runtime.decoding.engine import GenerationConfig
     from edgespec.runtime.pipeline import Pipeline
 
     info = json.loads((eagle.out / DRAFT_INFO).read_text())
@@ -367,10 +364,9 @@ def test_later_drafting_steps_see_what_the_runtime_would_give_them(models, tmp_p
     """Step s of draft_hidden_steps at row t equals drafting one token at a time: the accepted rows up to
     t - s + 1 read the target's features, each later row reads the draft's own output at the row before."""
     import torch
-    from transformers import DynamicCache
-
     from edgespec.distill.draft_model import build_draft, draft_hidden_steps
     from edgespec.exporters.sources import resolve_source
+    from transformers import DynamicCache
 
     target, _ = resolve_source(str(models["target"]), tmp_path).load()
     draft, _ = build_draft(target, "eagle")

@@ -2,12 +2,11 @@
 gives features as transformers does; in int4 it computes what the bundle's int4 target graph computes."""
 import numpy as np
 import pytest
-
 from edgespec.distill.data import TorchTarget
 from edgespec.distill.engine import OnnxTarget, data_policy, engine_graph, top_k_logp
 from edgespec.exporters.sources import resolve_source
 from edgespec.quant.schemes import HEAD_INT8_POLICY
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
 
 TOP_K = 4
 
@@ -70,7 +69,7 @@ def test_int4_engine_computes_what_the_int4_bundle_target_computes(models, tmp_p
     """The data is the deployed target's: the engine's int4 graph (the default bundle's scheme) gives the
     log-probabilities an int4 bundle's target graph gives over the same tokens."""
     from edgespec.exporters.export import ExportConfig, export
-    from edgespec.runtime.kvcache import KVCache
+    from edgespec.runtime.execution.kvcache import KVCache
     from edgespec.runtime.pipeline import Pipeline
 
     bundle = export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", quant="int4",

@@ -3,18 +3,18 @@ import json
 import shutil
 
 import pytest
-
-from edgespec.cli import main
 from edgespec.exporters.export import ExportConfig, export
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import (
+from edgespec.runtime.contract.errors import (
     BundleError,
     ContextOverflowError,
     ExportError,
     UnsupportedArchitectureError,
 )
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
+
+from edgespec.cli import main
 
 
 def copy_bundle(bundle_factory, tmp_path):
@@ -25,7 +25,7 @@ def copy_bundle(bundle_factory, tmp_path):
 
 def replace_signed(bundle, name: str, content: bytes) -> None:
     """Replaces one of the bundle's files and records its new checksum: damage the checksums cannot see."""
-    from edgespec.runtime.bundle import sha256_file
+    from edgespec.runtime.contract.manifest import sha256_file
 
     (bundle / name).write_bytes(content)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -253,7 +253,7 @@ def test_empty_prompt(bundle_factory):
 def test_a_prompt_that_exactly_fills_the_context_still_answers(bundle_factory):
     pipeline = Pipeline(bundle_factory(context=64))
     ids = pipeline.encode("fox " * 100)[:64]
-    from edgespec.runtime.engine import generate
+    from edgespec.runtime.decoding.engine import generate
 
     result = generate(pipeline.target, pipeline.codec, pipeline.make_drafter(False), pipeline.new_session(), ids,
                       GenerationConfig(max_new_tokens=1, stop_at_eos=False), 16)

@@ -7,12 +7,11 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-
-from edgespec.runtime import exactness as exactness_module
-from edgespec.runtime.bundle import MANIFEST
-from edgespec.runtime.device import machine_key
-from edgespec.runtime.drafters import NoDrafter
-from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.contract.manifest import MANIFEST
+from edgespec.runtime.decoding import exactness as exactness_module
+from edgespec.runtime.decoding.drafters import NoDrafter
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.execution.device import machine_key
 from edgespec.runtime.pipeline import Pipeline
 
 

@@ -2,13 +2,12 @@
 import numpy as np
 import pytest
 import torch
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.contract.topology import parse_tree_spec
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import ModelRunner, prefill
+from edgespec.runtime.execution.sessions import make_session
 from transformers import AutoModelForCausalLM
-
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import ModelRunner, prefill
-from edgespec.runtime.sessions import make_session
-from edgespec.runtime.tree import parse_tree_spec
 
 TOLERANCE = 1e-4
 
@@ -56,10 +55,9 @@ def test_branching_tree_logits_match_torch_on_every_path(arch, models, bundle_fa
 def test_static_node_count_graph_matches_the_dynamic_one(models, tmp_path):
     """Static-shape profiles get graphs with a fixed N; they compute the same bits as the dynamic graph."""
     import onnx
-
     from edgespec.exporters.architectures import builder_for
     from edgespec.exporters.weights import externalize
-    from edgespec.runtime.facts import ModelFacts
+    from edgespec.runtime.contract.facts import ModelFacts
 
     model = AutoModelForCausalLM.from_pretrained(models["target"]).eval()
     builder = builder_for(model, 64)

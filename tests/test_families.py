@@ -3,17 +3,16 @@ models whose configs exercise what each family adds: tests/tiny.py's FAMILY_CONF
 import numpy as np
 import pytest
 import torch
-from tiny import CORPUS, FAMILY_CONFIGS, WINDOW, make_model
-
 from edgespec.exporters.architectures import FAMILIES
 from edgespec.exporters.export import ExportConfig, export
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import ModelRunner, commit
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.contract.topology import parse_tree_spec
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import ModelRunner, commit
+from edgespec.runtime.execution.sessions import make_session
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sessions import make_session
-from edgespec.runtime.tree import parse_tree_spec
+from tiny import CORPUS, FAMILY_CONFIGS, WINDOW, make_model
 
 TOLERANCE = 1e-4
 PROMPT = 200  # longer than every tiny config's sliding window
@@ -110,7 +109,7 @@ def test_a_draft_with_padded_vocabulary_rows_drafts_for_the_target(tmp_path):
 def test_a_draft_whose_tokenizer_differs_is_refused_naming_the_token(tmp_path):
     import json
 
-    from edgespec.runtime.errors import ExportError
+    from edgespec.runtime.contract.errors import ExportError
 
     make_model(tmp_path / "t", "llama", seed=1)
     make_model(tmp_path / "d", "llama", seed=2, layers=1)

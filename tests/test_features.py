@@ -3,19 +3,17 @@ import json
 
 import numpy as np
 import pytest
-
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.sampling import SamplingConfig
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "{\"name\": \"edge"]
 
 
 def write_feature_draft(folder, hidden=64, seed=5):
     """A random tiny draft that reads the target's features: a Hugging Face folder plus distill's description."""
+    from edgespec.exporters.drafts import DRAFT_INFO
     from safetensors.numpy import save_file
     from tiny import make_model
-
-    from edgespec.exporters.drafts import DRAFT_INFO
 
     make_model(folder, "llama", seed=seed, layers=1, hidden=hidden)
     rng = np.random.default_rng(seed)
@@ -41,7 +39,7 @@ def feature_bundles(models, tmp_path_factory):
 
 
 def test_the_manifest_wires_target_features_into_the_draft(feature_bundles):
-    from edgespec.runtime.bundle import open_bundle
+    from edgespec.runtime.contract.manifest import open_bundle
 
     manifest = open_bundle(feature_bundles["chain:3"])
     assert manifest.target.graph.outputs["features_out"]["shape"][-1] == manifest.target.facts.hidden_size
@@ -51,14 +49,13 @@ def test_the_manifest_wires_target_features_into_the_draft(feature_bundles):
 
 def test_target_features_are_the_torch_models_final_hidden_states(feature_bundles, models):
     import torch
-    from transformers import AutoModelForCausalLM
-
     from edgespec.runtime.pipeline import Pipeline
+    from transformers import AutoModelForCausalLM
 
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1)
     ids = pipeline.encode("The quick brown fox jumps")
     session = pipeline.new_session()
-    from edgespec.runtime.model import prefill
+    from edgespec.runtime.execution.model import prefill
 
     prefill(pipeline.target, session.cache, ids, chunk=4)
     model = AutoModelForCausalLM.from_pretrained(models["target"]).float().eval()
@@ -84,8 +81,8 @@ def test_feature_drafts_are_lossless(feature_bundles, tree):
 def test_the_draft_pairs_each_token_with_the_targets_previous_feature(feature_bundles):
     """Recomputes a chain proposal by hand: the draft's row i reads the target's feature at i - 1, and a
     drafted token reads the draft's own output feature at its parent."""
-    from edgespec.runtime.kvcache import KVCache
-    from edgespec.runtime.model import commit
+    from edgespec.runtime.execution.kvcache import KVCache
+    from edgespec.runtime.execution.model import commit
     from edgespec.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1)
@@ -139,7 +136,7 @@ def test_sliding_with_a_feature_draft_stays_lossless(feature_bundles):
 
 def test_a_feature_draft_for_another_width_is_refused(models, tmp_path):
     from edgespec.exporters.export import ExportConfig, export
-    from edgespec.runtime.errors import ExportError
+    from edgespec.runtime.contract.errors import ExportError
 
     draft = write_feature_draft(tmp_path / "wide", hidden=32)
     with pytest.raises(ExportError, match="hidden size"):
@@ -163,6 +160,7 @@ def test_quality_report_measures_a_feature_draft_with_a_trimmed_head(models, tmp
 def test_a_feature_draft_pass_can_be_timed(feature_bundles):
     """`benchmarks/verify_cost.py` times the draft alone, with no target to give it features."""
     from edgespec.runtime.pipeline import Pipeline
+
     from edgespec.tune import pass_seconds
 
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1)

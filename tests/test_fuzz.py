@@ -9,15 +9,15 @@ import json
 import os
 
 import pytest
+from edgespec.runtime.contract.errors import EdgespecError
+from edgespec.runtime.contract.manifest import MANIFEST, Manifest
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.pipeline import Pipeline
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgespec.openai_api import APIError, parse_chat, parse_completion
-from edgespec.runtime.bundle import MANIFEST, Manifest
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import EdgespecError
-from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
 
 EXAMPLES = int(os.environ.get("EDGESPEC_FUZZ_EXAMPLES", "60"))
 FIXED_SEED = os.environ.get("EDGESPEC_FUZZ_RANDOM") != "1"  # CI replays the same cases; the benchmark explores

@@ -2,14 +2,13 @@
 import numpy as np
 import pytest
 import torch
+from edgespec.exporters.export import ExportConfig, export
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.execution.sessions import make_session
 from gguf_files import write_gguf
 from tiny import FAMILY_CONFIGS, make_model
-
-from edgespec.exporters.export import ExportConfig, export
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import ModelRunner
-from edgespec.runtime.sessions import make_session
 
 TOLERANCE = 1e-4
 
@@ -116,7 +115,7 @@ def test_a_block_type_that_cannot_be_kept_is_named(tmp_path, capsys):
 
 
 def test_gguf_blocks_needs_a_gguf(models, tmp_path):
-    from edgespec.runtime.errors import ExportError
+    from edgespec.runtime.contract.errors import ExportError
 
     with pytest.raises(ExportError, match="--gguf-blocks keeps a GGUF file's blocks"):
         export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / "b", quant="int4", context=256,

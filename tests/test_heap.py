@@ -3,8 +3,7 @@ import sys
 
 import numpy as np
 import pytest
-
-from edgespec.runtime.heap import heap_trimmer
+from edgespec.runtime.execution.heap import heap_trimmer
 
 
 def rss_kib() -> int:

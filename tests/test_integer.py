@@ -4,9 +4,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
 from edgespec.quant.integer import quantize_columns, replace_matmul, smoothing_scales
+from onnx import TensorProto, helper, numpy_helper
 
 
 def matmul_model(weight: np.ndarray, activation_max=None) -> ort.InferenceSession:

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
-
-from edgespec.runtime.errors import ContextOverflowError
-from edgespec.runtime.facts import ModelFacts
-from edgespec.runtime.kvcache import KV_SLACK, KVCache
+from edgespec.runtime.contract.errors import ContextOverflowError
+from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.contract.graph import KV_SLACK
+from edgespec.runtime.execution.kvcache import KVCache
 
 FACTS = ModelFacts("llama", 2, 8, 2, 1, 4, 16, 10, 16, 1e-5, 1e4, True)
 
@@ -80,7 +80,7 @@ def test_trim_is_a_pointer_move_and_overflow_is_refused():
 
 
 def test_one_token_steps_write_their_inputs_into_the_arrays_bound_before(bundle_factory):
-    from edgespec.runtime.model import commit, prefill
+    from edgespec.runtime.execution.model import commit, prefill
     from edgespec.runtime.pipeline import Pipeline
 
     target = Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target

@@ -3,20 +3,15 @@ import json
 
 import numpy as np
 import pytest
-
-from edgespec.runtime.drafters import (
-    LEGACY_NGRAM,
-    NgramConfig,
-    NgramDrafter,
-    RecyclingDrafter,
-    new_recycling_table,
-)
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import BundleError
-from edgespec.runtime.lookup import LookupConfig, WithLookup, graft_chain
+from edgespec.runtime.contract.drafting import LEGACY_NGRAM, LookupConfig, NgramConfig
+from edgespec.runtime.contract.errors import BundleError
+from edgespec.runtime.contract.topology import Topology
+from edgespec.runtime.decoding.drafters import NgramDrafter, RecyclingDrafter, new_recycling_table
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.lookup import WithLookup, graft_chain
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.decoding.tree import Tree
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
-from edgespec.runtime.tree import Topology, Tree
 
 REPEATING = ["one two three four five six seven eight one two three four five six seven eight one two",
              "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n\ndef h(x):\n    return"]

@@ -1,11 +1,10 @@
 """Greedy speculative output equals plain greedy output of the same bundle, token for token."""
 import numpy as np
 import pytest
-from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
-
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.exactness import check_exact_rows
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.exactness import check_exact_rows
 from edgespec.runtime.pipeline import Pipeline
+from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens", "{\"name\": \"edge"]
 CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
@@ -63,8 +62,8 @@ def test_token_recycling_drafters(drafter, tree, bundle_factory):
 
 
 def test_recycling_table_keeps_the_targets_top_candidates():
-    from edgespec.runtime.drafters import RecyclingDrafter, new_recycling_table
-    from edgespec.runtime.tree import parse_tree_spec
+    from edgespec.runtime.contract.topology import parse_tree_spec
+    from edgespec.runtime.decoding.drafters import RecyclingDrafter, new_recycling_table
 
     drafter = RecyclingDrafter(parse_tree_spec("topk:2x2"), new_recycling_table(10, width=3))
     logits = np.array([[0, 5, 1, 9, 0, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 8, 0, 6, 0, 0]], dtype=np.float32)
@@ -99,7 +98,7 @@ def test_dynamic_trees_are_lossless_and_stay_within_the_budget(draft, bundle_fac
 
 def test_dynamic_trees_need_a_draft_model(models, tmp_path):
     from edgespec.exporters.export import ExportConfig, export
-    from edgespec.runtime.errors import ExportError
+    from edgespec.runtime.contract.errors import ExportError
 
     for tree, message in [("dynamic:8", "needs a draft model|give --draft a model"), ("dynamic:x", "needs a node count"),
                           ("dynamic:1", "bad dynamic tree settings")]:
@@ -122,8 +121,8 @@ def test_chat_prompts_and_multi_turn_session(bundle_factory):
 
 def test_caches_that_grow_while_speculating_give_plain_decodings_output(bundle_factory):
     """A cache whose buffer starts at 4 rows grows (and is bound anew) several times in one generation."""
-    from edgespec.runtime.engine import Session
-    from edgespec.runtime.kvcache import KVCache
+    from edgespec.runtime.decoding.engine import Session
+    from edgespec.runtime.execution.kvcache import KVCache
 
     pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
     target = pipeline.manifest.target
@@ -135,7 +134,7 @@ def test_caches_that_grow_while_speculating_give_plain_decodings_output(bundle_f
 
 def test_a_token_computed_alone_or_inside_a_tree_has_the_same_bits(bundle_factory):
     """The reason greedy equality holds: per-row results do not depend on the pass's shape
-    (see MIN_ROWS in runtime/model.py)."""
+    (see MIN_ROWS in runtime/execution/model.py)."""
     assert_rows_shape_invariant(Pipeline(bundle_factory(draft="ngram", tree="chain:4")).target, seed=5, prefix=30, chunk=16)
 
 
@@ -176,7 +175,7 @@ def test_speculation_runs_to_the_end_of_the_context_like_plain_decoding(draft, t
     config = GenerationConfig(max_new_tokens=room, stop_at_eos=False)
     plain, spec = both_with(pipeline, config, prompt=prompt)
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) == room
-    from edgespec.runtime.errors import ContextOverflowError
+    from edgespec.runtime.contract.errors import ContextOverflowError
 
     for speculate in (False, True):
         with pytest.raises(ContextOverflowError, match="context is full"):
@@ -195,7 +194,8 @@ def test_a_dynamic_tree_feeds_no_more_rows_than_the_draft_cache_has_room_for(bun
     the draft cache holding the committed rows only."""
     import dataclasses
 
-    from edgespec.runtime.dynamic_tree import DynamicDrafter, DynamicTreeConfig
+    from edgespec.runtime.contract.drafting import DynamicTreeConfig
+    from edgespec.runtime.decoding.dynamic_tree import DynamicDrafter
 
     pipeline = Pipeline(bundle_factory(draft="draft", tree="dynamic:8", context=64))
     vocab = pipeline.manifest.target.facts.vocab_size
@@ -246,12 +246,9 @@ def test_a_draft_that_fails_while_drafting_leaves_only_committed_rows(tree, bund
 def test_dynamic_tree_skips_only_expansions_that_cannot_reach_the_budget(budget, bundle_factory):
     """Against the unpruned construction: expand the `width` most confident new nodes at every level
     down to max_depth, then keep the budget's most confident nodes. Same tree, fewer draft calls."""
-    from edgespec.runtime.drafters import catch_up
-    from edgespec.runtime.dynamic_tree import (
-        DynamicDrafter,
-        DynamicTreeConfig,
-        top_candidates,
-    )
+    from edgespec.runtime.contract.drafting import DynamicTreeConfig
+    from edgespec.runtime.decoding.drafters import catch_up
+    from edgespec.runtime.decoding.dynamic_tree import DynamicDrafter, top_candidates
 
     pipeline = Pipeline(bundle_factory(draft="draft", tree="dynamic:8"))
     config = DynamicTreeConfig(budget=budget, width=3, max_depth=4, min_confidence=0.0)

@@ -3,12 +3,11 @@ reading it back gives the same typed manifest."""
 import json
 
 import pytest
-
 from edgespec.exporters.export import ExportConfig, export
-from edgespec.runtime.bundle import MANIFEST, Manifest, read_manifest, write_manifest
-from edgespec.runtime.errors import BundleError
-from edgespec.runtime.lookup import LookupConfig
-from edgespec.runtime.tree import Topology
+from edgespec.runtime.contract.drafting import LookupConfig
+from edgespec.runtime.contract.errors import BundleError
+from edgespec.runtime.contract.manifest import MANIFEST, Manifest, read_manifest, write_manifest
+from edgespec.runtime.contract.topology import Topology
 
 
 @pytest.fixture(scope="module")

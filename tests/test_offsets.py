@@ -3,9 +3,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
 from edgespec.quant.offsets import on_symmetric_grid, quantize_block_minmax, replace_matmul
+from onnx import TensorProto, helper, numpy_helper
 
 
 def q4_1_grid(k, n, seed=0):

@@ -1,21 +1,20 @@
-"""Drafting while the target verifies (runtime/overlap.py): the same output as plain decoding, greedy bit
+"""Drafting while the target verifies (runtime/decoding/overlap.py): the same output as plain decoding, greedy bit
 for bit and sampled in distribution, with trees drafted ahead actually used."""
 import json
 from collections import Counter
 
 import numpy as np
 import pytest
+from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.overlap import likely_path
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.decoding.tree import Tree
+from edgespec.runtime.execution.placement import Placement, candidates
+from edgespec.runtime.pipeline import Pipeline
+from edgespec.targets.profiles import Provider, get_profile
 from test_features import feature_bundles  # noqa: F401 (a fixture)
 from test_sampling_engine import TRIALS, assert_same_distribution
-
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import InputError
-from edgespec.runtime.overlap import likely_path
-from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.placement import Placement, candidates
-from edgespec.runtime.sampling import SamplingConfig
-from edgespec.runtime.tree import Tree
-from edgespec.targets.profiles import Provider, get_profile
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Speculative decoding drafts tokens", "{\"name\": \"edge"]
 CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)

@@ -1,11 +1,10 @@
-"""How a pass's rows are laid out in attention sequences (runtime/model.py: pass_feed)."""
+"""How a pass's rows are laid out in attention sequences (runtime/execution/model.py: pass_feed)."""
 import numpy as np
 import pytest
-
-from edgespec.runtime.facts import ModelFacts
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import pass_feed
-from edgespec.runtime.tree import Topology
+from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.contract.topology import Topology
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import pass_feed
 
 FACTS = ModelFacts(architecture="llama", num_layers=1, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
                    intermediate_size=16, vocab_size=32, max_context=64, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -71,7 +70,7 @@ def test_a_single_token_is_one_lane_with_its_padding_row_after_it():
 
 
 def test_head_rows_fold_lanes_into_the_ops_packed_heads():
-    from edgespec.runtime.model import head_rows_of
+    from edgespec.runtime.execution.model import head_rows_of
 
     path_nodes = np.array([[0, 1, 3], [0, 2, 2]])  # lane 1's last slot repeats its leaf
     node_slots = np.array([0, 1, 4, 2])  # node 2 sits in lane 1, slot 1 (1 * 3 + 1)
@@ -113,7 +112,7 @@ def test_a_graph_without_an_attention_bias_gets_no_bias_and_only_exact_passes():
 
 
 def test_a_chain_is_known_without_walking_its_paths(monkeypatch):
-    from edgespec.runtime import model
+    from edgespec.runtime.execution import model
 
     assert model._is_chain(np.tril(np.ones((4, 4), bool))) and model._is_chain(np.ones((1, 1), bool))
     assert not model._is_chain(Topology((-1, 0, 0)).ancestor_mask)

@@ -1,19 +1,17 @@
 """The planner's trade between context and speed: pure arithmetic over a bundle's sizes and fake stage costs."""
 import pytest
-
-from edgespec.runtime.budget import MIN_CONTEXT, choose_pinned, plan_memory, trade_offs, window_bytes
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.errors import BudgetError
-from edgespec.runtime.stream_costs import StreamCosts
+from edgespec.runtime.contract.errors import BudgetError
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.execution.budget import MIN_CONTEXT, choose_pinned, plan_memory, trade_offs, window_bytes
+from edgespec.runtime.execution.stream_costs import StreamCosts
 
 MB = 10**6
 
 
 @pytest.fixture(scope="module")
 def staged(models, tmp_path_factory):
-    from tiny import make_model
-
     from edgespec.exporters.export import ExportConfig, export
+    from tiny import make_model
 
     root = tmp_path_factory.mktemp("planner")
     make_model(root / "deep", "llama", seed=5, layers=4)
@@ -85,7 +83,7 @@ def test_trade_offs_give_context_back_stage_by_stage(staged):
 
 
 def test_a_streamed_pass_buys_a_longer_tree_than_a_resident_one():
-    from edgespec.runtime.streamed_tree import streamed_pass_seconds, tree_for_budget
+    from edgespec.runtime.decoding.streamed_tree import streamed_pass_seconds, tree_for_budget
 
     costs = _costs()
     seconds = streamed_pass_seconds(costs, (), 4)
@@ -109,8 +107,9 @@ def test_a_resident_plan_lists_only_the_splits_that_stream_beside_it(staged):
 def test_plan_prints_the_trade_and_context_is_a_floor_for_plan_and_pipeline(staged, tmp_path, monkeypatch, capsys):
     import json
 
-    from edgespec.cli import main
     from edgespec.runtime.pipeline import Pipeline
+
+    from edgespec.cli import main
 
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
     files = plan_memory(open_bundle(staged), staged, None)

@@ -3,13 +3,13 @@ import json
 import shutil
 
 import pytest
-
-from edgespec.cli import main
 from edgespec.exporters.export import ExportConfig, export
-from edgespec.runtime.bundle import MANIFEST
-from edgespec.runtime.errors import ExportError
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.contract.manifest import MANIFEST
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.targets.profiles import DeviceProfile, profiles, usable_providers
+
+from edgespec.cli import main
 
 SHIPPED = ("cpu", "cpu-x86", "cpu-arm", "openvino-cpu", "ai-pc-intel", "ai-pc-qualcomm", "windows-directml", "apple", "android", "cuda")
 

@@ -2,15 +2,15 @@
 import json
 
 import pytest
+from edgespec.exporters.export import ExportConfig, export
+from edgespec.quant.schemes import QuantPolicy, QuantScheme
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.exactness import fewest_exact_rows
+from edgespec.runtime.pipeline import Pipeline
 from rows import assert_rows_shape_invariant, assert_tree_rows_match_plain_decoding
 
 from edgespec.cli import main
-from edgespec.exporters.export import ExportConfig, export
-from edgespec.quant.schemes import QuantPolicy, QuantScheme
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import ExportError
-from edgespec.runtime.exactness import fewest_exact_rows
-from edgespec.runtime.pipeline import Pipeline
 
 CONFIG = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
 PROMPTS = ["def add(a, b):", "The quick brown fox", "a b c d e f a b c d e f a b"]

@@ -1,12 +1,12 @@
 """On the reference model (SmolLM2-135M-Instruct, the default bundle): greedy speculative == plain."""
 import pytest
+from edgespec.runtime.contract.drafting import DrafterKind
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
 from rows import assert_tree_rows_match_plain_decoding
 
 from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.defaults import ensure_default_bundle
-from edgespec.runtime.drafters import DrafterKind
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.pipeline import Pipeline
 
 pytestmark = pytest.mark.reference
 
@@ -33,8 +33,9 @@ def test_chat_template_and_tokenizer_round_trip(pipeline):
 def test_default_bundle_drafts_with_the_shipped_distilled_draft(pipeline):
     import json
 
-    from edgespec.defaults import SHIPPED_DRAFT
     from edgespec.distill.draft_model import DRAFT_LAYERS, FEATURE_DESIGNS
+
+    from edgespec.defaults import SHIPPED_DRAFT
 
     design = json.loads((SHIPPED_DRAFT / "draft.json").read_text())["design"]
     assert pipeline.manifest.drafter is DrafterKind.MODEL

@@ -5,17 +5,12 @@ import itertools
 
 import numpy as np
 import pytest
+from edgespec.runtime.contract.topology import parse_tree_spec
+from edgespec.runtime.decoding.accept import _residual, accept_sampled
+from edgespec.runtime.decoding.lookup import graft_chain
+from edgespec.runtime.decoding.sampling import SamplingConfig, probabilities, sample, sample_without_replacement
+from edgespec.runtime.decoding.tree import Tree
 from scipy.stats import chisquare
-
-from edgespec.runtime.accept import _residual, accept_sampled
-from edgespec.runtime.lookup import graft_chain
-from edgespec.runtime.sampling import (
-    SamplingConfig,
-    probabilities,
-    sample,
-    sample_without_replacement,
-)
-from edgespec.runtime.tree import Tree, parse_tree_spec
 
 ALPHA = 1e-3
 V = 4

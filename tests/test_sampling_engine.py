@@ -4,12 +4,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.pipeline import Pipeline
 from scipy.stats import chi2_contingency
 
 from edgespec.cli import main
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
 
 TRIALS = 1200
 
@@ -112,7 +112,7 @@ def test_cli_sampling_options(bundle_factory, capsys):
 def test_a_quote_standing_alone_under_sampling_has_the_plain_distribution(bundle_factory):
     """Lookup only while quoting: steps alternate between a quote's point-mass chain (the model resting)
     and the model's sampled tree (after catching up on the quote)."""
-    from edgespec.runtime.lookup import LookupConfig
+    from edgespec.runtime.contract.drafting import LookupConfig
 
     pipeline = Pipeline(bundle_factory(draft="draft", tree="chain:2", lookup=0, lookup_quote=6), threads=1)
     # one repeated token makes a full match on a tiny random model (test_lookup.py)

@@ -14,13 +14,13 @@ import urllib.request
 import openai
 import pytest
 import uvicorn
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.pipeline import Pipeline
 
 from edgespec.cli import main
 from edgespec.openai_api import APIError, parse_chat
 from edgespec.parser import build_parser
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
 from edgespec.serve import FIRST_GUESS_S, Generations, ServeConfig, make_app
 from edgespec.serve_limits import FOLDING, MAX_DEPTH, exposed_without_key, longest_token
 

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from edgespec.runtime.pipeline import Pipeline
 from test_serve import MODEL, Server
 
-from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations
 
 PROMPT = "The quick brown fox"

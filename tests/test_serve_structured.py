@@ -4,10 +4,10 @@ import json
 
 import jsonschema
 import pytest
+from edgespec.runtime.pipeline import Pipeline
 from test_serve import KEY, MESSAGES, MODEL, Server
 
 from edgespec.openai_api import APIError, parse_chat
-from edgespec.runtime.pipeline import Pipeline
 from edgespec.tool_calls import read_call, told, tool_constraint, with_tools
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"},

@@ -6,10 +6,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
-from edgespec.runtime.engine import GenerationConfig
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.sampling import SamplingConfig
+
 from edgespec.serve import Generations, ServeConfig
 from edgespec.serve_clients import KeptConversations, in_flight
 from edgespec.serve_turns import Turn, Turns

@@ -1,11 +1,10 @@
 """The sliding KV policy: attention sinks + recent tokens, lossless between plain and speculative."""
 import numpy as np
 import pytest
-
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import ContextOverflowError
-from edgespec.runtime.facts import ModelFacts
-from edgespec.runtime.kvcache import KVCache
+from edgespec.runtime.contract.errors import ContextOverflowError
+from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.execution.kvcache import KVCache
 
 LONG = GenerationConfig(max_new_tokens=150, stop_at_eos=False)
 SLIDING = GenerationConfig(max_new_tokens=150, stop_at_eos=False, kv_policy="sliding")
@@ -71,7 +70,7 @@ def test_a_bundle_without_rope_frequencies_cannot_slide(bundle_factory):
     """An older manifest: a bundle error that says to re-export, not a context overflow."""
     import dataclasses
 
-    from edgespec.runtime.errors import BundleError
+    from edgespec.runtime.contract.errors import BundleError
     from edgespec.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(bundle_factory(), threads=1)

@@ -4,17 +4,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from edgespec.runtime import prepacked
-from edgespec.runtime.budget import MIN_CONTEXT, plan_memory, window_bytes
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.exactness import check_exact_rows
-from edgespec.runtime.errors import BudgetError
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.model import pass_feed, run_bound
-from edgespec.runtime.stage_build import packed_graphs, resident_stage_bytes
-from edgespec.runtime.staged import LoadedStage, MappedEmbedding, StageWindow
+from edgespec.runtime.contract.errors import BudgetError
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.exactness import check_exact_rows
+from edgespec.runtime.execution import prepacked
+from edgespec.runtime.execution.budget import MIN_CONTEXT, plan_memory, window_bytes
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.model import pass_feed, run_bound
+from edgespec.runtime.execution.stage_build import packed_graphs, resident_stage_bytes
+from edgespec.runtime.execution.staged import LoadedStage, MappedEmbedding, StageWindow
 
 CONFIG = GenerationConfig(max_new_tokens=30)
 
@@ -22,9 +21,8 @@ CONFIG = GenerationConfig(max_new_tokens=30)
 @pytest.fixture(scope="module")
 def staged_bundle(models, tmp_path_factory):
     """A six-layer target in six stages of one layer, plus embedding and head stages."""
-    from tiny import make_model
-
     from edgespec.exporters.export import ExportConfig, export
+    from tiny import make_model
 
     root = tmp_path_factory.mktemp("staged")
     make_model(root / "deep", "llama", seed=5, layers=6)
@@ -50,8 +48,8 @@ def _budget_for(folder, prepared=None):
 
 
 def _single_graph(folder, prepack: bool):
-    from edgespec.runtime.model import ModelRunner
-    from edgespec.runtime.sessions import make_session
+    from edgespec.runtime.execution.model import ModelRunner
+    from edgespec.runtime.execution.sessions import make_session
 
     manifest = open_bundle(folder)
     return ModelRunner(make_session(folder / manifest.target.graph.file, ("CPUExecutionProvider",), 1,
@@ -72,7 +70,7 @@ def _roomy_budget(folder, prepared=None):
 
 
 def _first_pass(runner):
-    from edgespec.runtime.kvcache import KVCache
+    from edgespec.runtime.execution.kvcache import KVCache
 
     tokens = np.arange(5, 25)
     cache = KVCache(runner.facts, 64, lanes=runner.lanes)
@@ -128,8 +126,8 @@ def test_packed_stages_compute_the_packed_single_graphs_bits_at_every_budget(sta
 def test_without_packed_mapping_streamed_stages_read_unpacked_weights(staged_bundle, prepared, monkeypatch):
     """Where mapped pages cannot be released (no /proc/self/maps), streamed float stages read the bundle's
     weights in place, unpacked: the unpacked single graph's bits; pinned stages are loaded and packed."""
+    from edgespec.runtime.execution.staged import MappedStage
     from edgespec.runtime.pipeline import Pipeline
-    from edgespec.runtime.staged import MappedStage
 
     monkeypatch.setattr(prepacked, "available", lambda: False)
     streamed = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle), prepared_dir=prepared)
@@ -147,8 +145,8 @@ def test_without_packed_mapping_streamed_stages_read_unpacked_weights(staged_bun
 
 def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
     """With every stage pinned (loaded, packed), a tree pass is the packed single graph's, bit for bit."""
-    from edgespec.runtime.sessions import make_session
-    from edgespec.runtime.staged import StagedRunner
+    from edgespec.runtime.execution.sessions import make_session
+    from edgespec.runtime.execution.staged import StagedRunner
 
     manifest = open_bundle(staged_bundle)
     stages = manifest.target.stages
@@ -243,7 +241,7 @@ def test_mapped_embedding_rows_are_exact_across_page_drops(tmp_path):
 
 
 def test_the_largest_stages_are_pinned_first_and_the_window_fits():
-    from edgespec.runtime.budget import choose_pinned
+    from edgespec.runtime.execution.budget import choose_pinned
 
     stages = [10, 40, 10, 10, 30]
     assert window_bytes(stages, ()) == 70  # two slots for the two largest
@@ -267,7 +265,7 @@ def _mapped_rss_kib(path) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
 def test_a_mapped_stage_is_resident_after_fetch_and_gone_after_release(staged_bundle):
-    from edgespec.runtime.staged import MappedStage
+    from edgespec.runtime.execution.staged import MappedStage
 
     spec = open_bundle(staged_bundle).target.stages[2]
     stage = MappedStage(staged_bundle, spec, ("CPUExecutionProvider",), 1)
@@ -374,8 +372,9 @@ def test_an_evicting_stage_leaves_its_pages_out_of_the_page_cache(staged_bundle,
 def test_plan_says_what_the_packed_copies_take_on_disk(staged_bundle, tmp_path, monkeypatch, capsys):
     import json
 
-    from edgespec.cli import main
     from edgespec.runtime.pipeline import Pipeline
+
+    from edgespec.cli import main
 
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
     budget = str(_roomy_budget(staged_bundle))  # beside the files, room for what their packed copies add

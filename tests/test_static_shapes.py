@@ -7,11 +7,10 @@ import warnings
 
 import onnx
 import pytest
-
 from edgespec.exporters.export import ExportConfig, ExportError, export
-from edgespec.runtime.constraints import ConstraintSpec
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import InputError
+from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.decoding.constraints import ConstraintSpec
+from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.targets import profiles as registry
 from edgespec.targets.profiles import DeviceProfile
@@ -135,8 +134,9 @@ def test_one_bundle_for_several_profiles(models, tmp_path):
     """`export --profile cpu --profile ai-pc-intel --profile npu-both --profile openvino-cpu`: the dynamic
     graphs serve cpu and openvino-cpu, a static draft graph serves the two NPU profiles, a static target graph
     npu-both alone; each is listed with its checksums, and each profile decodes the same tokens."""
+    from edgespec.runtime.contract.manifest import open_bundle
+
     from edgespec.cli import main
-    from edgespec.runtime.bundle import open_bundle
 
     folder = tmp_path / "multi"
     profiles = ("cpu", NPU_DRAFT, NPU_BOTH, "openvino-cpu")

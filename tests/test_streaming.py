@@ -2,14 +2,13 @@
 the single graph's bits at every budget, speculation exact under a budget."""
 import numpy as np
 import pytest
-
-from edgespec.runtime import prepacked
-from edgespec.runtime.budget import plan_memory
-from edgespec.runtime.bundle import open_bundle
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.kvcache import KVCache
-from edgespec.runtime.staged import MappedEmbedding
-from edgespec.runtime.stage_build import build_staged_target, resident_stage_bytes, window_specs
+from edgespec.runtime.contract.manifest import open_bundle
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.execution import prepacked
+from edgespec.runtime.execution.budget import plan_memory
+from edgespec.runtime.execution.kvcache import KVCache
+from edgespec.runtime.execution.stage_build import build_staged_target, resident_stage_bytes, window_specs
+from edgespec.runtime.execution.staged import MappedEmbedding
 
 pytestmark = pytest.mark.skipif(not prepacked.available(), reason="releases mapped pages through /proc/self/maps")
 FORMS = {"int4-offsets": dict(quant="int4", symmetric=False), "int4-symmetric": dict(quant="int4"),
@@ -19,9 +18,8 @@ FORMS = {"int4-offsets": dict(quant="int4", symmetric=False), "int4-symmetric": 
 @pytest.fixture(scope="module")
 def staged(models, tmp_path_factory):
     """A four-layer target in four stages of one layer (plus embedding and head), per weight form."""
-    from tiny import make_model
-
     from edgespec.exporters.export import ExportConfig, export
+    from tiny import make_model
 
     root = tmp_path_factory.mktemp("streaming")
     make_model(root / "deep", "llama", seed=7, layers=4)
@@ -61,8 +59,8 @@ def _streaming_budget(folder, prepared, context=128):
 
 
 def _single_graph(folder):
-    from edgespec.runtime.model import ModelRunner
-    from edgespec.runtime.sessions import make_session
+    from edgespec.runtime.execution.model import ModelRunner
+    from edgespec.runtime.execution.sessions import make_session
 
     manifest = open_bundle(folder)
     return ModelRunner(make_session(folder / manifest.target.graph.file, ("CPUExecutionProvider",), 1),
@@ -168,7 +166,7 @@ def test_the_first_load_measures_stage_costs_and_the_tree_is_sized_to_the_stream
     assert again.memory.pinned_stages == first.memory.pinned_stages
     # the export measured the draft's agreement: the tree is tune's program over the streamed pass
     assert manifest.quality["draft_agreement"]
-    from edgespec.runtime.streamed_tree import tree_under_budget
+    from edgespec.runtime.decoding.streamed_tree import tree_under_budget
     assert again.tree == tree_under_budget(manifest, again.memory, again.stream_costs, manifest.profile.max_tree_nodes)
     assert again.tree != manifest.tree
     again.target.window.close()

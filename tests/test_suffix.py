@@ -1,17 +1,17 @@
-"""Suffix drafting (runtime/suffix.py) and the step controller (runtime/controller.py): the match, the
+"""Suffix drafting (runtime/decoding/suffix.py) and the step controller (runtime/decoding/controller.py): the match, the
 store, the tree, the choice of each step's tree, and losslessness end to end on tiny models."""
 import numpy as np
 import pytest
-from test_sampling_engine import assert_same_distribution, first_tokens
-
-from edgespec.runtime.bundle import read_manifest
-from edgespec.runtime.controller import EXPLORE_EVERY, Controller, DraftCost, Measurements, PassCosts
-from edgespec.runtime.drafters import NoDrafter
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.errors import ExportError, InputError
+from edgespec.runtime.contract.drafting import SuffixConfig
+from edgespec.runtime.contract.errors import ExportError, InputError
+from edgespec.runtime.contract.manifest import read_manifest
+from edgespec.runtime.decoding.controller import EXPLORE_EVERY, Controller, DraftCost, Measurements, PassCosts
+from edgespec.runtime.decoding.drafters import NoDrafter
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.suffix import SuffixDrafter, SuffixStore, TokenArray
+from edgespec.runtime.decoding.tree import Tree
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.runtime.suffix import SuffixConfig, SuffixDrafter, SuffixStore, TokenArray
-from edgespec.runtime.tree import Tree
+from test_sampling_engine import assert_same_distribution, first_tokens
 
 CONFIG = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
 PROMPTS = ["a b c d e f a b c d e f a b c", "def add(a, b):", "The quick brown fox", "{\"name\": \"edge"]

@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
-
-from edgespec.runtime.tree import Topology, parse_tree_spec
+from edgespec.runtime.contract.topology import Topology, parse_tree_spec
 
 
 def test_chain_spec():

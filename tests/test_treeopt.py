@@ -2,9 +2,8 @@ import itertools
 
 import numpy as np
 import pytest
-
-from edgespec.runtime.tree import Topology
-from edgespec.runtime.treeopt import best_trees, chain_value, choose_tree
+from edgespec.runtime.contract.topology import Topology
+from edgespec.runtime.decoding.treeopt import best_trees, chain_value, choose_tree
 
 
 def expected_tokens(topology: Topology, accept: np.ndarray) -> float:

@@ -1,11 +1,11 @@
 import json
 
 import pytest
+from edgespec.runtime.contract.manifest import open_bundle, read_manifest
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.pipeline import Pipeline
 
 from edgespec.cli import main
-from edgespec.runtime.bundle import open_bundle, read_manifest
-from edgespec.runtime.engine import GenerationConfig
-from edgespec.runtime.pipeline import Pipeline
 from edgespec.tune import AcceptanceCounter, probe_topology, tune
 
 
@@ -72,6 +72,7 @@ def test_dry_run_leaves_the_bundle_alone(bundle_factory, tmp_path):
 
 def test_export_with_an_automatic_tree(models, tmp_path):
     from edgespec.exporters.export import ExportConfig
+
     from edgespec.tune import export_tuned
 
     out = tmp_path / "auto"
@@ -86,6 +87,7 @@ def test_export_with_an_automatic_tree(models, tmp_path):
                                            ({"context": 64}, "do not fit --context 64")])
 def test_an_automatic_tree_that_cannot_be_tuned_is_refused_with_what_to_do(extra, message, models, tmp_path):
     from edgespec.exporters.export import ExportConfig, ExportError
+
     from edgespec.tune import export_tuned
 
     settings = {"draft": "ngram", "context": 256, **extra}
@@ -131,8 +133,9 @@ def test_tune_measures_each_lookup_length_beside_a_draft_model_and_writes_the_be
 def test_write_tree_sets_or_removes_the_lookup(bundle_factory, tmp_path):
     import shutil
 
-    from edgespec.runtime.lookup import LookupConfig
-    from edgespec.runtime.tree import Topology
+    from edgespec.runtime.contract.drafting import LookupConfig
+    from edgespec.runtime.contract.topology import Topology
+
     from edgespec.tune import write_tree
 
     bundle = tmp_path / "b"

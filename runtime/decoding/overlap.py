@@ -20,9 +20,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..execution.model import ModelRunner
 from .drafters import Drafter
 from .engine import Session, verify
-from .model import ModelRunner
 from .sampling import Sampler
 from .tree import Tree
 

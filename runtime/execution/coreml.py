@@ -11,12 +11,12 @@ from typing import Callable
 
 import numpy as np
 
-from .accept import accept_greedy
-from .bundle import read_head_tokens
-from .coreml_package import CoreMLPackage
-from .errors import InputError
+from ..contract.coreml_package import CoreMLPackage
+from ..contract.errors import InputError
+from ..contract.manifest import read_head_tokens
+from ..contract.topology import Topology
+from ..decoding.accept import accept_greedy
 from .features import draft_inputs
-from .tree import Topology
 
 # predict(function name, feed, cache) -> outputs; the cache is what make_cache returned
 Predict = Callable[[str, dict, object], dict]
@@ -132,7 +132,7 @@ def greedy_generate(target: CoreMLModel, target_cache, draft: CoreMLModel | None
     """Greedy speculative decoding on CoreML packages whose static tree is a chain; without a draft, plain
     decoding through the same verify function (one real token per call), which speculative output is
     compared with. Returns (tokens, target calls). A feature-reading draft gets the target's feature at
-    i - 1 with token i, and its own prediction of it while drafting deeper (runtime/features.py)."""
+    i - 1 with token i, and its own prediction of it while drafting deeper (runtime/execution/features.py)."""
     if tree.max_width > 1:
         raise InputError("the CoreML loop verifies chains; this bundle's tree branches")
     if not prompt:

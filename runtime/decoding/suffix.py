@@ -20,40 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError
+from ..contract.drafting import SuffixConfig
 from .sampling import Sampler
 from .tree import Tree
 
 SEPARATOR = -1  # between sequences of a store: no match or continuation runs across it
 MAX_OCCURRENCES = 32  # the most recent occurrences of a match that vote on its continuation
-
-
-@dataclass(frozen=True)
-class SuffixConfig:
-    """Suffix drafting's settings (manifest `tree.suffix`)."""
-    max_depth: int = 24  # the longest continuation drafted
-    max_pattern: int = 32  # the longest suffix matched
-    min_match: int = 2  # a shorter match drafts nothing: one token's continuations are mostly noise
-    spec_factor: float = 2.0  # a tree holds at most spec_factor x the match length drafted tokens
-    min_probability: float = 0.1  # a node whose estimated probability is lower is not drafted
-    store_tokens: int = 65536  # earlier outputs kept across requests (4 bytes each)
-
-    @property
-    def store_bytes(self) -> int:
-        """What SuffixStore(store_tokens) holds: int32 tokens and a separator."""
-        return 4 * (self.store_tokens + 1)
-
-    def __post_init__(self):
-        ints = ("max_depth", "max_pattern", "min_match", "store_tokens")
-        if any(isinstance(getattr(self, n), bool) or not isinstance(getattr(self, n), int) for n in ints) \
-                or not 1 <= self.min_match <= self.max_pattern or self.max_depth < 1 or self.store_tokens < 0 \
-                or not self.spec_factor > 0 or not 0 <= self.min_probability <= 1:
-            raise InputError(f"bad suffix-drafting settings: {self}")
-
-    def to_dict(self) -> dict:
-        return {"max_depth": self.max_depth, "max_pattern": self.max_pattern, "min_match": self.min_match,
-                "spec_factor": self.spec_factor, "min_probability": self.min_probability,
-                "store_tokens": self.store_tokens}
 
 
 class TokenArray:

@@ -23,8 +23,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .errors import InputError
-from .tree import Topology
+from ..contract.errors import InputError
+from ..contract.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,24 @@
 """Which `Stage` each graph of a staged target becomes on this machine, and the runner they stream through.
 
 Every weight form the bundles use (fp32, int4 with exact offsets, int4 symmetric, int8) runs from
-onnxruntime's packed copy, written once per machine and memory-mapped (runtime/prepacked.py) where
+onnxruntime's packed copy, written once per machine and memory-mapped (runtime/execution/prepacked.py) where
 mapped pages can be released (Linux): each stage's session is made once, a fetch maps its pages in and
 a release drops them, so a streamed stage costs its bytes and no session load (history.md §59: a
 quantized stage loaded as a session per fetch cost about eleven times its bytes). Elsewhere streamed
 float stages read the bundle's weights in place (MappedStage) and quantized ones are loaded per fetch.
 
-The caller owns the plan (runtime/budget.py) and passes it in; this module keeps nothing.
+The caller owns the plan (runtime/execution/budget.py) and passes it in; this module keeps nothing.
 """
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
+from ..contract.manifest import GraphSpec, Manifest
 from . import prepacked, stream_costs
 from .budget import MemoryPlan, plan_memory
-from .bundle import GraphSpec, Manifest
-from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
 from .sessions import make_session
+from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
 from .stream_costs import StreamCosts
 
 

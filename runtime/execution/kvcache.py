@@ -11,7 +11,7 @@ calls): onnxruntime's attention writes the whole buffer on a pass with no past (
 cache became resident on the first prefill), so a cache allocated whole would cost its full size at
 once. Growing copies the valid rows, a few times per conversation, and rebinds.
 
-Lanes: a tree pass gives each root-to-leaf path a lane of its own (exact rows, runtime/model.py); a
+Lanes: a tree pass gives each root-to-leaf path a lane of its own (exact rows, runtime/execution/model.py); a
 cache has as many lanes as the graph it serves was exported with.
 Between passes every lane holds the same committed rows; `commit` copies the accepted path's rows
 from the lane that computed them to the others. The cache owns exactly one number, `length`: how many
@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnxruntime as ort
 
-from .errors import ContextOverflowError, InputError
-from .facts import ModelFacts
+from ..contract.errors import ContextOverflowError, InputError
+from ..contract.facts import ModelFacts
+from ..contract.graph import KV_SLACK
 
-# Rows a pass may write past `capacity`: a one-token step's padding row (runtime/model.py, MIN_ROWS).
-KV_SLACK = 2
 INITIAL_ROWS = 256  # rows first allocated; `reserve` doubles them as the conversation grows
 
 

@@ -17,32 +17,15 @@ expanded nodes are rolled back before `propose` returns.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from ..contract.drafting import DynamicTreeConfig
+from ..contract.topology import path_from_root
+from ..execution.kvcache import KVCache
+from ..execution.model import ModelRunner, commit
 from .drafters import catch_up, own_features
-from .errors import InputError
-from .kvcache import KVCache
-from .model import ModelRunner, commit
 from .sampling import Sampler
-from .tree import Tree, path_from_root
-
-
-@dataclass(frozen=True)
-class DynamicTreeConfig:
-    budget: int = 16  # nodes per verification, root included
-    width: int = 4  # children per expanded node, and nodes expanded per level
-    max_depth: int = 6
-    min_confidence: float = 0.02
-
-    def __post_init__(self):
-        if self.budget < 2 or self.width < 1 or self.max_depth < 1 or not 0 <= self.min_confidence < 1:
-            raise InputError(f"bad dynamic tree settings: {self}")
-
-    def to_dict(self) -> dict:
-        return {"budget": self.budget, "width": self.width, "max_depth": self.max_depth,
-                "min_confidence": self.min_confidence}
+from .tree import Tree
 
 
 def top_candidates(logits: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

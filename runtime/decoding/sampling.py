@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError
+from ..contract.errors import InputError
 
 
 @dataclass(frozen=True)

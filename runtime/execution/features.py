@@ -8,9 +8,6 @@ returns (as `features_out`) its own prediction of the feature at i, which stands
 
 import numpy as np
 
-FEATURES = "features"  # the draft graph's input, in the manifest's graph specs
-FEATURES_OUT = "features_out"  # the output of a graph that returns its final hidden states
-
 
 def draft_inputs(target_features: np.ndarray, start: int, stop: int) -> np.ndarray:
     """The features a feature-reading draft takes with tokens start..stop-1: the target's feature at

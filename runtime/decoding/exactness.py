@@ -2,7 +2,7 @@
 
 Greedy speculative output is plain decoding's output only if a token's logits and keys/values are the
 same bits in a one-token step (padded to the graph's exact_min_rows), in a prefill chunk, and as a node of a verified
-tree (runtime/model.py says how the graph arranges that). What it rests on is how onnxruntime's CPU
+tree (runtime/execution/model.py says how the graph arranges that). What it rests on is how onnxruntime's CPU
 kernels round, and those differ by instruction set (AVX2, AVX-512, NEON, SME) and by release. The tests
 prove it where they run; `check_exact_rows` proves it for one bundle's target on the device at hand
 (`edgespec inspect BUNDLE --check-exact`), and returns every row that differs rather than stopping at one.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .device import describe, features_known, machine_key
-from .kvcache import KVCache
-from .model import ModelRunner, Pass, commit, prefill
+from ..execution.device import describe, features_known, machine_key
+from ..execution.kvcache import KVCache
+from ..execution.model import ModelRunner, Pass, commit, prefill
 from .tree import Tree
 
 # Siblings sit between a node and its ancestors in a tree pass: node 5's path 0-2-5 has nodes 1, 3 and 4
@@ -145,7 +145,7 @@ def verdict_here(recorded: dict | None, target_checksum: str, runner, cache_root
     release and CPU), else one cached by an earlier load here, else the check runs now (seconds) and its
     verdict is cached for the next load."""
     here = machine_key()
-    # the export checked the single graph on packed weights; stages read unpacked round otherwise (runtime/staged.py)
+    # the export checked the single graph on packed weights; stages read unpacked round otherwise (runtime/execution/staged.py)
     packed = runner.kernels == "packed"
     # a device whose CPU features cannot be read cannot tell itself from another of its kind: check it
     if packed and recorded and features_known() and recorded.get("machine") == here \

@@ -12,19 +12,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-
 from edgespec.targets.profiles import DeviceProfile, get_profile
 
 from .coreml_package import CoreMLPackage, package_files
-from .drafters import LEGACY_NGRAM, DrafterKind, NgramConfig
-from .dynamic_tree import DynamicTreeConfig
+from .drafting import LEGACY_NGRAM, DrafterKind, DynamicTreeConfig, LookupConfig, NgramConfig, SuffixConfig
 from .errors import BundleError, InputError
 from .facts import ModelFacts
-from .features import FEATURES_OUT
-from .lookup import LookupConfig
-from .suffix import SuffixConfig
+from .graph import FEATURES_OUT
 from .tokenizer import TokenizerSpec
-from .tree import Topology
+from .topology import Topology
 
 SCHEMA_VERSION = 3  # 3: GroupQueryAttention over per-layer KV buffers bound as past and present (lanes)
 MANIFEST = "manifest.json"
@@ -178,13 +174,13 @@ class Manifest:
     created: str = ""  # UTC, ISO 8601
     quality: dict | None = None  # quality.json's figures, as measured at export
     # the exactness check at export: {"machine": runtime/device.machine_key(), "exact": bool, "onnxruntime": version,
-    # "rows", "differ", "min_rows": the rows a one-token step runs on that machine (runtime/exactness.py)}
+    # "rows", "differ", "min_rows": the rows a one-token step runs on that machine (runtime/decoding/exactness.py)}
     exactness: dict | None = None
-    coreml: tuple[CoreMLPackage, ...] = ()  # CoreML packages beside the ONNX graphs (runtime/coreml.py)
+    coreml: tuple[CoreMLPackage, ...] = ()  # CoreML packages beside the ONNX graphs (runtime/execution/coreml.py)
     # `export --profile A --profile B ...`: the profiles after the first (`profile`, whose graphs are `target`'s
     # and `draft`'s), each with its own graphs where it needs other shapes
     other_profiles: tuple[ProfileGraphs, ...] = ()
-    # set: suffix drafting beside the drafter, and each step's tree chosen by the step controller (runtime/controller.py)
+    # set: suffix drafting beside the drafter, and each step's tree chosen by the step controller (runtime/decoding/controller.py)
     suffix: SuffixConfig | None = None
 
     @property

@@ -4,10 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnxruntime as ort
-
 from edgespec.targets.profiles import CPU, fall_back, provider_label, usable_providers
 
-from .errors import BundleError
+from ..contract.errors import BundleError
 
 
 def make_session(path: Path, providers: tuple, threads: int,

@@ -2,20 +2,20 @@
 
 When stages stream, much of a pass is fetching them, the same for one row as for many, so each extra
 node costs a smaller share of the pass than it does resident, and a longer tree pays where a resident
-one would not. The tree is chosen by tune's program (runtime/treeopt.py) over the pass costs the stage
-costs predict (runtime/stream_costs.py), with the draft's agreement the bundle measured at export.
+one would not. The tree is chosen by tune's program (runtime/decoding/treeopt.py) over the pass costs the stage
+costs predict (runtime/execution/stream_costs.py), with the draft's agreement the bundle measured at export.
 Suffix drafting needs none of this: the step controller prices its chains from timed passes.
 """
 from __future__ import annotations
 
-from .budget import MemoryPlan
-from .bundle import Manifest
-from .drafters import DrafterKind
-from .stream_costs import StreamCosts
-from .tree import Topology
+from ..contract.drafting import DrafterKind
+from ..contract.manifest import Manifest
+from ..contract.topology import Topology
+from ..execution.budget import MemoryPlan
+from ..execution.stream_costs import StreamCosts
 from .treeopt import choose_tree
 
-# an extra row's share of a stage's one-row run until passes of that size are timed (runtime/controller.py)
+# an extra row's share of a stage's one-row run until passes of that size are timed (runtime/decoding/controller.py)
 EXTRA_ROW_SHARE = 0.25
 
 

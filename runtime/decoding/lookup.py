@@ -2,44 +2,13 @@
 it went on after an earlier occurrence of its suffix, grafted onto the model's tree at the root."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .drafters import Drafter, NgramConfig, NgramDrafter
-from .errors import InputError
+from ..contract.drafting import LookupConfig
+from ..contract.topology import Topology
+from .drafters import Drafter, NgramDrafter
 from .sampling import Sampler
-from .tree import Topology, Tree
-
-
-@dataclass(frozen=True)
-class LookupConfig:
-    """Prompt lookup beside a draft model: up to `tokens` drafted tokens that continue the context the
-    way it continued after an earlier occurrence of its suffix (n = min_n..max_n tokens), and up to
-    `quote_tokens` when all max_n of the suffix's tokens occurred before (0: no longer than `tokens`).
-    `tokens` = 0 drafts by lookup only while quoting: where each node costs (int4 weights), a shorter
-    match does not pay for its nodes (benchmarks/history.md §32); a quote's chain then stands alone
-    (WithLookup)."""
-    tokens: int = 4
-    min_n: int = 1
-    max_n: int = 4
-    quote_tokens: int = 0
-
-    def __post_init__(self):
-        if self.tokens < 0 or self.quote_tokens < 0 or self.longest < 1 or not 1 <= self.min_n <= self.max_n:
-            raise InputError(f"bad lookup settings: {self}")
-
-    @property
-    def longest(self) -> int:
-        """The most lookup tokens one step may draft."""
-        return max(self.tokens, self.quote_tokens)
-
-    def ngram(self) -> NgramConfig:
-        """The n-gram drafter that drafts the chain: cut at `tokens` unless quoting, when there is a quote length."""
-        return NgramConfig(self.min_n, self.max_n, self.tokens if self.quote_tokens > self.tokens else None)
-
-    def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "min_n": self.min_n, "max_n": self.max_n, "quote_tokens": self.quote_tokens}
+from .tree import Tree
 
 
 class WithLookup:
@@ -50,7 +19,7 @@ class WithLookup:
     is accepted whole; elsewhere the draft model's candidates do the work. Nodes are shared where the
     chain starts with the model's own candidates, so the tree grows by at most `config.longest` nodes. Under
     sampling the lookup tokens are point masses beside the model's drawn siblings (tree.drawn), which
-    the acceptance rule handles exactly (runtime/accept.py).
+    the acceptance rule handles exactly (runtime/decoding/accept.py).
 
     A quote's chain alone, without the model's tree beside it, is one path: the target graph needs no
     lane for it (every lane's attention runs on every pass, and keeps its own copy of the context), and the

@@ -7,24 +7,24 @@ Speed first, the context the caller asks for as a floor (`context`, MIN_CONTEXT 
 whole target stays resident when it fits beside that floor, and the caches take the rest. Otherwise,
 when the bundle carries the target as stages, it streams: the caches get the floor, the stage window
 the rest (two slots for the stages that stream through it, and as many stages pinned as then fit,
-those whose fetch costs a pass most first: runtime/stream_costs.py), and what the window leaves goes
+those whose fetch costs a pass most first: runtime/execution/stream_costs.py), and what the window leaves goes
 back to the caches. Where two slots do not fit beside the floor, one does: each streamed stage is then
 fetched when its turn comes, never while the one before computes. Below the smallest window (the
 largest stage in one slot) beside the floor the budget is refused with the minimum it needs.
 `trade_offs` lists the other splits: fewer stages pinned, more context, and what a pass then costs.
 
 A stage's bytes are what it holds while fetched on this device (its packed copy's mapping, measured
-when prepared: runtime/prepacked.py) where the caller has them, else its files.
+when prepared: runtime/execution/prepacked.py) where the caller has them, else its files.
 """
 from __future__ import annotations
 
 import re
-from math import prod as np_prod
 from dataclasses import dataclass
+from math import prod as np_prod
 from pathlib import Path
 
-from .bundle import Manifest
-from .errors import BudgetError
+from ..contract.errors import BudgetError
+from ..contract.manifest import Manifest
 from .staged import MappedEmbedding
 from .stream_costs import StreamCosts
 
@@ -33,7 +33,7 @@ from .stream_costs import StreamCosts
 RUNTIME_BASE_BYTES = 90 * 2**20
 MIN_CONTEXT = 128  # tokens: below this a chat turn does not fit
 # Each root-to-leaf path of a verified tree runs in a lane of the target's cache, and each lane holds a
-# copy of the committed rows (runtime/kvcache.py); the graph computes every lane's attention on every
+# copy of the committed rows (runtime/execution/kvcache.py); the graph computes every lane's attention on every
 # pass. A tree with more paths than the graph's lanes is cut (Tree.within_paths).
 MAX_LANES = 4
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -67,7 +67,7 @@ class MemoryPlan:
     stage_bytes: tuple[int, ...] = ()  # the target's stages that load as sessions, when it runs as stages
     pinned_stages: tuple[int, ...] = ()  # of those, the ones that stay loaded; the others stream
     mapped_embedding: int = 0  # at most this much of a memory-mapped embedding table is resident
-    suffix_store: int = 0  # suffix drafting's store of earlier outputs (runtime/suffix.py)
+    suffix_store: int = 0  # suffix drafting's store of earlier outputs (runtime/decoding/suffix.py)
     min_context: int = MIN_CONTEXT  # the floor the caller asked for
     pass_seconds: float | None = None  # a streamed one-token pass, expected from the stage costs
     stream_slots: int = 2  # stages streaming at once: the next one fetched while one computes, or 1 (no room)
@@ -126,7 +126,7 @@ def scratch_bytes(manifest: Manifest) -> int:
     """Activations of the largest pass (a prefill chunk or a tree) kept by onnxruntime's arena, and the
     logits numpy receives: every layer's intermediates may be live at once in the planner's worst case.
 
-    A tree attends in one lane per root-to-leaf path (runtime/model.py): the attention's scores have
+    A tree attends in one lane per root-to-leaf path (runtime/execution/model.py): the attention's scores have
     a row per slot of every lane, over the whole context. The keys and values live in the caches."""
     f = manifest.target.facts
     nodes, _, slots = largest_tree(manifest)

@@ -1,10 +1,10 @@
-"""A bundle's CoreML packages as the manifest lists them (runtime/coreml.py runs them)."""
+"""A bundle's CoreML packages as the manifest lists them (runtime/execution/coreml.py runs them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tree import Topology
+from .topology import Topology
 
 COMPUTE_UNITS = ("CPU_ONLY", "CPU_AND_GPU", "CPU_AND_NE", "ALL")
 KV_FORMS = ("state", "io")

@@ -7,30 +7,19 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from .errors import InputError
-from .facts import ModelFacts
-from .features import FEATURES, FEATURES_OUT
+from ..contract.errors import InputError
+from ..contract.facts import ModelFacts
+from ..contract.graph import (
+    ATTENTION_BIAS,
+    ATTENTION_KEY,
+    EXACT_ROWS_KEY,
+    FEATURES,
+    FEATURES_OUT,
+    MIN_ROWS,
+    STANDARD_ATTENTION,
+)
+from ..contract.topology import Topology
 from .kvcache import KVCache
-from .tree import Topology
-
-# onnxruntime's CPU matmuls (MLAS sgemm, and MatMulNBits at every accuracy level) take a separate
-# single-row (GEMV) path whose rounding differs from the multi-row kernel (measured: up to ~8e-5 in
-# SmolLM2's fp32 logits, more in int4). Every matmul therefore sees at least two rows — a one-token
-# step gets one masked padding row, a one-row logits request a duplicate row for the head — so a
-# token's logits are the same bits alone, in a prefill chunk or inside a verified tree.
-# A draft's passes need no such care: their rows need not match anything, and one row is the fastest.
-# A graph whose matmuls all accumulate in integers (quant/integer.py) has the same bits at one row; the
-# exporter records that in the graph's metadata under EXACT_ROWS_KEY. (Its attention still takes two
-# slots: pass_feed.) Which kernels a CPU takes differs by instruction set: where the device's one-row
-# kernels round as its multi-row ones, runtime/exactness.py's check proves it and the runner's
-# `min_rows` drops to 1 for plain and speculative decoding alike (history.md §49).
-MIN_ROWS = 2
-EXACT_ROWS_KEY = "edgespec.exact_min_rows"
-# a graph whose attention is written in standard operators (a static draft for an NPU) masks nothing by
-# itself: its passes' attention bias carries the causal mask and hides the buffer's unwritten columns
-ATTENTION_KEY = "edgespec.attention"
-STANDARD_ATTENTION = "standard"
-ATTENTION_BIAS = "attention_bias"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What a staged target's pass costs on this device, by what streams: the planner's currency.
 
 A pass runs the window's stages in order; a streamed stage is fetched on the loader thread while the
-one before it computes (runtime/staged.py), but on a small CPU the fetch takes the cores and memory
+one before it computes (runtime/execution/staged.py), but on a small CPU the fetch takes the cores and memory
 bandwidth the run needs, so a pass is priced at every run plus every streamed fetch, with no credit
 for the overlap (history.md §59 measured the wait for a prefetched stage at about its whole fetch).
 `StreamCosts` holds each stage's run and fetch seconds, measured once per device, bundle and
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..contract.errors import InputError
 from .device import machine_key
-from .errors import InputError
 
 # seconds per byte of a packed int4 stage, history.md §59: one-token run, and a fetch from the page cache
 ASSUMED_RUN_PER_BYTE = 1.0e-10
@@ -79,7 +79,7 @@ def save(root: Path, bundle_checksum: str, evicted: bool, costs: StreamCosts) ->
 
 
 def measure(window, run_stage, repeats: int = 3) -> StreamCosts:
-    """Times each stage of `window` (runtime/staged.py StageWindow), before its first pass: a fetch after
+    """Times each stage of `window` (runtime/execution/staged.py StageWindow), before its first pass: a fetch after
     a release, and `run_stage(i, session)`, a one-token exact pass through it; the median of `repeats`.
     Streamed stages are given back afterwards and pinned ones kept, as the window would."""
     run, fetch = [], []

@@ -16,7 +16,7 @@ A stage is either
 - `LoadedStage`: a session made from the file on fetch and dropped on release (where packed weights
   cannot be mapped: quantized stages, and pinned float stages).
 
-On Linux every weight form, quantized ones included, is a PrepackedStage (runtime/stage_build.py).
+On Linux every weight form, quantized ones included, is a PrepackedStage (runtime/execution/stage_build.py).
 
 Within one budget plain and speculative decoding run the same stages, so speculation stays exact.
 Packed stages compute the single graph's bits at every budget; unpacked kernels round differently.
@@ -35,13 +35,13 @@ from typing import Callable, Protocol
 import numpy as np
 import onnxruntime as ort
 
+from ..contract.errors import InputError
+from ..contract.facts import ModelFacts
+from ..contract.graph import FEATURES_OUT, MIN_ROWS
+from ..contract.manifest import GraphSpec
 from . import stream_costs
-from .bundle import GraphSpec
-from .errors import InputError
-from .facts import ModelFacts
-from .features import FEATURES_OUT
 from .kvcache import KVCache
-from .model import MIN_ROWS, Pass, pass_feed, run_bound
+from .model import Pass, pass_feed, run_bound
 from .sessions import make_session
 from .stream_costs import StreamCosts
 
@@ -162,7 +162,7 @@ class StagedRunner:
         self.window, self.facts, self.embedding = window, facts, embedding
         self.lanes = lanes
         self.graph_min_rows = MIN_ROWS
-        self.min_rows = MIN_ROWS  # what a one-token step runs: set by the device's check (runtime/exactness.py)
+        self.min_rows = MIN_ROWS  # what a one-token step runs: set by the device's check (runtime/decoding/exactness.py)
         self.run_seconds = 0.0  # time inside onnxruntime (and waiting for stages), all passes so far
 
     static = None  # stages are written with dynamic shapes only
@@ -178,7 +178,7 @@ class StagedRunner:
         return KVCache(self.facts, capacity, feature_size, lanes=self.lanes)
 
     def measure_costs(self) -> StreamCosts:
-        """Each stage's fetch and one-token run on this device (runtime/stream_costs.py), before any pass."""
+        """Each stage's fetch and one-token run on this device (runtime/execution/stream_costs.py), before any pass."""
         cache = self.new_cache(16)
         layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), [0], [0], np.ones((1, 1), bool),
                            [0], None, True, self.min_rows)

@@ -1,5 +1,5 @@
 """Where each role runs on this device: the draft's execution provider, each role's CPU threads, and
-whether the draft drafts while the target verifies (runtime/overlap.py). edgespec/calibrate.py measures
+whether the draft drafts while the target verifies (runtime/decoding/overlap.py). edgespec/calibrate.py measures
 the candidates and picks one; the choice is cached per device and bundle."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from edgespec.targets.profiles import DeviceProfile, Provider, usable_providers
 
-from .errors import InputError
+from ..contract.errors import InputError
 
 
 @dataclass(frozen=True)

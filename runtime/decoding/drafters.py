@@ -6,18 +6,18 @@ owns its draft KV cache, whose `length` is how many committed tokens it has alre
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 import numpy as np
 
-from .errors import InputError
-from .features import draft_inputs
-from .kvcache import KVCache
-from .model import ModelRunner, commit, prefill
+from ..contract.drafting import NgramConfig
+from ..contract.errors import InputError
+from ..contract.topology import Topology, path_from_root
+from ..execution.features import draft_inputs
+from ..execution.kvcache import KVCache
+from ..execution.model import ModelRunner, commit, prefill
 from .sampling import Sampler, sample_without_replacement
-from .tree import Topology, Tree, path_from_root
+from .tree import Tree
 
 
 class Drafter(Protocol):
@@ -72,27 +72,6 @@ def grow_tree(topology: Topology, root: int, candidates) -> Tree:
                 parents.append(kept[parent])
                 tokens.append(token)
     return Tree.from_parents(tuple(parents), tokens)
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    """A training-free n-gram drafter's settings (manifest `tree.ngram`): suffixes of min_n..max_n
-    tokens are looked up, and without a full max_n-token match the tree is cut at
-    `partial_match_depth` (None: never cut). Bundles written before these settings existed load as
-    `LEGACY_NGRAM`."""
-    min_n: int = 1
-    max_n: int = 4
-    partial_match_depth: int | None = 5
-
-    def __post_init__(self):
-        if not 1 <= self.min_n <= self.max_n or (self.partial_match_depth is not None and self.partial_match_depth < 0):
-            raise InputError(f"bad n-gram settings: {self}")
-
-    def to_dict(self) -> dict:
-        return {"min_n": self.min_n, "max_n": self.max_n, "partial_match_depth": self.partial_match_depth}
-
-
-LEGACY_NGRAM = NgramConfig(min_n=2, max_n=3, partial_match_depth=None)
 
 
 class NgramDrafter:
@@ -170,7 +149,7 @@ def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: i
 
     A draft that reads features (EAGLE-style) pairs token i with the target's feature at i - 1, the
     state from which the target predicted token i (zeros at position 0). Tokens past the rows the target
-    has computed (drafted ahead while the target verifies: runtime/overlap.py) take the draft's own
+    has computed (drafted ahead while the target verifies: runtime/decoding/overlap.py) take the draft's own
     prediction of that feature instead, as tree nodes do while drafting deeper: one token per pass."""
     start = cache.length
     if not runner.reads_features:
@@ -253,37 +232,6 @@ class ModelDrafter:
 
     def rewind(self, length: int) -> None:
         self.cache.trim(min(self.cache.length, length))
-
-
-class DrafterKind(Enum):
-    """What proposes a bundle's tokens: the manifest's `draft.kind`, and `export --draft`'s training-free names."""
-
-    MODEL = "model"  # a draft model's graph
-    NGRAM = "ngram"  # prompt lookup over the context
-    RECYCLING = "recycling"  # Token Recycling: the target's own recent successors
-    NGRAM_RECYCLING = "ngram+recycling"  # context matches first, recycled candidates fill the other branches
-    SUFFIX = "suffix"  # suffix drafting alone (runtime/suffix.py), under the step controller
-
-    @classmethod
-    def training_free(cls, name: str) -> "DrafterKind | None":
-        """The training-free drafter `name` names, or None (then it names a draft model)."""
-        kind = next((k for k in cls if k.value == name), None)
-        return None if kind is cls.MODEL else kind
-
-    @classmethod
-    def named(cls, name: str) -> "DrafterKind":
-        kind = next((k for k in cls if k.value == name), None)
-        if kind is None:
-            raise InputError(f"unknown drafter {name!r}: one of {', '.join(k.value for k in cls)}")
-        return kind
-
-    @property
-    def looks_up_ngrams(self) -> bool:
-        return self in (DrafterKind.NGRAM, DrafterKind.NGRAM_RECYCLING)
-
-    @property
-    def recycles(self) -> bool:
-        return self in (DrafterKind.RECYCLING, DrafterKind.NGRAM_RECYCLING)
 
 
 def new_recycling_table(vocab_size: int, width: int = 8) -> np.ndarray:

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..contract.errors import BundleError, ContextOverflowError, InputError
+from ..execution.kvcache import KVCache
+from ..execution.model import ModelRunner, commit, prefill
 from .accept import accept_greedy, accept_sampled
 from .constraints import ConstraintSpec, Guide
 from .drafters import Drafter
-from .errors import BundleError, ContextOverflowError, InputError
-from .kvcache import KVCache
-from .model import ModelRunner, commit, prefill
 from .sampling import Sampler, SamplingConfig, sample
-from .tokenizer import TextCodec, TextStream
+from .text import TextCodec, TextStream
 from .tree import Tree
 
 KV_POLICIES = ("error", "sliding")
@@ -75,7 +75,7 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     first_token_s: float = 0.0
-    drafted_ahead: int = 0  # trees drafted while the target verified (runtime/overlap.py)
+    drafted_ahead: int = 0  # trees drafted while the target verified (runtime/decoding/overlap.py)
     kept_ahead: int = 0  # of those, the ones whose guess came true and were verified next
     # the step controller's choices (plain, suffix, draft, draft+suffix): steps taken and tokens committed by each
     steps_by_choice: dict = field(default_factory=dict)
@@ -129,7 +129,7 @@ class Session:
 def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
                      sampler: Sampler | None = None, guide: Guide | None = None) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens). `guide`: the
-    constraint's parser state at the committed tokens (runtime/constraints.py), advanced here."""
+    constraint's parser state at the committed tokens (runtime/decoding/constraints.py), advanced here."""
     cache = session.cache
     forced, room = _forced(target, cache, guide)                              # 1. the grammar's forced tokens,
     committed = session.window + forced if forced else session.window       #    then what the drafter drafts
@@ -230,7 +230,7 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
     of it (the longest common prefix) is reused. `on_text(piece)` streams the text; `should_stop()`,
     asked before every target pass, ends the generation early (stop reason "cancelled"). `step`: one
-    target pass, as speculative_step (runtime/overlap.py: with the next tree drafted meanwhile).
+    target pass, as speculative_step (runtime/decoding/overlap.py: with the next tree drafted meanwhile).
     `guide`: config.constraint's parser state before the first new token (Grammars.start), owned by
     the caller; each step takes it (speculative_step's)."""
     if (guide is None) != (config.constraint is None):

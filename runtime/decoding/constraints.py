@@ -15,7 +15,7 @@ speculative decoding alike, so greedy output is the argmax of the masked logits 
 masked distribution. A drafted token the mask refuses can never be accepted: greedy drops it with its
 subtree before the pass. Under sampling a point mass is dropped the same way (p_target[t] = 0 rejects it
 and leaves the residual as it was); a token drawn from q_draft stays as a leaf, since its rejection
-changes the residual (runtime/accept.py), and only its subtree goes. q_draft stays as the draft drew it:
+changes the residual (runtime/decoding/accept.py), and only its subtree goes. q_draft stays as the draft drew it:
 rejection sampling is exact for any proposal, and masking q after the draw would not describe the draw.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
-from .errors import ConstraintError, InputError
+from ..contract.errors import ConstraintError, InputError
 from .tree import Tree
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")

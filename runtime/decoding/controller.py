@@ -1,7 +1,7 @@
 """The step controller: each step verifies the tree, down to the root alone (a plain step), with the most
 expected tokens per second, from this device's measured pass costs and each source's running acceptance.
 
-Sources: suffix drafting (runtime/suffix.py), free to ask, so its candidates are computed every step and
+Sources: suffix drafting (runtime/decoding/suffix.py), free to ask, so its candidates are computed every step and
 scored against what the target commits even when they are not verified; and a main drafter (a draft
 model, n-gram or Token Recycling), asked only when what it has yielded per pass pays for its drafting
 time and its pass, and tried again now and then when it does not (its acceptance may have changed).
