@@ -17,7 +17,7 @@ from edgespec.runtime.contract.errors import InputError
 from edgespec.runtime.contract.facts import ModelFacts
 from edgespec.runtime.contract.graph import FEATURES, FEATURES_OUT
 from edgespec.runtime.execution.kvcache import KVCache
-from edgespec.runtime.execution.model import padded_features, pass_feed, run_bound
+from edgespec.runtime.execution.model import padded_features, pass_feed, run_bound, signature_of
 
 CALIBRATION_TOKENS = 512
 
@@ -53,11 +53,10 @@ def activation_maxima(model: onnx.ModelProto, facts: ModelFacts, ids: list[int],
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(probed.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    lanes = next((i.shape[1] // facts.num_kv_heads for i in session.get_inputs() if i.name.startswith("past_key_")), 1)
-    cache = KVCache(facts, len(ids) + 2, lanes=lanes)
+    graph = signature_of(session, facts)
+    cache = KVCache(facts, len(ids) + 2, lanes=graph.lanes)
     n = len(ids)
-    layout = pass_feed(cache, (facts.num_heads, facts.num_kv_heads), ids, range(n), np.tril(np.ones((n, n), bool)),
-                       range(n))
+    layout = pass_feed(cache, graph, ids, range(n), np.tril(np.ones((n, n), bool)), range(n))
     rows = layout.feed["input_ids"].shape[1]
     feed = dict(layout.feed)
     names = {i.name for i in session.get_inputs()}

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 from edgespec.runtime.contract.facts import ModelFacts
+from edgespec.runtime.contract.graph import GraphSignature
 from edgespec.runtime.contract.topology import Topology
 from edgespec.runtime.execution.kvcache import KVCache
 from edgespec.runtime.execution.model import pass_feed
@@ -11,7 +12,10 @@ FACTS = ModelFacts(architecture="llama", num_layers=1, hidden_size=8, num_heads=
                    tie_word_embeddings=True, sliding_window=None)
 
 
-HEADS = (FACTS.num_heads, FACTS.num_kv_heads)
+def graph(lanes: int = 1, inputs=None) -> GraphSignature:
+    """A graph of FACTS attending in `lanes` lanes that takes `inputs` (default: every input a pass builds)."""
+    every = GraphSignature.every_input(FACTS, lanes)
+    return every if inputs is None else GraphSignature(every.heads, frozenset(inputs), lanes)
 
 
 def cache_with(length: int, lanes: int = 1) -> KVCache:
@@ -40,7 +44,7 @@ def test_a_mask_that_is_not_an_ancestor_mask_is_refused(mask):
 def test_every_path_gets_a_lane_whose_slots_sit_at_the_columns_plain_decoding_gives_them():
     tree = Topology((-1, 0, 0, 1, 1, 2))
     past = 5
-    layout = pass_feed(cache_with(past, lanes=4), HEADS, list(range(6)), past + tree.depths, tree.ancestor_mask, range(6))
+    layout = pass_feed(cache_with(past, lanes=4), graph(4), list(range(6)), past + tree.depths, tree.ancestor_mask, range(6))
     feed, paths = layout.feed, layout.path_nodes
     slots = [int(feed["out_rows"][node, 0]) // FACTS.num_heads for node in range(6)]  # s * lanes + b
     assert layout.rows == 6 and paths.shape == (4, 3) and layout.lanes == 4
@@ -57,11 +61,11 @@ def test_every_path_gets_a_lane_whose_slots_sit_at_the_columns_plain_decoding_gi
 def test_a_tree_with_more_paths_than_lanes_is_refused():
     tree = Topology((-1, 0, 0))
     with pytest.raises(ValueError, match="within_paths"):
-        pass_feed(cache_with(2), HEADS, [1, 2, 3], 2 + tree.depths, tree.ancestor_mask, range(3))
+        pass_feed(cache_with(2), graph(), [1, 2, 3], 2 + tree.depths, tree.ancestor_mask, range(3))
 
 
 def test_a_single_token_is_one_lane_with_its_padding_row_after_it():
-    layout = pass_feed(cache_with(3), HEADS, [7], [3], np.ones((1, 1), bool), [0])
+    layout = pass_feed(cache_with(3), graph(), [7], [3], np.ones((1, 1), bool), [0])
     feed = layout.feed
     assert layout.rows == 1 and list(layout.path_nodes[0]) == [0, 1]
     assert list(feed["out_rows"][:, 0]) == [0, 2]  # each token's first head is its slot's: 2 heads per slot
@@ -84,7 +88,7 @@ def test_head_rows_fold_lanes_into_the_ops_packed_heads():
 
 def test_a_draft_pass_keeps_one_lane_and_masks_through_the_bias():
     past_mask = np.array([[True, False, True], [False, True, True]])
-    layout = pass_feed(cache_with(3), HEADS, [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask,
+    layout = pass_feed(cache_with(3), graph(), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], past_mask=past_mask,
                        exact_rows=False)
     feed = layout.feed
     assert layout.path_nodes.shape == (1, 2) and list(feed["position_ids"][0]) == [3, 3]
@@ -97,17 +101,17 @@ def test_a_graph_without_an_attention_bias_gets_no_bias_and_only_exact_passes():
     tree = Topology((-1, 0, 0))
     target_inputs = frozenset({"input_ids", "qkv_rows", "out_rows", "position_ids", "seqlens_k",
                                "total_sequence_length", "logit_rows"})
-    feed = pass_feed(cache_with(5, lanes=2), HEADS, [1, 2, 3], 5 + tree.depths, tree.ancestor_mask, range(3),
-                     graph_inputs=target_inputs).feed
+    feed = pass_feed(cache_with(5, lanes=2), graph(2, target_inputs), [1, 2, 3], 5 + tree.depths, tree.ancestor_mask,
+                     range(3)).feed
     assert set(feed) == target_inputs and int(feed["total_sequence_length"]) == 5 + 2
     with pytest.raises(ValueError, match="causal mask alone"):
-        pass_feed(cache_with(3), HEADS, [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1], exact_rows=False,
-                  graph_inputs=target_inputs)
+        pass_feed(cache_with(3), graph(1, target_inputs), [1, 2], [3, 3], np.eye(2, dtype=bool), [0, 1],
+                  exact_rows=False)
     with pytest.raises(ValueError, match="causal mask alone"):
-        pass_feed(cache_with(3), HEADS, [1], [3], np.ones((1, 1), bool), [0], past_mask=np.ones((1, 3), bool),
-                  graph_inputs=target_inputs)
-    one_lane = pass_feed(cache_with(3), HEADS, [1], [3], np.ones((1, 1), bool), [0],
-                         graph_inputs=target_inputs - {"qkv_rows", "out_rows"}).feed
+        pass_feed(cache_with(3), graph(1, target_inputs), [1], [3], np.ones((1, 1), bool), [0],
+                  past_mask=np.ones((1, 3), bool))
+    one_lane = pass_feed(cache_with(3), graph(1, target_inputs - {"qkv_rows", "out_rows"}), [1], [3],
+                         np.ones((1, 1), bool), [0]).feed
     assert "qkv_rows" not in one_lane and list(one_lane["position_ids"][0]) == [3, 4]  # still two slots
 
 
@@ -122,5 +126,5 @@ def test_a_chain_is_known_without_walking_its_paths(monkeypatch):
     def walked(mask):
         raise AssertionError("a chain's one path was looked for among a tree's")
     monkeypatch.setattr(model.Topology, "from_ancestor_mask", staticmethod(walked))
-    layout = pass_feed(cache_with(5), HEADS, [1, 2, 3], [5, 6, 7], np.tril(np.ones((3, 3), bool)), [0, 1, 2])
+    layout = pass_feed(cache_with(5), graph(), [1, 2, 3], [5, 6, 7], np.tril(np.ones((3, 3), bool)), [0, 1, 2])
     assert layout.path_nodes.tolist() == [[0, 1, 2]]

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from edgespec.runtime.contract.errors import BudgetError
+from edgespec.runtime.contract.graph import GraphSignature
 from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.exactness import check_exact_rows
@@ -294,7 +295,7 @@ def test_a_packed_stage_is_resident_after_fetch_and_gone_after_release(staged_bu
     target = open_bundle(staged_bundle).target
     facts, cache = target.facts, KVCache(target.facts, 16, lanes=target.lanes)
     rng = np.random.default_rng(0)
-    feed = dict(pass_feed(cache, (facts.num_heads, facts.num_kv_heads), [5, 6, 7], range(3), np.tril(np.ones((3, 3), bool)), [2]).feed,
+    feed = dict(pass_feed(cache, GraphSignature.every_input(facts, target.lanes), [5, 6, 7], range(3), np.tril(np.ones((3, 3), bool)), [2]).feed,
                 **{name: rng.standard_normal((1, 3, facts.hidden_size)).astype(np.float32) for name in ("hidden", "branch")})
     outputs = {o.name: (3, facts.hidden_size) for o in stage.session.get_outputs() if not o.name.startswith("present_")}
     before = run_bound(stage.session, cache, feed, outputs)

@@ -9,15 +9,7 @@ import onnxruntime as ort
 
 from ..contract.errors import InputError
 from ..contract.facts import ModelFacts
-from ..contract.graph import (
-    ATTENTION_BIAS,
-    ATTENTION_KEY,
-    EXACT_ROWS_KEY,
-    FEATURES,
-    FEATURES_OUT,
-    MIN_ROWS,
-    STANDARD_ATTENTION,
-)
+from ..contract.graph import ATTENTION_BIAS, FEATURES, FEATURES_OUT, GraphSignature, StaticShape
 from ..contract.topology import Topology
 from .kvcache import KVCache
 
@@ -46,34 +38,6 @@ def commit(cache: KVCache, out: Pass, rows) -> None:
 
 
 @dataclass(frozen=True)
-class StaticShape:
-    """A static-shape graph's fixed sizes (NPU profiles): every pass runs `nodes` rows in `nodes` slots per lane,
-    asks for `nodes` logit rows, and attends over a KV buffer of `capacity` rows, the context plus `nodes`
-    rows a pass may write past it. Read from the graph's own input shapes."""
-    nodes: int
-    capacity: int
-
-    @property
-    def context(self) -> int:
-        return self.capacity - self.nodes
-
-    def buffer(self) -> dict:
-        """KVCache's arguments for the graph's buffer: whole from the start, its node count as slack."""
-        return {"initial_rows": self.context, "slack": self.nodes}
-
-    @classmethod
-    def of(cls, session: ort.InferenceSession) -> "StaticShape | None":
-        shapes = {i.name: i.shape for i in session.get_inputs()}
-        nodes = shapes.get("input_ids", shapes.get("hidden", [None, None]))[1]
-        capacity = next((shape[2] for name, shape in shapes.items() if name.startswith("past_key_")), None)
-        if not isinstance(nodes, int) or not isinstance(capacity, int):  # a fixed N alone still runs unpadded
-            return None
-        if capacity <= nodes:
-            raise InputError(f"a static-shape graph needs a KV buffer longer than its {nodes} nodes (got {capacity})")
-        return cls(nodes, capacity)
-
-
-@dataclass(frozen=True)
 class PassLayout:
     """How one pass's rows are fed: the graph inputs besides the KV buffers, and what to read back."""
     feed: dict
@@ -93,17 +57,31 @@ class ModelRunner:
         self.session = session
         self.facts = facts
         self.head_tokens = head_tokens
-        self.reads_features = FEATURES in {i.name for i in session.get_inputs()}
-        self.gives_features = FEATURES_OUT in {o.name for o in session.get_outputs()}
+        self.signature = signature_of(session, facts)
         self.head_size = facts.vocab_size if head_tokens is None else len(head_tokens)
-        self.lanes = graph_lanes(session, facts)
-        self.static = StaticShape.of(session)  # fixed sizes every pass is padded to (None: dynamic shapes)
-        self.explicit_mask = session.get_modelmeta().custom_metadata_map.get(ATTENTION_KEY) == STANDARD_ATTENTION
-        # the graph's input names: a target's has no attention bias, a one-lane graph no head gathers
-        self.graph_inputs = frozenset(i.name for i in session.get_inputs())
-        self.graph_min_rows = exact_min_rows(session)  # what the graph guarantees on any device
-        self.min_rows = self.graph_min_rows  # what a one-token step runs: set by the device's check
+        self.min_rows = self.signature.min_rows  # what a one-token step runs: set by the device's check
         self.run_seconds = 0.0  # time inside onnxruntime, all passes so far: `bench` reports the rest as Python's
+
+    @property
+    def lanes(self) -> int:
+        return self.signature.lanes
+
+    @property
+    def static(self) -> StaticShape | None:
+        return self.signature.static
+
+    @property
+    def reads_features(self) -> bool:
+        return self.signature.reads_features
+
+    @property
+    def gives_features(self) -> bool:
+        return self.signature.gives_features
+
+    @property
+    def graph_min_rows(self) -> int:
+        """What the graph guarantees on any device."""
+        return self.signature.min_rows
 
     kernels = "packed"  # onnxruntime prepacks the graph's weights: the kernels its exactness verdict was measured on
 
@@ -116,7 +94,7 @@ class ModelRunner:
     @property
     def pass_limit(self) -> int | None:
         """The most tokens one pass takes (a static graph's nodes), None without a limit."""
-        return None if self.static is None else self.static.nodes
+        return self.signature.pass_limit
 
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
@@ -129,9 +107,8 @@ class ModelRunner:
         features [n, hidden]: for a graph that reads them, the features that go with each new token;
         exact_rows: see pass_feed.
         """
-        layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
-                           logit_rows, past_mask, exact_rows, self.min_rows, self.static, self.explicit_mask,
-                           self.graph_inputs)
+        layout = pass_feed(cache, self.signature, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows,
+                           self.min_rows)
         feed = layout.feed
         rows = feed["input_ids"].shape[1]
         if self.reads_features:
@@ -168,20 +145,10 @@ def run_bound(session: ort.InferenceSession, cache: KVCache, feed: dict,
     return arrays
 
 
-def exact_min_rows(session: ort.InferenceSession) -> int:
-    """The fewest rows an exact pass of this graph needs (MIN_ROWS unless the graph says fewer)."""
-    value = session.get_modelmeta().custom_metadata_map.get(EXACT_ROWS_KEY, str(MIN_ROWS))
-    if value not in ("1", "2"):
-        raise InputError(f"the graph's {EXACT_ROWS_KEY} is {value!r}: re-export the bundle")
-    return int(value)
-
-
-def graph_lanes(session: ort.InferenceSession, facts: ModelFacts) -> int:
-    """The lanes a graph attends in: its KV buffers are [1, lanes * kv_heads, capacity, head_dim]."""
-    for i in session.get_inputs():
-        if i.name.startswith("past_key_"):
-            return i.shape[1] // facts.num_kv_heads
-    return 1
+def signature_of(session: ort.InferenceSession, facts: ModelFacts) -> GraphSignature:
+    """The graph's signature, from what its session declares."""
+    return GraphSignature.read(facts, {i.name: i.shape for i in session.get_inputs()},
+                               [o.name for o in session.get_outputs()], session.get_modelmeta().custom_metadata_map)
 
 
 def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.ndarray:
@@ -193,24 +160,22 @@ def padded_features(features: np.ndarray | None, rows: int, hidden: int) -> np.n
     return out
 
 
-def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_mask: np.ndarray, logit_rows,
-              past_mask=None, exact_rows: bool = True, exact_min_rows: int = MIN_ROWS,
-              static: StaticShape | None = None, explicit_mask: bool = False,
-              graph_inputs: frozenset[str] | None = None) -> PassLayout:
-    """The graph inputs of one pass, padded to `exact_min_rows` rows if exact (the graph's
-    `exact_min_rows`); `heads`: the model's (query, kv) heads. `static`: a static-shape graph's sizes, to
-    which rows, slots, logit rows and the attention bias are padded (the padding is never read).
+def pass_feed(cache: KVCache, graph: GraphSignature, tokens, positions, tree_mask: np.ndarray, logit_rows,
+              past_mask=None, exact_rows: bool = True, min_rows: int | None = None) -> PassLayout:
+    """The inputs `graph` takes for one pass, padded to `min_rows` rows if exact (default: the graph's; the
+    device's check may lower it). A static-shape graph's rows, slots, logit rows and attention bias are padded
+    to its sizes (the padding is never read).
 
     exact_rows: each root-to-leaf path of `tree_mask` attends in a lane of its own, at the columns
     plain decoding gives it, so every row has plain decoding's bits (exporters/llama.py says why);
     `tree_mask` must then be an ancestor mask, and each row's position is the cache length plus its
     depth. False puts all rows in one lane, at `positions`, masked by `tree_mask` and `past_mask`
     through the attention bias (a draft's passes, whose rows need not match anything).
-    graph_inputs: the graph's input names (None: every input a graph may take); what it does not take is
-    not built. A graph without an attention bias (a target's) is refused a pass that would need one (rows
-    that are not exact, a mask over the past); a graph of one lane takes no head gathers.
+    A graph without an attention bias (a target's) is refused a pass that would need one (rows that are
+    not exact, a mask over the past); a graph of one lane takes no head gathers.
     """
-    attention_bias = graph_inputs is None or ATTENTION_BIAS in graph_inputs
+    static, explicit_mask, attention_bias = graph.static, graph.explicit_mask, graph.attention_bias
+    exact_min_rows = graph.min_rows if min_rows is None else min_rows
     if not attention_bias and (not exact_rows or past_mask is not None or explicit_mask):
         raise InputError("this graph attends under the op's causal mask alone (a target's graph): it runs exact "
                          "passes without a mask over the past")
@@ -264,11 +229,11 @@ def pass_feed(cache: KVCache, heads: tuple[int, int], tokens, positions, tree_ma
                 seqlens_k=np.array([total - 1], np.int32), total_sequence_length=np.array(columns, np.int32))
     if attention_bias:
         feed[ATTENTION_BIAS] = bias
-    if graph_inputs is None or "qkv_rows" in graph_inputs:
+    if graph.head_gathers:
         node_slots = np.zeros(rows, dtype=np.int64)
         for b, path in enumerate(paths):
             node_slots[path] = b * slots + np.arange(len(path))  # a node on several lanes has the same bits on each
-        feed["qkv_rows"], feed["out_rows"] = head_rows_of(path_nodes, node_slots, heads)
+        feed["qkv_rows"], feed["out_rows"] = head_rows_of(path_nodes, node_slots, graph.heads)
     return PassLayout(feed=feed, rows=n, wanted=wanted, path_nodes=path_nodes)
 
 

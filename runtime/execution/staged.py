@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 from ..contract.errors import InputError
 from ..contract.facts import ModelFacts
-from ..contract.graph import FEATURES_OUT, MIN_ROWS
+from ..contract.graph import FEATURES_OUT, MIN_ROWS, GraphSignature
 from ..contract.manifest import GraphSpec
 from . import stream_costs
 from .kvcache import KVCache
@@ -161,6 +161,7 @@ class StagedRunner:
         `lanes`: the root-to-leaf paths the stages' graphs attend in (the manifest's)."""
         self.window, self.facts, self.embedding = window, facts, embedding
         self.lanes = lanes
+        self.signature = GraphSignature.every_input(facts, lanes)  # each stage takes its own part of the inputs
         self.graph_min_rows = MIN_ROWS
         self.min_rows = MIN_ROWS  # what a one-token step runs: set by the device's check (runtime/decoding/exactness.py)
         self.run_seconds = 0.0  # time inside onnxruntime (and waiting for stages), all passes so far
@@ -180,8 +181,7 @@ class StagedRunner:
     def measure_costs(self) -> StreamCosts:
         """Each stage's fetch and one-token run on this device (runtime/execution/stream_costs.py), before any pass."""
         cache = self.new_cache(16)
-        layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), [0], [0], np.ones((1, 1), bool),
-                           [0], None, True, self.min_rows)
+        layout = pass_feed(cache, self.signature, [0], [0], np.ones((1, 1), bool), [0], min_rows=self.min_rows)
         rows = layout.feed["input_ids"].shape[1]
         feed = dict(layout.feed, **{k: np.zeros((1, rows, self.facts.hidden_size), np.float32)
                                     for k in ("hidden", "branch")})
@@ -204,8 +204,8 @@ class StagedRunner:
             raise InputError("a staged target reads no features; only a draft does")
         if not exact_rows or past_mask is not None:  # a stage written since history.md §54 takes no attention bias
             raise InputError("a staged target runs exact passes without a mask over the past")
-        layout = pass_feed(cache, (self.facts.num_heads, self.facts.num_kv_heads), tokens, positions, tree_mask,
-                           logit_rows, past_mask, exact_rows, self.min_rows)
+        layout = pass_feed(cache, self.signature, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows,
+                           self.min_rows)
         feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]
         logits, features = None, None
         if self.embedding is not None:
