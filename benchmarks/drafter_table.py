@@ -122,8 +122,8 @@ for name, make in rows:
     plain, spec = Tally(), Tally()
     for i, item in enumerate(prompts):
         if sampled:  # plain right before speculative, prompt by prompt, so noise falls on both alike
-            plain.add(pipeline.generate(**prompt_kwargs(item), config=config(i), drafter=NoDrafter()))
-        spec.add(pipeline.generate(**prompt_kwargs(item), config=config(i), drafter=make()))
+            plain.add(pipeline.generate(**prompt_kwargs(item), config=config(i), speculate=False))
+        spec.add(pipeline.generate(**prompt_kwargs(item), config=config(i), session=pipeline.new_session(drafter=make())))
     reference = reference or spec.outputs
     verdict = f"{spec.speed / plain.speed:8.2f}x" if sampled else str(spec.outputs == reference)
     print(f"{name:50s} {spec.speed:9.2f} {spec.per_pass:11.2f} {verdict:>9s}", flush=True)

@@ -32,9 +32,9 @@ def rss_mib() -> float:
     return 0.0
 
 
-def held_mib(session, drafter) -> float:
+def held_mib(session) -> float:
     """The KV caches (and feature rows) the conversation keeps between turns: its own and its drafter's."""
-    caches = [session.cache, getattr(drafter, "cache", None)]
+    caches = [session.cache, getattr(session.drafter, "cache", None)]
     return sum(c.data.nbytes + (c.features.nbytes if c.features is not None else 0)
                for c in caches if c is not None) / (1 << 20)
 
@@ -63,7 +63,7 @@ def main() -> None:
     questions = [json.loads(line)["messages"][-1]["content"] for line in lines]
     started = time.time()
     end = started + 60 * args.minutes
-    session, drafter, messages = pipeline.new_session(), pipeline.make_drafter(True), []
+    session, messages = pipeline.new_session(), []
     counts = {"generate": 0, "chat": 0, "long": 0, "tokens": 0, "slides": 0}
     samples: list[tuple[float, float, float]] = []
     primed = False  # the warm-up's largest state reached
@@ -75,10 +75,10 @@ def main() -> None:
             kind, primed = ("long", True) if full else ("chat", False)
         if kind == "chat":
             if full:
-                session, drafter, messages = pipeline.new_session(), pipeline.make_drafter(True), []
+                session, messages = pipeline.new_session(), []
             messages.append({"role": "user", "content": rng.choice(questions)})
             result = pipeline.generate(messages=messages, config=random_config(rng, rng.randint(16, 160)),
-                                       session=session, drafter=drafter)
+                                       session=session)
             messages.append({"role": "assistant", "content": result.text})
         else:
             # a long one runs past the context: the sliding policy evicts and goes on
@@ -88,7 +88,7 @@ def main() -> None:
             counts["slides"] += kind == "long" and result.stats.new_tokens >= pipeline.context
         counts[kind] += 1
         counts["tokens"] += result.stats.new_tokens
-        samples.append((time.time() - started, rss_mib(), held_mib(session, drafter)))
+        samples.append((time.time() - started, rss_mib(), held_mib(session)))
     # each request builds its own KV cache, grown by doubling to what it needs, so RSS saws between
     # requests; a leak shows in the envelope: the highest RSS of each window after warm-up
     window = 60 * args.window_minutes

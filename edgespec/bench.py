@@ -7,6 +7,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from edgespec.runtime.contract.errors import InputError
 from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.decoding.engine import GenerationConfig, Stats
 from edgespec.runtime.decoding.sampling import SamplingConfig
@@ -21,7 +22,7 @@ def load_prompts(path: Path | None) -> list[dict]:
         text = Path(path).read_text(encoding="utf-8") if path else \
             resources.files("edgespec").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read the prompts file {path}: {err}") from err
+        raise InputError(f"cannot read the prompts file {path}: {err}") from err
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -29,12 +30,12 @@ def load_prompts(path: Path | None) -> list[dict]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from err
+            raise InputError(f"{path}:{number}: not JSON ({err.msg})") from err
         if not isinstance(item, dict) or not (isinstance(item.get("messages"), list) or isinstance(item.get("prompt"), str)):
-            raise ValueError(f"{path}:{number}: each line needs a 'messages' list or a 'prompt' string")
+            raise InputError(f"{path}:{number}: each line needs a 'messages' list or a 'prompt' string")
         prompts.append(item)
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise InputError(f"{path}: no prompts")
     return prompts
 
 
@@ -49,10 +50,10 @@ def prompt_schema(item: dict) -> dict:
     at = text.find("Schema:")
     try:
         if at < 0:
-            raise ValueError("no 'Schema:' in the prompt")
+            raise InputError("no 'Schema:' in the prompt")
         schema = json.JSONDecoder().raw_decode(text[at + len("Schema:"):].lstrip())[0]
     except ValueError as err:
-        raise ValueError(f"--schema-in-prompt: a prompt states no JSON schema after 'Schema:' ({err})") from err
+        raise InputError(f"--schema-in-prompt: a prompt states no JSON schema after 'Schema:' ({err})") from err
     return schema
 
 
@@ -90,7 +91,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
     `constraint`: every output must match it; `schema_in_prompt`: each output must match the JSON schema
     its prompt states (strict); both report the tokens per pass the grammar supplied."""
     if rounds < 1:
-        raise ValueError(f"rounds must be at least 1 (got {rounds})")
+        raise InputError(f"rounds must be at least 1 (got {rounds})")
     configs = [GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, constraint=(
         ConstraintSpec.json_schema(prompt_schema(item), strict=True) if schema_in_prompt else constraint))
         for item in prompts]

@@ -8,8 +8,6 @@ import time
 import traceback
 from pathlib import Path
 
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
-
 from edgespec.bench import load_prompts, print_report, run_bench
 from edgespec.calibrate import CALIBRATION_PROMPTS, auto_placement, calibrate, placeable
 from edgespec.coreml_backend import coreml_predictor, coreml_refusal, preferred_kv
@@ -102,11 +100,11 @@ FLAGS = {name: "--" + name.replace("_", "-") for name in ("max_new_tokens", "top
                                                            "repetition_penalty", "seed", "kv_policy")}
 
 
-def _as_flags(err: ValueError) -> ValueError:
+def _as_flags(err: ValueError) -> InputError:
     message = str(err)
     for name, flag in FLAGS.items():
         message = message.replace(name, flag)
-    return ValueError(message)
+    return InputError(message)
 
 
 def _sampling_config(args):
@@ -206,8 +204,7 @@ def _generate_coreml(args, config) -> None:
 def cmd_chat(args) -> None:
     config = _generation_config(args)
     pipeline = _pipeline(args)
-    session = pipeline.new_session()
-    drafter = pipeline.make_drafter(not args.no_speculate)
+    session = pipeline.new_session(not args.no_speculate)
     messages = []
     print("edgespec chat — an empty line or Ctrl-D ends it.", file=sys.stderr)
     while True:
@@ -219,9 +216,9 @@ def cmd_chat(args) -> None:
             break
         messages.append({"role": "user", "content": line})
         try:
-            result = pipeline.generate(messages=messages, config=config, session=session, drafter=drafter,
+            result = pipeline.generate(messages=messages, config=config, session=session,
                                        on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-        except (EdgespecError, ValueError) as err:
+        except EdgespecError as err:
             messages.pop()  # the conversation goes on without the turn that failed
             print(f"\nedgespec: {err}", file=sys.stderr)
             continue
@@ -232,14 +229,14 @@ def cmd_chat(args) -> None:
 
 def cmd_bench(args) -> None:
     if args.max_new_tokens < 1:
-        raise ValueError("--max-new-tokens must be at least 1")
+        raise InputError("--max-new-tokens must be at least 1")
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
     if args.rounds < 1:
-        raise ValueError("--rounds must be at least 1")
+        raise InputError("--rounds must be at least 1")
     sampling = _sampling_config(args)
     constraint = _constraint(args)
     if constraint is not None and args.schema_in_prompt:
-        raise ValueError("--schema-in-prompt takes each prompt's schema: give no other constraint with it")
+        raise InputError("--schema-in-prompt takes each prompt's schema: give no other constraint with it")
     report = run_bench(_pipeline(args), prompts, args.max_new_tokens, sampling, args.rounds, constraint,
                        args.schema_in_prompt)
     if args.json:
@@ -252,12 +249,12 @@ def cmd_serve(args) -> None:
     try:
         from edgespec.serve import ServeConfig, serve
     except ImportError as err:
-        raise ValueError(f"edgespec serve needs the serve extra (pip install 'edgespec[serve]'): {err}") from err
+        raise InputError(f"edgespec serve needs the serve extra (pip install 'edgespec[serve]'): {err}") from err
     name = args.model_name or ("default" if args.bundle == "default" else Path(args.bundle).resolve().name)
     try:
         max_body = parse_size(args.max_body)
     except BudgetError as err:
-        raise ValueError(f"--max-body {args.max_body!r}: give bytes or a size like 4MiB") from err
+        raise InputError(f"--max-body {args.max_body!r}: give bytes or a size like 4MiB") from err
     config = ServeConfig(model=name, host=args.host, port=args.port, api_keys=tuple(args.api_key), queue=args.queue,
                          interleave=args.interleave, kept_conversations=args.kept_conversations,
                          max_body_bytes=max_body)
@@ -268,14 +265,14 @@ def cmd_doctor(args) -> None:
     text, ok = doctor_report(resolve_bundle(args.bundle) if args.bundle else None, args.strict)
     print(text)
     if args.strict and not ok:
-        raise ValueError("a provider the profile names is not in this onnxruntime build (doctor --strict)")
+        raise InputError("a provider the profile names is not in this onnxruntime build (doctor --strict)")
 
 
 def cmd_calibrate(args) -> None:
     folder = resolve_bundle(args.bundle)
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
     if args.max_new_tokens < 8:
-        raise ValueError("--max-new-tokens must be at least 8 to measure decoding")
+        raise InputError("--max-new-tokens must be at least 8 to measure decoding")
     say = (lambda line: None) if args.json else (lambda line: print(line, file=sys.stderr))  # noqa: E731
     result = calibrate(folder, prompts if args.prompts else prompts[:CALIBRATION_PROMPTS], args.threads,
                        args.max_new_tokens, say, args.profile)
@@ -285,7 +282,7 @@ def cmd_calibrate(args) -> None:
 
 def cmd_tune(args) -> None:
     if args.max_nodes < 1 or args.max_nodes > 64:
-        raise ValueError("--max-nodes must be between 1 and 64")
+        raise InputError("--max-nodes must be between 1 and 64")
     result = tune(resolve_bundle(args.bundle), Path(args.prompts) if args.prompts else None, args.max_nodes,
                   args.max_new_tokens, args.threads, write=not args.dry_run)
     if args.json:
@@ -396,10 +393,6 @@ def cmd_demo(args) -> None:
             messages=[{"role": "user", "content": DEMO_QUESTION}])
 
 
-# what onnxruntime raises (its own classes derive from Exception alone; its Python layer raises RuntimeError)
-ONNXRUNTIME_ERRORS = (RuntimeError, ort_state.Fail, ort_state.InvalidArgument, ort_state.NoSuchFile,
-                      ort_state.RuntimeException, ort_state.InvalidGraph, ort_state.NotImplemented, ort_state.EPFail)
-
 # what each command of the grammar (parser.py) does
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune,
             "inspect": cmd_inspect, "distill": cmd_distill, "plan": cmd_plan, "serve": cmd_serve, "doctor": cmd_doctor,
@@ -410,17 +403,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         COMMANDS[args.command](args)
-    except (EdgespecError, ValueError, OSError) as err:
+    except (EdgespecError, OSError) as err:  # the user's input, or what the system refused (a disk, a port)
         if args.debug:
             traceback.print_exc()
         print(f"edgespec: error: {err}", file=sys.stderr)
-        return 2
-    except ONNXRUNTIME_ERRORS as err:  # a graph or provider onnxruntime refused: a line, not a traceback
-        if args.debug:
-            traceback.print_exc()
-        print(f"edgespec: onnxruntime failed ({type(err).__name__}): {err}\n"
-              "(run again with --debug for where; if the bundle verifies with `edgespec inspect`, this is a bug: "
-              "please report it)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nedgespec: interrupted", file=sys.stderr)

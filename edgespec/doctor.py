@@ -10,8 +10,9 @@ import onnxruntime as ort
 from edgespec.calibrate import cached
 from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.execution.device import describe
+from edgespec.runtime.execution.providers import provider_label, usable_providers
 from edgespec.runtime.pipeline import default_threads
-from edgespec.targets.profiles import DeviceProfile, profiles, provider_label, usable_providers
+from edgespec.targets.profiles import DeviceProfile, profiles
 
 
 def memory_mib() -> tuple[int | None, int | None]:

@@ -39,7 +39,7 @@ from edgespec.openai_api import (
     parse_completion,
     response,
 )
-from edgespec.runtime.contract.errors import ConstraintError, EdgespecError
+from edgespec.runtime.contract.errors import ConstraintError, EdgespecError, InputError
 from edgespec.runtime.decoding.engine import GenerationConfig, Result
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
@@ -66,17 +66,17 @@ class ServeConfig:
 
     def __post_init__(self):
         if self.queue < 0:
-            raise ValueError(f"--queue must be >= 0 (got {self.queue})")
+            raise InputError(f"--queue must be >= 0 (got {self.queue})")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in 0..65535 (got {self.port})")
+            raise InputError(f"--port must be in 0..65535 (got {self.port})")
         if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
-            raise ValueError("api_keys must be a tuple of keys, none of them empty (--api-key cannot be empty)")
+            raise InputError("api_keys must be a tuple of keys, none of them empty (--api-key cannot be empty)")
         if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
-            raise ValueError(f"--interleave must be >= 1 (got {self.interleave})")
+            raise InputError(f"--interleave must be >= 1 (got {self.interleave})")
         if self.kept_conversations < 0:
-            raise ValueError(f"--kept-conversations must be >= 0 (got {self.kept_conversations})")
+            raise InputError(f"--kept-conversations must be >= 0 (got {self.kept_conversations})")
         if self.max_body_bytes < 1024:
-            raise ValueError(f"--max-body must be at least 1 KiB (got {self.max_body_bytes} bytes)")
+            raise InputError(f"--max-body must be at least 1 KiB (got {self.max_body_bytes} bytes)")
 
 
 class Generations:
@@ -174,9 +174,8 @@ class Generations:
                 return None
             # no one's request gets a conversation of its own too: what drafters learn is never shared
             conversation = self.conversations.take(client) if client is not None else self.conversations.new()
-            result = self.pipeline.generate(ids=ids, config=config, session=conversation.session,
-                                            drafter=conversation.drafter, suffix_store=conversation.suffix_store,
-                                            on_text=on_text, should_stop=should_stop)
+            result = self.pipeline.generate(ids=ids, config=config, session=conversation.session, on_text=on_text,
+                                            should_stop=should_stop)
             # only now: a generation that failed midway leaves a conversation no one should continue
             if client is not None:
                 self.conversations.keep(client, conversation)

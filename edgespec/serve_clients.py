@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgespec.runtime.decoding.drafters import Drafter
 from edgespec.runtime.decoding.engine import Session
 from edgespec.runtime.decoding.suffix import SuffixStore
 from edgespec.runtime.pipeline import Pipeline
@@ -44,8 +43,7 @@ def client_of(key_digest: str | None, user: str | None, cache_salt: str | None) 
 
 @dataclass
 class Conversation:
-    session: Session
-    drafter: Drafter  # made with the two below
+    session: Session  # the caches, and the drafter made with the two below
     suffix_store: SuffixStore | None
     recycling_table: np.ndarray | None
 
@@ -94,8 +92,7 @@ class KeptConversations:
     def new(self) -> Conversation:
         """A conversation with empty caches, store and table (kept only if `keep` is given it)."""
         store, table = self.pipeline.new_suffix_store(), self.pipeline.new_recycling_table()
-        drafter = self.pipeline.make_drafter(speculate=True, suffix_store=store, recycling_table=table)
-        return Conversation(self.pipeline.new_session(), drafter, store, table)
+        return Conversation(self.pipeline.new_session(suffix_store=store, recycling_table=table), store, table)
 
     def keep(self, client: str, conversation: Conversation) -> None:
         """Keeps a conversation its generation left in a state to continue (not one that failed midway)."""

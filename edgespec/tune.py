@@ -26,7 +26,7 @@ import numpy as np
 
 from edgespec.bench import load_prompts, prompt_kwargs, run_bench
 from edgespec.runtime.contract.drafting import DrafterKind, LookupConfig
-from edgespec.runtime.contract.errors import ContextOverflowError
+from edgespec.runtime.contract.errors import ContextOverflowError, InputError
 from edgespec.runtime.contract.manifest import read_manifest, write_manifest
 from edgespec.runtime.contract.topology import Topology
 from edgespec.runtime.decoding.engine import GenerationConfig
@@ -131,10 +131,10 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
          write: bool = True) -> dict:
     pipeline = Pipeline(folder, threads)
     if pipeline.manifest.dynamic is not None:
-        raise ValueError(f"{folder} grows a dynamic tree each step (dynamic:{pipeline.manifest.dynamic.budget}); tune "
+        raise InputError(f"{folder} grows a dynamic tree each step (dynamic:{pipeline.manifest.dynamic.budget}); tune "
                          "chooses a static one: export the bundle with --tree auto or a static tree to tune it")
     if pipeline.manifest.drafter is DrafterKind.SUFFIX:
-        raise ValueError(f"{folder} drafts by suffix alone, whose tree the step controller chooses each step from "
+        raise InputError(f"{folder} drafts by suffix alone, whose tree the step controller chooses each step from "
                          "this device's measured pass costs: there is no static tree to tune")
     prompts = load_prompts(prompts_file)
     lookup = pipeline.lookup
@@ -149,21 +149,16 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     runs = {}
     for config in choices:
         k = config.tokens if config else 0
-        pipeline.lookup = config
         tree, chain = choose_tree(counter.acceptance, {n: verify[n + k] for n in range(1, max_nodes + 1)},
                                   draft_per_level, {n: leaf.get(n + k, 0.0) for n in range(1, max_nodes + 1)},
                                   extra_leaves=int(k > 0), max_paths=pipeline.target.lanes)
-        pipeline.tree, pipeline.recycling_table = tree.topology, None
-        runs[config] = (tree, chain, run_bench(pipeline, prompts, max_new_tokens))
+        runs[config] = (tree, chain, run_bench(pipeline.with_drafting(tree.topology, config), prompts, max_new_tokens))
     best = max(runs, key=lambda c: runs[c][2]["speedup"])  # against plain decoding in the same run: drift cancels
     tree, chain, _ = runs[best]
     # the winner of several noisy runs is measured again: its own selection run is biased upwards
     # (the best of k draws), and the chain it is compared with gets one unselected run too
-    pipeline.lookup = best
-    pipeline.tree, pipeline.recycling_table = tree.topology, None
-    measured = run_bench(pipeline, prompts, max_new_tokens)
-    pipeline.tree, pipeline.recycling_table = chain.topology, None
-    chain_measured = run_bench(pipeline, prompts, max_new_tokens)
+    measured = run_bench(pipeline.with_drafting(tree.topology, best), prompts, max_new_tokens)
+    chain_measured = run_bench(pipeline.with_drafting(chain.topology, best), prompts, max_new_tokens)
     if write:
         write_tree(folder, tree.topology, best)
     return {
@@ -195,11 +190,11 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
 def _measure_acceptance(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int) -> "AcceptanceCounter":
     """1. Acceptance by depth and rank, with the probe tree, of the draft alone: lookup tokens grafted on
     would blur which rank the target chose."""
-    pipeline.lookup, pipeline.tree = None, probe_topology()
-    counter = AcceptanceCounter(pipeline.make_drafter(True, controlled=False))
+    probing = pipeline.with_drafting(probe_topology(), None)
+    counter = AcceptanceCounter(probing.make_drafter(True, controlled=False))
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     for item in prompts:
-        pipeline.generate(**prompt_kwargs(item), config=config, drafter=counter)
+        probing.generate(**prompt_kwargs(item), config=config, session=probing.new_session(drafter=counter))
     return counter
 
 
@@ -209,7 +204,6 @@ def _measure_costs(pipeline: Pipeline, most_nodes: int) -> tuple[dict[int, float
     in a lane of its own: measured on stars, whose n nodes need n - 1 lanes)."""
     past = min(256, pipeline.context // 2)
     chunk = pipeline.manifest.prefill_chunk
-    _ = pipeline.exactness  # one-node passes cost what this device's one-token steps do: one row or two
     verify = pass_seconds(pipeline.target, chunk, range(1, most_nodes + 1), past, repeats=15)
     stars = range(3, min(most_nodes, pipeline.target.lanes + 1) + 1)
     star = pass_seconds(pipeline.target, chunk, stars, past, repeats=15, star=True) if len(stars) else {}
@@ -243,7 +237,7 @@ def write_tree(folder: Path, topology: Topology, lookup: LookupConfig | None) ->
     graphs = [e.graph for e in (manifest.target, manifest.draft) if e is not None]
     graphs += [g for other in manifest.other_profiles for g in (other.target, other.draft) if g is not None]
     if any(graph.static for graph in graphs):
-        raise ValueError("this bundle has static-shape graphs: their node count, and so its tree, is fixed at export")
+        raise InputError("this bundle has static-shape graphs: their node count, and so its tree, is fixed at export")
     manifest = replace(manifest, tree=topology, lookup=lookup)  # keeps the dynamic settings
     write_manifest(folder, manifest)
 

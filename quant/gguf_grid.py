@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from edgespec.runtime.contract.errors import ExportError
 
 QK_K = 256
 KEPT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -57,7 +58,7 @@ class BlockGrid:
     def widened(self, bits: int, block: int) -> "BlockGrid":
         """The same weights in a wider storage or smaller blocks (exact: levels and scales repeat)."""
         if bits < self.bits or self.block % block:
-            raise ValueError(f"cannot hold {self.bits}-bit blocks of {self.block} in {bits}-bit blocks of {block}")
+            raise ExportError(f"cannot hold {self.bits}-bit blocks of {self.block} in {bits}-bit blocks of {block}")
         split = self.block // block
         n, count = self.scales.shape
         return BlockGrid(bits, block, self.levels.reshape(n, count * split, block),
@@ -136,7 +137,7 @@ def decode(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockGrid:
         levels = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << np.uint8(4))
         return _grid(8, 16, levels.reshape(-1, 16), scales.reshape(-1), np.full(scales.size, 32, np.uint8), None,
                      kind, n, k)
-    raise ValueError(f"GGUF block type {kind} is not kept on its grid ({', '.join(KEPT)} are)")
+    raise ExportError(f"GGUF block type {kind} is not kept on its grid ({', '.join(KEPT)} are)")
 
 
 def _grid(bits, block, levels, scales, zeros, offsets, kind, n, k) -> BlockGrid:

@@ -6,7 +6,6 @@ Pure runtime code (onnxruntime sessions, numpy): it compares graphs, not torch m
 from __future__ import annotations
 
 import numpy as np
-from edgespec.runtime.decoding.drafters import NoDrafter
 from edgespec.runtime.decoding.engine import Session, speculative_step
 from edgespec.runtime.execution.features import draft_inputs
 from edgespec.runtime.execution.model import ModelRunner, commit, prefill
@@ -54,7 +53,7 @@ def greedy_continuation(runner: ModelRunner, prompt: list[int], new_tokens: int,
     logits = prefill(runner, session.cache, prompt, chunk)
     session.begin(list(prompt) + [int(np.argmax(logits))])
     while len(session.committed) < len(prompt) + new_tokens:
-        speculative_step(runner, session, NoDrafter())
+        speculative_step(runner, session)
     return session.committed[len(prompt) : len(prompt) + new_tokens]
 
 

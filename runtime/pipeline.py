@@ -1,15 +1,17 @@
 """The front of the runtime: open a bundle, make sessions per role, generate text."""
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-from .contract.drafting import DrafterKind
+from .contract.drafting import DrafterKind, LookupConfig
 from .contract.errors import BundleError, InputError
 from .contract.manifest import Manifest, open_bundle, read_head_tokens
+from .contract.topology import Topology
 from .decoding.constraints import Grammars
 from .decoding.controller import Controller, Measurements
 from .decoding.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
@@ -99,7 +101,6 @@ class Pipeline:
         # (tune) may try another
         self.tree = tree_under_budget(m, self.memory, self.stream_costs, profile.max_tree_nodes)
         self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
-        self._exactness: Verdict | None = None
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         # earlier outputs that suffix drafting continues from: one store per pipeline, for all its requests
@@ -120,15 +121,31 @@ class Pipeline:
             if static is not None and static.context != self.memory.context:
                 raise InputError(f"this static-shape bundle holds a context of {static.context} tokens, fixed at export; "
                                  f"the memory budget leaves room for {self.memory.context}: raise the budget")
+        self._resolve_exactness()
 
     @property
     def context(self) -> int:
         return self.memory.context
 
-    def new_session(self) -> Session:
-        """A conversation's state: its target cache has a lane per root-to-leaf path the graph verifies."""
+    def new_session(self, speculate: bool = True, *, drafter: Drafter | None = None,
+                    suffix_store: SuffixStore | None = None, recycling_table: np.ndarray | None = None) -> Session:
+        """A conversation's state, kept by the caller between turns: the target's cache (a lane per
+        root-to-leaf path the graph verifies) and the drafter with its own cache. `drafter`: the caller's own
+        (held to what `make_drafter` decides: none unless `speculate`, none where speculation is not exact
+        here). `suffix_store` and `recycling_table`: what the drafter learns from across requests, the caller's
+        own (`new_suffix_store`, `new_recycling_table`); default: the pipeline's, shared by every request."""
         target = self.manifest.target
-        return Session(cache=self.target.new_cache(self.context, target.feature_size))
+        drafter = self.make_drafter(speculate, suffix_store=suffix_store, recycling_table=recycling_table) \
+            if drafter is None else self._checked(drafter, speculate)
+        return Session(cache=self.target.new_cache(self.context, target.feature_size), drafter=drafter,
+                       suffix_store=self.suffix_store if suffix_store is None else suffix_store)
+
+    def with_drafting(self, tree: Topology, lookup: LookupConfig | None) -> "Pipeline":
+        """The same loaded models drafting on `tree`, with `lookup` beside a draft model, and a recycling table
+        of its own (tune measures each choice as a fresh pipeline would run it)."""
+        other = copy.copy(self)
+        other.tree, other.lookup, other.recycling_table = tree, lookup, None
+        return other
 
     def new_draft_cache(self) -> KVCache:
         """A cache for the draft model: its own KV rows, and its output features when it reads the target's."""
@@ -138,13 +155,14 @@ class Pipeline:
     @property
     def exactness(self) -> Verdict:
         """Whether speculation keeps plain decoding's bits here, and at how many rows a one-token step does:
-        recorded at export for the device that exported it; elsewhere checked once on first use and cached
-        per device (runtime/decoding/exactness.py). The target runs that many rows from then on, plain or not."""
-        if self._exactness is None:
-            m = self.manifest
-            self._exactness = verdict_here(m.exactness, m.files.get(m.target.graph.file, ""), self.target, cache_dir())
-            self.target.min_rows = self._exactness.min_rows
+        recorded at export for the device that exported it; elsewhere checked when the pipeline is made and
+        cached per device (runtime/decoding/exactness.py). The target runs that many rows, plain or not."""
         return self._exactness
+
+    def _resolve_exactness(self) -> None:
+        m = self.manifest
+        self._exactness = verdict_here(m.exactness, m.files.get(m.target.graph.file, ""), self.target, cache_dir())
+        self.target.min_rows = self._exactness.min_rows
 
     def new_suffix_store(self) -> SuffixStore | None:
         """An empty store of earlier outputs, for a caller that keeps its own apart from the pipeline's (a
@@ -195,13 +213,18 @@ class Pipeline:
         return drafter if self.lookup is None else WithLookup(drafter, self.lookup)
 
     def _checked(self, drafter: Drafter, speculate: bool) -> Drafter:
-        """A caller's own drafter (one that keeps a conversation's draft cache), held to what make_drafter
-        decides: speculation off is asked with no drafter, and a device that is not exact decodes plainly."""
+        """A caller's own drafter, held to what make_drafter decides: speculation off is asked with no drafter,
+        and a device that is not exact decodes plainly."""
         if isinstance(drafter, NoDrafter):
             return drafter
         if not speculate:
             raise InputError("a drafter was given with speculate=False: give one or the other")
         return drafter if self._exact_here() else NoDrafter()
+
+    def _checked_session(self, session: Session, speculate: bool) -> Session:
+        if not speculate and not isinstance(session.drafter, NoDrafter):
+            raise InputError("speculate=False with a speculative session: make it with new_session(False)")
+        return session
 
     def _exact_here(self) -> bool:
         """Whether speculation is exact on this device; warns where it is not (decoding plainly instead)."""
@@ -235,41 +258,37 @@ class Pipeline:
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  ids: list[int] | None = None, config: GenerationConfig = GenerationConfig(),
-                 speculate: bool = True, session: Session | None = None, drafter: Drafter | None = None,
-                 on_text=None, should_stop=None, remember: bool = True,
-                 suffix_store: SuffixStore | None = None) -> Result:
+                 speculate: bool = True, session: Session | None = None, on_text=None, should_stop=None,
+                 remember: bool = True) -> Result:
         """Generates after a prompt, chat messages, or `ids` (the conversation already encoded, as `encode`
-        gives it: a caller that had to count its tokens does not encode it twice). `remember`: the output
-        joins the earlier outputs suffix drafting continues from (where the bundle has it); a benchmark's
-        reference runs pass False, so that no measured run copies its own answer. `suffix_store`: those
-        earlier outputs, the caller's own (`new_suffix_store`; the one `drafter` was made with); default:
-        the pipeline's."""
+        gives it: a caller that had to count its tokens does not encode it twice). `session`: a conversation
+        kept between turns (`new_session`), its caches and drafter reused; default: one for this request,
+        speculative unless not `speculate`. `remember`: the output joins the earlier outputs suffix drafting
+        continues from (the session's store, where the bundle has it); a benchmark's reference runs pass
+        False, so that no measured run copies its own answer."""
         if ids is not None and (prompt is not None or messages is not None):
             raise InputError("give a prompt, chat messages or token ids, one of them")
         ids = self.encode(prompt, messages) if ids is None else _checked_ids(ids, self.manifest.target.facts.vocab_size)
-        store = self.suffix_store if suffix_store is None else suffix_store
-        _ = self.exactness  # plain decoding too: it sets how many rows a one-token step runs here
         owned = session is None  # the request's own caches: freed when it ends
-        session = session or self.new_session()
-        drafter = self.make_drafter(speculate, suffix_store=store) if drafter is None \
-            else self._checked(drafter, speculate)
+        session = self.new_session(speculate) if owned else self._checked_session(session, speculate)
+        drafter = session.drafter
         guide = None if config.constraint is None else \
             self.grammars.start(config.constraint, forced_chains=not isinstance(drafter, NoDrafter))
         overlap = Overlap() if self.overlaps(drafter) and guide is None else None
         counted = drafter.counts.copy() if isinstance(drafter, Controller) else None
         try:
-            result = generate(self.target, self.codec, drafter, session, ids, config, self.manifest.prefill_chunk,
+            result = generate(self.target, self.codec, session, ids, config, self.manifest.prefill_chunk,
                               on_text, should_stop, step=overlap.step if overlap else speculative_step, guide=guide)
             if overlap:
                 result.stats.drafted_ahead, result.stats.kept_ahead = overlap.drafted_ahead, overlap.kept
             if isinstance(drafter, Controller):
                 result.stats.steps_by_choice = drafter.counts.since(counted)
-            if store is not None and remember:
-                store.add(result.token_ids)
+            if session.suffix_store is not None and remember:
+                session.suffix_store.add(result.token_ids)
             return result
         finally:
             if overlap:
-                overlap.settle(drafter, session)
+                overlap.settle(session)
             if owned:
                 del session, drafter
             self.trim_heap()

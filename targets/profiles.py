@@ -9,12 +9,11 @@ instead (strict: an error); the CPU provider is always the last resort.
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-import onnxruntime as ort
+from edgespec.runtime.contract.errors import InputError
 
 WEIGHT_SCHEMES = ("any", "int4-asymmetric", "int4-symmetric", "int8-symmetric")
 CPU = "CPUExecutionProvider"
@@ -34,10 +33,10 @@ class Provider:
             return cls(data)
         if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"].endswith(
                 "ExecutionProvider"):
-            raise ValueError(f"a provider is {{\"name\": \"...ExecutionProvider\", \"options\": {{...}}}} (got {data!r})")
+            raise InputError(f"a provider is {{\"name\": \"...ExecutionProvider\", \"options\": {{...}}}} (got {data!r})")
         options = data.get("options", {})
         if not isinstance(options, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in options.items()):
-            raise ValueError(f"{data['name']}: options are strings by name (got {options!r})")
+            raise InputError(f"{data['name']}: options are strings by name (got {options!r})")
         return cls(data["name"], tuple(sorted(options.items())))
 
 
@@ -57,15 +56,15 @@ class DeviceProfile:
 
     def __post_init__(self):
         if not self.draft or not self.verify:
-            raise ValueError(f"profile {self.name}: each role needs at least one provider")
+            raise InputError(f"profile {self.name}: each role needs at least one provider")
         if self.weights not in WEIGHT_SCHEMES:
-            raise ValueError(f"profile {self.name}: weights {self.weights!r} is not one of {', '.join(WEIGHT_SCHEMES)}")
+            raise InputError(f"profile {self.name}: weights {self.weights!r} is not one of {', '.join(WEIGHT_SCHEMES)}")
         if isinstance(self.max_tree_nodes, bool) or not isinstance(self.max_tree_nodes, int) or \
                 not 1 <= self.max_tree_nodes <= 64:
-            raise ValueError(f"profile {self.name}: max_tree_nodes must be 1..64")
+            raise InputError(f"profile {self.name}: max_tree_nodes must be 1..64")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or not 1 <= self.threads <= 256):
-            raise ValueError(f"profile {self.name}: threads must be 1..256 or null")
+            raise InputError(f"profile {self.name}: threads must be 1..256 or null")
 
     @property
     def static_shapes(self) -> bool:
@@ -95,14 +94,14 @@ class DeviceProfile:
         """A profile file, or a profile as a manifest records it (older manifests: provider names in
         `draft_providers` / `verify_providers`)."""
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            raise ValueError(f"a profile is an object with a name (got {type(data).__name__})")
+            raise InputError(f"a profile is an object with a name (got {type(data).__name__})")
         draft, verify = data.get("draft", data.get("draft_providers")), data.get("verify", data.get("verify_providers"))
         static = data.get("static_shapes")
         if isinstance(static, bool):  # both roles (profiles and manifests written before it was per role)
             static = {"draft": static, "verify": static}
         if not isinstance(draft, list) or not isinstance(verify, list) or not isinstance(static, dict) \
                 or set(static) != {"draft", "verify"} or not all(isinstance(v, bool) for v in static.values()):
-            raise ValueError(f"profile {data['name']}: draft and verify provider lists and static_shapes (true, false, "
+            raise InputError(f"profile {data['name']}: draft and verify provider lists and static_shapes (true, false, "
                              "or {\"draft\": bool, \"verify\": bool}) are required")
         known = profiles().get(data["name"]) if data.get("description") is None else None
         return cls(name=data["name"], draft=tuple(Provider.from_dict(p) for p in draft),
@@ -123,9 +122,9 @@ def profiles() -> dict[str, DeviceProfile]:
         try:
             profile = DeviceProfile.from_dict(json.loads(entry.read_text(encoding="utf-8")))
         except (ValueError, TypeError) as err:
-            raise ValueError(f"targets/data/{entry.name}: {err}") from err
+            raise InputError(f"targets/data/{entry.name}: {err}") from err
         if profile.name != entry.name.removesuffix(".json"):
-            raise ValueError(f"targets/data/{entry.name} names itself {profile.name!r}")
+            raise InputError(f"targets/data/{entry.name} names itself {profile.name!r}")
         found[profile.name] = profile
     return found
 
@@ -134,35 +133,4 @@ def get_profile(name: str) -> DeviceProfile:
     try:
         return profiles()[name]
     except KeyError:
-        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(sorted(profiles()))}") from None
-
-
-def usable_providers(wanted: tuple[Provider, ...] | tuple[str, ...], role: str = "",
-                     strict: bool = False) -> list[tuple[str, dict]]:
-    """The wanted providers this onnxruntime build offers, in order, with their options; the CPU is
-    always last resort. A wanted provider that is missing is a warning naming what runs instead, or
-    with `strict` an error."""
-    wanted = tuple(Provider(p) if isinstance(p, str) else p for p in wanted)
-    available = set(ort.get_available_providers())
-    chosen = [(p.name, dict(p.options)) for p in wanted if p.name in available]
-    missing = sorted({p.name for p in wanted if p.name not in available})
-    if CPU not in [name for name, _ in chosen]:
-        chosen.append((CPU, {}))
-    if missing and chosen[0][0] != wanted[0].name:
-        fall_back(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in this onnxruntime build "
-                  f"({ort.__version__}); {role or 'the model'} runs on {chosen[0][0]} instead", strict, stacklevel=3)
-    return chosen
-
-
-def provider_label(choice: tuple[str, dict]) -> str:
-    """A (provider, options) pair as usable_providers returns it, for people."""
-    name, options = choice
-    return name + (f" ({', '.join(f'{k}={v}' for k, v in sorted(options.items()))})" if options else "")
-
-
-def fall_back(message: str, strict: bool, stacklevel: int) -> None:
-    """What a profile asked for is not what runs: a warning that says so (`stacklevel` above the caller), or
-    with `strict` an error."""
-    if strict:
-        raise ValueError(message + " (--strict)")
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+        raise InputError(f"unknown device profile {name!r}; known: {', '.join(sorted(profiles()))}") from None

@@ -3,7 +3,6 @@ earlier outputs and Token Recycling table, and a conversation it already encoded
 import numpy as np
 import pytest
 from edgespec.runtime.contract.errors import InputError
-from edgespec.runtime.decoding.drafters import NoDrafter
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
 
@@ -15,16 +14,14 @@ def test_a_callers_suffix_store_is_the_only_one_its_requests_learn_from(bundle_f
     pipeline = Pipeline(bundle_factory(draft="suffix", tree=None, suffix=True))
     mine, theirs = pipeline.new_suffix_store(), pipeline.new_suffix_store()
     assert mine is not pipeline.suffix_store and mine.array.length == 0
-    first = pipeline.generate(PROMPT, config=CONFIG, drafter=pipeline.make_drafter(True, suffix_store=mine),
-                              suffix_store=mine)
+    first = pipeline.generate(PROMPT, config=CONFIG, session=pipeline.new_session(suffix_store=mine))
     assert mine.array.length == len(first.token_ids) + 1
     assert pipeline.suffix_store.array.length == 0 and theirs.array.length == 0  # nothing leaked to the shared one
     # another caller's store knows nothing of the first output: no faster than the first time
-    other = pipeline.generate(PROMPT, config=CONFIG, drafter=pipeline.make_drafter(True, suffix_store=theirs),
-                              suffix_store=theirs)
+    other = pipeline.generate(PROMPT, config=CONFIG, session=pipeline.new_session(suffix_store=theirs))
     assert other.token_ids == first.token_ids and theirs.array.length == mine.array.length
     # the first caller's store does know it: its drafter quotes it (the same bits, fewer passes)
-    again = pipeline.generate(PROMPT, config=CONFIG, suffix_store=mine)
+    again = pipeline.generate(PROMPT, config=CONFIG, session=pipeline.new_session(suffix_store=mine))
     assert again.token_ids == first.token_ids
     assert again.stats.mean_accepted_per_pass > max(first.stats.mean_accepted_per_pass,
                                                     other.stats.mean_accepted_per_pass)
@@ -40,7 +37,7 @@ def test_a_callers_recycling_table_is_the_one_its_drafter_fills(bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="recycling", tree="topk:2x2"))
     table = pipeline.new_recycling_table()
     assert table is not None and (table == -1).all()
-    spec = pipeline.generate(PROMPT, config=CONFIG, drafter=pipeline.make_drafter(True, recycling_table=table))
+    spec = pipeline.generate(PROMPT, config=CONFIG, session=pipeline.new_session(recycling_table=table))
     assert (table != -1).any()  # the target's candidates went into the caller's table
     assert pipeline.recycling_table is None  # the shared one was never made
     assert spec.token_ids == pipeline.generate(PROMPT, config=CONFIG, speculate=False).token_ids
@@ -58,7 +55,7 @@ def test_generate_takes_the_conversation_already_encoded(bundle_factory):
     pipeline.codec.encode_chat = pipeline.codec.encode = encodes_again
     got = pipeline.generate(ids=ids, config=CONFIG)
     assert got.token_ids == expected.token_ids and got.stats.prompt_tokens == len(ids)
-    assert pipeline.generate(ids=np.array(ids), config=CONFIG, drafter=NoDrafter()).token_ids == expected.token_ids
+    assert pipeline.generate(ids=np.array(ids), config=CONFIG, speculate=False).token_ids == expected.token_ids
 
 
 @pytest.mark.parametrize("kwargs,words", [(dict(ids=[1, 2], prompt="x"), "one of them"),

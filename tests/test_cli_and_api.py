@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
 
@@ -55,16 +56,28 @@ def test_inspect_says_what_is_malformed_in_sections_only_it_reads(bundle_factory
 
 
 def test_an_onnxruntime_failure_is_a_line_not_a_traceback(bundle_factory, monkeypatch, capsys):
-    """What onnxruntime raises mid-run (its classes are not RuntimeErrors) ends the command with a line and 2."""
+    """What onnxruntime raises mid-run (its classes are not RuntimeErrors) becomes a BackendError at the one
+    place passes run, and the command ends with a line and 2."""
+    import onnxruntime as ort
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
     def failing(*args, **kwargs):
         raise Fail("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running MatMulNBits")
 
-    monkeypatch.setattr(Pipeline, "generate", failing)
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", failing)
     assert main(["generate", str(bundle_factory()), "--prompt", "a", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
-    assert "edgespec: onnxruntime failed (Fail)" in err and "MatMulNBits" in err and "Traceback" not in err
+    assert "failed in a pass (Fail)" in err and "MatMulNBits" in err and "Traceback" not in err
+
+
+def test_a_bug_keeps_its_traceback(bundle_factory, monkeypatch):
+    """cli.main answers the user's faults with a line; anything else is a bug and reaches the caller whole."""
+    def broken(*args, **kwargs):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(Pipeline, "generate", broken)
+    with pytest.raises(ValueError, match="internal invariant"):
+        main(["generate", str(bundle_factory()), "--prompt", "a", "--max-new-tokens", "2"])
 
 
 def test_inspect_checks_on_this_device_that_rows_keep_their_bits(bundle_factory, monkeypatch, capsys):

@@ -265,13 +265,13 @@ def test_a_forced_chain_the_target_spells_otherwise_rewinds_the_drafter(draft, t
     pipeline.grammars.start = loose
     rejected = 0
     for prompt in PROMPTS:
-        session, drafter = pipeline.new_session(), pipeline.make_drafter(True)
+        session = pipeline.new_session()
         plain = pipeline.generate(prompt, config=config(SPECS["json_object"]), speculate=False)
-        fast = pipeline.generate(prompt, config=config(SPECS["json_object"]), session=session, drafter=drafter)
+        fast = pipeline.generate(prompt, config=config(SPECS["json_object"]), session=session)
         assert fast.token_ids == plain.token_ids
         rejected += fast.stats.target_passes - fast.stats.grammar_tokens
         if draft == "ngram":  # what the drafter indexed is what was committed
-            assert drafter.context == session.committed[: len(drafter.context)]
+            assert session.drafter.context == session.committed[: len(session.drafter.context)]
     assert rejected > 0
 
 

@@ -255,7 +255,7 @@ def test_a_prompt_that_exactly_fills_the_context_still_answers(bundle_factory):
     ids = pipeline.encode("fox " * 100)[:64]
     from edgespec.runtime.decoding.engine import generate
 
-    result = generate(pipeline.target, pipeline.codec, pipeline.make_drafter(False), pipeline.new_session(), ids,
+    result = generate(pipeline.target, pipeline.codec, pipeline.new_session(False), ids,
                       GenerationConfig(max_new_tokens=1, stop_at_eos=False), 16)
     assert len(result.token_ids) == 1
 

@@ -136,15 +136,15 @@ def test_a_callers_own_drafter_is_held_to_the_same_rules(bundle_factory, elsewhe
     pipeline = Pipeline(bundle_factory())
     config = GenerationConfig(max_new_tokens=6)
     with pytest.raises(ValueError, match="speculate=False"):
-        pipeline.generate("a b c", config=config, speculate=False, drafter=pipeline.make_drafter(True))
-    assert pipeline.generate("a b c", config=config, speculate=False, drafter=NoDrafter()).token_ids
+        pipeline.generate("a b c", config=config, speculate=False, session=pipeline.new_session())
+    assert pipeline.generate("a b c", config=config, speculate=False, session=pipeline.new_session(False)).token_ids
     monkeypatch.setattr(exactness_module, "check_exact_rows", lambda runner: (48, ["row 3"]))
     inexact = Pipeline(elsewhere)
     drafter, proposed = Pipeline(bundle_factory()).make_drafter(True), []
     propose = drafter.propose
     drafter.propose = lambda *args, **kwargs: proposed.append(1) or propose(*args, **kwargs)
     with pytest.warns(RuntimeWarning, match="speculation is off"):
-        spec = inexact.generate("a b c a b c", config=config, drafter=drafter)
+        spec = inexact.generate("a b c a b c", config=config, session=inexact.new_session(drafter=drafter))
     assert spec.token_ids and not proposed
 
 

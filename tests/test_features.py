@@ -86,7 +86,7 @@ def test_the_draft_pairs_each_token_with_the_targets_previous_feature(feature_bu
     from edgespec.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(feature_bundles["chain:3"], threads=1)
-    session = pipeline.new_session()
+    session = pipeline.new_session(False)
     pipeline.generate("def add(a, b):", config=GenerationConfig(max_new_tokens=5, stop_at_eos=False),
                       speculate=False, session=session)
     committed, target_features = session.window, session.cache.feature_rows()

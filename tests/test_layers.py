@@ -1,7 +1,11 @@
 """Imports run one way: the front door (edgespec/: CLI, server, public API) -> distill/ -> exporters/ ->
-quant/ -> runtime/ -> targets/. No module imports a layer above its own, the import graph has no cycle,
-and an import inside a function is only for what an optional extra brings (export, distill, serve)."""
+quant/ -> runtime/ -> targets/, and inside runtime/ pipeline -> decoding/ -> execution/ -> contract/. The
+errors every layer raises (runtime/contract/errors.py) are the floor. No module imports a layer above its
+own, the import graph has no cycle, the contract imports no onnxruntime, and an import inside a function is
+only for what an optional extra brings (export, distill, serve)."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,8 @@ ROOT = Path(__file__).parent.parent
 FOLDERS = {"edgespec": "edgespec", "runtime": "edgespec.runtime", "exporters": "edgespec.exporters",
            "quant": "edgespec.quant", "targets": "edgespec.targets", "distill": "edgespec.distill"}
 LAYERS = {"targets": 0, "runtime": 1, "quant": 2, "exporters": 3, "distill": 4, "front": 5}
+ROOMS = {"contract": 0, "execution": 1, "decoding": 2, "pipeline": 3}  # runtime/'s, bottom first
+FLOOR = "edgespec.runtime.contract.errors"
 OPTIONAL = ("edgespec.exporters", "edgespec.distill", "edgespec.serve")  # behind the export and serve extras
 
 
@@ -49,8 +55,16 @@ def imports() -> list[tuple[str, str, bool]]:
 
 
 def layer(module: str) -> int:
+    if module == FLOOR:
+        return -1
     parts = module.split(".")
     return LAYERS[parts[1] if len(parts) > 1 and parts[1] in LAYERS else "front"]
+
+
+def room(module: str) -> int | None:
+    """The runtime room a module sits in (None outside runtime/, or the package itself)."""
+    parts = module.split(".")
+    return ROOMS.get(parts[2]) if len(parts) > 2 and parts[1] == "runtime" else None
 
 
 def test_the_walk_sees_the_project():
@@ -62,6 +76,20 @@ def test_the_walk_sees_the_project():
 def test_no_module_imports_a_layer_above_its_own():
     upward = [(a, b) for a, b, _ in imports() if layer(b) > layer(a)]
     assert upward == []
+
+
+def test_every_runtime_module_sits_in_a_room():
+    loose = [m for m in MODULES if m.startswith("edgespec.runtime.") and room(m) is None]
+    assert loose == []
+
+
+def test_the_contract_needs_no_onnxruntime():
+    """Exporters and tools read manifests and graph signatures without the runtime's execution."""
+    contract = sorted(m for m in MODULES if room(m) == 0)
+    code = f"import sys; import {', '.join(contract)}; print(sorted(m for m in sys.modules if m.split('.')[0] " \
+           "in ('onnxruntime', 'edgespec') and not m.startswith(('edgespec.runtime.contract', 'edgespec.targets'))))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert found == "['edgespec', 'edgespec.runtime']"
 
 
 def test_imports_inside_functions_are_for_optional_extras_only():

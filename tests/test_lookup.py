@@ -189,7 +189,8 @@ def test_lookup_is_lossless(tree, quote, bundle_factory):
     assert pipeline.manifest.lookup == LookupConfig(tokens=4, quote_tokens=quote)
     short = 4
     if quote:  # a random model seldom repeats 4 tokens of its context; one repeated token makes a full match here
-        short, pipeline.lookup = 2, LookupConfig(tokens=2, min_n=1, max_n=1, quote_tokens=quote)
+        short, pipeline = 2, pipeline.with_drafting(pipeline.tree, LookupConfig(tokens=2, min_n=1, max_n=1,
+                                                                              quote_tokens=quote))
     largest = pipeline.manifest.dynamic.budget if pipeline.manifest.dynamic else pipeline.manifest.tree.size
     for prompt in REPEATING:
         drafter = pipeline.make_drafter(True)
@@ -203,7 +204,7 @@ def test_lookup_is_lossless(tree, quote, bundle_factory):
 
         drafter.propose = recording
         plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
-        spec = pipeline.generate(prompt, config=CONFIG, drafter=drafter)
+        spec = pipeline.generate(prompt, config=CONFIG, session=pipeline.new_session(drafter=drafter))
         assert spec.token_ids == plain.token_ids
         assert max(sizes) > largest + (short if quote else 0) and max(sizes) <= largest + max(short, quote)
 
@@ -271,7 +272,7 @@ def test_a_quote_standing_alone_is_lossless_with_one_lane(draft, bundle_factory)
     pipeline = Pipeline(bundle_factory(draft=draft, tree="chain:2", lookup=0, lookup_quote=6))
     assert pipeline.manifest.target.lanes == 1
     # a random model seldom repeats 4 tokens of its context; one repeated token makes a full match here
-    pipeline.lookup = LookupConfig(tokens=0, min_n=1, max_n=1, quote_tokens=6)
+    pipeline = pipeline.with_drafting(pipeline.tree, LookupConfig(tokens=0, min_n=1, max_n=1, quote_tokens=6))
     kinds = set()
     for prompt in REPEATING:
         drafter = pipeline.make_drafter(True)
@@ -284,5 +285,6 @@ def test_a_quote_standing_alone_is_lossless_with_one_lane(draft, bundle_factory)
 
         drafter.propose = recording
         plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
-        assert pipeline.generate(prompt, config=CONFIG, drafter=drafter).token_ids == plain.token_ids
+        spec = pipeline.generate(prompt, config=CONFIG, session=pipeline.new_session(drafter=drafter))
+        assert spec.token_ids == plain.token_ids
     assert kinds == {"quote", "model"}

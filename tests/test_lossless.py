@@ -89,7 +89,7 @@ def test_dynamic_trees_are_lossless_and_stay_within_the_budget(draft, bundle_fac
     drafter.propose = recording
     for prompt in PROMPTS:
         plain = pipeline.generate(prompt, config=CONFIG, speculate=False)
-        spec = pipeline.generate(prompt, config=CONFIG, drafter=drafter)
+        spec = pipeline.generate(prompt, config=CONFIG, session=pipeline.new_session(drafter=drafter))
         assert spec.token_ids == plain.token_ids
         if draft == "target":  # a perfect draft: its most confident path is always accepted
             assert spec.stats.mean_accepted_per_pass > 2
@@ -109,11 +109,11 @@ def test_dynamic_trees_need_a_draft_model(models, tmp_path):
 
 def test_chat_prompts_and_multi_turn_session(bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
-    session, drafter = pipeline.new_session(), pipeline.make_drafter(True)
+    session = pipeline.new_session()
     messages = [{"role": "user", "content": "hello fox"}]
-    first = pipeline.generate(messages=messages, config=CONFIG, session=session, drafter=drafter)
+    first = pipeline.generate(messages=messages, config=CONFIG, session=session)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and the dog?"}]
-    second = pipeline.generate(messages=messages, config=CONFIG, session=session, drafter=drafter)
+    second = pipeline.generate(messages=messages, config=CONFIG, session=session)
     fresh = pipeline.generate(messages=messages, config=CONFIG, speculate=False)
     assert first.token_ids == pipeline.generate(messages=messages[:1], config=CONFIG, speculate=False).token_ids
     assert second.token_ids == fresh.token_ids

@@ -70,7 +70,7 @@ def test_a_tree_drafted_for_another_outcome_is_never_verified(bundle_factory):
     plain, overlapped = Pipeline(folder, threads=1), Pipeline(folder, placement=OVERLAPPED)
     for prompt in PROMPTS:
         drafter = WrongGuesses(overlapped.make_drafter(True), overlapped.manifest.target.facts.vocab_size)
-        ours = overlapped.generate(prompt, config=CONFIG, drafter=drafter)
+        ours = overlapped.generate(prompt, config=CONFIG, session=overlapped.new_session(drafter=drafter))
         assert ours.token_ids == plain.generate(prompt, config=CONFIG, speculate=False).token_ids
         assert ours.stats.drafted_ahead > 0 and ours.stats.kept_ahead == 0
 
@@ -84,11 +84,11 @@ def test_the_next_conversation_turn_after_overlapped_steps(bundle_factory):
     session and drafter stays lossless."""
     folder = bundle_factory(draft="target", tree="chain:3")
     plain, overlapped = Pipeline(folder, threads=1), Pipeline(folder, placement=OVERLAPPED)
-    plain_session, session, drafter = plain.new_session(), overlapped.new_session(), overlapped.make_drafter(True)
+    plain_session, session = plain.new_session(False), overlapped.new_session()
     config = GenerationConfig(max_new_tokens=20, stop_at_eos=False)
     text = "Hello there"
     for follow_up in (" and then", " so"):
-        ours = overlapped.generate(text, config=config, session=session, drafter=drafter)
+        ours = overlapped.generate(text, config=config, session=session)
         reference = plain.generate(text, config=config, speculate=False, session=plain_session)
         assert ours.token_ids == reference.token_ids
         assert ours.stats.cached_tokens > 0 or text == "Hello there"  # a follow-up reuses the cache

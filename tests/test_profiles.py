@@ -6,8 +6,9 @@ import pytest
 from edgespec.exporters.export import ExportConfig, export
 from edgespec.runtime.contract.errors import ExportError
 from edgespec.runtime.contract.manifest import MANIFEST
+from edgespec.runtime.execution.providers import usable_providers
 from edgespec.runtime.pipeline import Pipeline
-from edgespec.targets.profiles import DeviceProfile, profiles, usable_providers
+from edgespec.targets.profiles import DeviceProfile, profiles
 
 from edgespec.cli import main
 

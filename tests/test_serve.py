@@ -592,11 +592,11 @@ def test_kept_conversations_stay_within_the_budgets_room():
 
     from edgespec.serve_clients import KeptConversations
 
-    def new_session():
+    def new_session(**learned):
         return SimpleNamespace(cache=SimpleNamespace(data=np.zeros(600, np.uint8), features=None), committed=[])
 
     fake = SimpleNamespace(memory=SimpleNamespace(budget=5000, total=4000, draft_kv_per_token=0),
-                           new_session=new_session, make_drafter=lambda speculate, **learned: None,
+                           new_session=new_session,
                            new_suffix_store=lambda: None, new_recycling_table=lambda: None)
     kept = KeptConversations(fake, bound=4)
     for client in "abc":

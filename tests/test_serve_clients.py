@@ -68,16 +68,17 @@ def test_a_prompt_is_encoded_once(pipeline, monkeypatch):
 
 
 def test_a_kept_conversations_store_and_table_count_against_the_budgets_room():
-    def new_session():
-        return SimpleNamespace(cache=SimpleNamespace(data=np.zeros(100, np.uint8), features=None), committed=[])
+    def new_session(**learned):
+        return SimpleNamespace(cache=SimpleNamespace(data=np.zeros(100, np.uint8), features=None), committed=[],
+                               drafter=learned)
 
     fake = SimpleNamespace(memory=SimpleNamespace(budget=5000, total=4000, draft_kv_per_token=0),
-                           new_session=new_session, make_drafter=lambda speculate, **learned: learned,
+                           new_session=new_session,
                            new_suffix_store=lambda: SimpleNamespace(nbytes=300),
                            new_recycling_table=lambda: np.zeros(100, np.uint8))
     kept = KeptConversations(fake, bound=4)
     conversation = kept.take("a")
-    assert conversation.drafter == {"suffix_store": conversation.suffix_store,
+    assert conversation.session.drafter == {"suffix_store": conversation.suffix_store,
                                     "recycling_table": conversation.recycling_table}  # the drafter learns into them
     kept.keep("a", conversation)
     assert kept.held() == 100 + 300 + 100

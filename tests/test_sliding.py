@@ -62,7 +62,7 @@ def test_the_sinks_stay_and_the_cache_never_grows(bundle_factory):
     assert session.committed == prompt_ids + result.token_ids
     assert len(session.window) < len(session.committed)
     # the same prompt again continues nothing of the slid conversation: it starts again, and still decodes
-    again = pipeline.generate(prompt="The quick brown fox", config=SLIDING, session=session, speculate=False)
+    again = pipeline.generate(prompt="The quick brown fox", config=SLIDING, session=session)
     assert again.token_ids == result.token_ids
 
 
@@ -88,7 +88,7 @@ def test_a_prompt_longer_than_the_cache_slides_as_it_is_read(bundle_factory):
     ids = pipeline.encode(prompt)
     assert len(ids) > 64
     config = GenerationConfig(max_new_tokens=20, stop_at_eos=False, kv_policy="sliding")
-    session = pipeline.new_session()
+    session = pipeline.new_session(False)
     plain = pipeline.generate(prompt, config=config, speculate=False, session=session)
     spec = pipeline.generate(prompt, config=config)
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 20
@@ -103,7 +103,7 @@ def test_a_conversation_goes_on_past_the_cache_turn_after_turn(bundle_factory):
 
     pipeline = Pipeline(bundle_factory(draft="draft", tree="chain:3", context=64), threads=1)
     config = GenerationConfig(max_new_tokens=24, stop_at_eos=False, kv_policy="sliding")
-    sessions = {speculate: pipeline.new_session() for speculate in (False, True)}
+    sessions = {speculate: pipeline.new_session(speculate) for speculate in (False, True)}
     text, slid_and_reused = "Once upon a time", 0
     for turn in range(5):
         plain = pipeline.generate(text, config=config, speculate=False, session=sessions[False])

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgespec.runtime.contract.errors import BudgetError
+from edgespec.runtime.contract.errors import BudgetError, BundleError
 from edgespec.runtime.contract.graph import GraphSignature
 from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.decoding.engine import GenerationConfig
@@ -322,7 +322,7 @@ def test_packed_weights_are_prepared_once_per_stage_and_machine(staged_bundle, t
 def test_a_failed_preparation_leaves_nothing_behind(tmp_path):
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(b"not a graph")
-    with pytest.raises(RuntimeError, match="cannot pack the weights"):
+    with pytest.raises(BundleError, match="cannot pack the weights"):
         prepacked.prepare([(broken, "f" * 64)], tmp_path / "prepared")
     assert not [p for p in (tmp_path / "prepared").rglob("*") if p.is_file()]
 

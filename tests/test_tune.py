@@ -18,10 +18,10 @@ def test_self_draft_is_accepted_at_rank_zero_at_every_depth(bundle_factory):
     """With the target as its own draft, the top candidate is always the target's choice, so every
     step walks the whole spine."""
     pipeline = Pipeline(bundle_factory(draft="target", tree="topk:2x2"))
-    pipeline.tree = probe_topology(width=2, depth=3)
+    pipeline = pipeline.with_drafting(probe_topology(width=2, depth=3), pipeline.lookup)
     counter = AcceptanceCounter(pipeline.make_drafter(True), ranks=2, depths=3)
     result = pipeline.generate("def add(a, b):", config=GenerationConfig(max_new_tokens=30, stop_at_eos=False),
-                               drafter=counter)
+                               session=pipeline.new_session(drafter=counter))
     steps = result.stats.target_passes  # decoding passes (the prefill is not one)
     assert counter.opportunities.tolist() == [steps] * 3
     assert (counter.hits[:, 0] == steps).all() and counter.hits[:, 1].sum() == 0
@@ -29,10 +29,10 @@ def test_self_draft_is_accepted_at_rank_zero_at_every_depth(bundle_factory):
 
 def test_a_draft_that_never_agrees_is_measured_at_depth_one_only(bundle_factory):
     pipeline = Pipeline(bundle_factory(draft="ngram", tree="chain:2"))
-    pipeline.tree = probe_topology()
+    pipeline = pipeline.with_drafting(probe_topology(), pipeline.lookup)
     counter = AcceptanceCounter(pipeline.make_drafter(True))
     pipeline.generate("one two three four", config=GenerationConfig(max_new_tokens=12, stop_at_eos=False),
-                      drafter=counter)
+                      session=pipeline.new_session(drafter=counter))
     assert counter.opportunities[1:].sum() == counter.hits[1:].sum() == 0
     assert counter.acceptance.shape == (1, 4)
 

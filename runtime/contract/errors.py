@@ -13,6 +13,11 @@ class BundleError(EdgespecError):
     """The bundle is missing, unreadable, corrupted or of an unknown schema."""
 
 
+class BackendError(EdgespecError):
+    """The backend (onnxruntime) failed during a pass of a graph it had loaded: a damaged bundle, or a device or
+    provider that refused (memory, a kernel it lacks). Named with the backend's own message."""
+
+
 class ExportError(EdgespecError):
     """The exporter cannot produce a bundle from the given model(s) or arguments."""
 

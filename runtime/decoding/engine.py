@@ -21,8 +21,9 @@ from ..execution.kvcache import KVCache
 from ..execution.model import ModelRunner, commit, prefill
 from .accept import accept_greedy, accept_sampled
 from .constraints import ConstraintSpec, Guide
-from .drafters import Drafter
+from .drafters import Drafter, NoDrafter
 from .sampling import Sampler, SamplingConfig, sample
+from .suffix import SuffixStore
 from .text import TextCodec, TextStream
 from .tree import Tree
 
@@ -114,9 +115,12 @@ class Result:
 
 @dataclass
 class Session:
-    """One conversation's state, owned by the caller."""
+    """One conversation's state, owned by the caller: the target's cache, and the drafter that proposes in it
+    with whatever it keeps (its own cache, what it learned)."""
 
     cache: KVCache
+    drafter: Drafter = field(default_factory=NoDrafter)
+    suffix_store: SuffixStore | None = None  # where the conversation's outputs go for suffix drafting to continue
     committed: list[int] = field(default_factory=list)
     window: list[int] = field(default_factory=list)  # committed minus the rows a sliding cache evicted
 
@@ -126,11 +130,11 @@ class Session:
         self.window = list(tokens)
 
 
-def speculative_step(target: ModelRunner, session: Session, drafter: Drafter,
-                     sampler: Sampler | None = None, guide: Guide | None = None) -> tuple[list[int], int]:
+def speculative_step(target: ModelRunner, session: Session, sampler: Sampler | None = None,
+                     guide: Guide | None = None) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens). `guide`: the
     constraint's parser state at the committed tokens (runtime/decoding/constraints.py), advanced here."""
-    cache = session.cache
+    cache, drafter = session.cache, session.drafter
     forced, room = _forced(target, cache, guide)                              # 1. the grammar's forced tokens,
     committed = session.window + forced if forced else session.window       #    then what the drafter drafts
     tree = drafter.propose(committed, room, sampler, cache.feature_rows())    #    after them
@@ -224,7 +228,7 @@ class TextSink:
             self.shown = upto
 
 
-def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: Session, context_ids: list[int],
+def generate(target: ModelRunner, codec: TextCodec, session: Session, context_ids: list[int],
              config: GenerationConfig, prefill_chunk: int, on_text=None, should_stop=None,
              step=speculative_step, guide: Guide | None = None) -> Result:
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
@@ -237,7 +241,7 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
         raise InputError("a constrained generation needs the constraint's guide (Grammars.start), and only it")
     cache = session.cache
     sampler = None if config.sampling.greedy else Sampler(config.sampling)
-    stats = _start(target, drafter, session, context_ids, config, prefill_chunk, sampler, guide)
+    stats = _start(target, session, context_ids, config, prefill_chunk, sampler, guide)
     sink = TextSink(codec.stream(), config.stop_strings, on_text)
     eos = set(codec.spec.eos_token_ids) if config.stop_at_eos or guide is not None else set()
     emitted: list[int] = []
@@ -261,15 +265,15 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
             reason = "cancelled"
         if reason is None:
             if cache.room() < 1 and config.kv_policy == "sliding":
-                slide(session, drafter, config.attention_sinks, target.facts.rope_frequencies)
+                slide(session, config.attention_sinks, target.facts.rope_frequencies)
             if cache.room() < 1:
                 full = ContextOverflowError(f"the context is full ({cache.capacity} tokens) after {len(emitted)} "
                                             "new tokens; lower --max-new-tokens or export with a larger --context")
                 stats.new_tokens, stats.decode_s = len(emitted), time.perf_counter() - decode_start
                 full.partial = Result(token_ids=emitted, text=sink.finish(), stats=stats, stop_reason="context_full")
                 raise full
-            new_tokens, accepted = (step(target, session, drafter, sampler) if guide is None
-                                    else speculative_step(target, session, drafter, sampler, guide))
+            new_tokens, accepted = (step(target, session, sampler) if guide is None
+                                    else speculative_step(target, session, sampler, guide))
             stats.target_passes += 1
             stats.accepted_drafts += accepted
     text = sink.finish()
@@ -282,7 +286,7 @@ def generate(target: ModelRunner, codec: TextCodec, drafter: Drafter, session: S
     return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason)
 
 
-def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids: list[int], config: GenerationConfig,
+def _start(target: ModelRunner, session: Session, context_ids: list[int], config: GenerationConfig,
            prefill_chunk: int, sampler: Sampler | None, guide: Guide | None) -> Stats:
     """Checks the prompt, keeps what the session already holds of it, prefills the rest and commits the
     first new token. Under the sliding policy the conversation is one stream: a prompt longer than the
@@ -301,10 +305,10 @@ def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids:
     started = time.perf_counter()
     keep = _reuse(session, context_ids, sliding, config.attention_sinks)
     cache.trim(keep)
-    drafter.rewind(keep)
+    session.drafter.rewind(keep)
     stats.cached_tokens = keep
     if sliding:
-        logits = _prefill_sliding(target, session, drafter, prefill_chunk, config.attention_sinks)
+        logits = _prefill_sliding(target, session, prefill_chunk, config.attention_sinks)
     else:
         logits = prefill(target, cache, context_ids[keep:], prefill_chunk)
     if guide is not None:
@@ -315,7 +319,7 @@ def _start(target: ModelRunner, drafter: Drafter, session: Session, context_ids:
         guide.advance([first])
     session.committed.append(first)
     session.window.append(first)
-    drafter.observe(session.committed[-1:])
+    session.drafter.observe(session.committed[-1:])
     stats.prefill_s = stats.first_token_s = time.perf_counter() - started
     return stats
 
@@ -338,14 +342,14 @@ def _reuse(session: Session, context_ids: list[int], sliding: bool, sinks: int) 
     return min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
 
 
-def _prefill_sliding(target: ModelRunner, session: Session, drafter: Drafter, chunk: int, sinks: int) -> np.ndarray:
+def _prefill_sliding(target: ModelRunner, session: Session, chunk: int, sinks: int) -> np.ndarray:
     """Feeds the window's tokens the cache does not hold, in chunks cut to its room, sliding it (as
     generation does) when it is full; returns the last token's logits."""
     cache, window = session.cache, session.window
     logits = None
     while cache.length < len(window):
         if cache.room() < 1:
-            slide(session, drafter, sinks, target.facts.rope_frequencies)  # drops rows, and their tokens from window
+            slide(session, sinks, target.facts.rope_frequencies)  # drops rows, and their tokens from window
         n = min(chunk, len(window) - cache.length, cache.room())
         logits = prefill(target, cache, window[cache.length : cache.length + n], chunk)
     return logits
@@ -359,7 +363,7 @@ def _forget_unseen(session: Session, seen: int) -> None:
     session.cache.trim(min(session.cache.length, len(session.window) - 1))
 
 
-def slide(session: Session, drafter: Drafter, sinks: int, rope_frequencies) -> None:
+def slide(session: Session, sinks: int, rope_frequencies) -> None:
     """Makes room in a full cache: evicts a quarter of the rows after the attention sinks."""
     cache = session.cache
     count = max(1, (cache.capacity - sinks) // 4)
@@ -368,7 +372,7 @@ def slide(session: Session, drafter: Drafter, sinks: int, rope_frequencies) -> N
                                    f"{sinks} attention sinks and slide")
     cache.evict(sinks, count, rope_frequencies)
     del session.window[sinks : sinks + count]
-    drafter.rewind(sinks)  # drafters rebuild what they kept past the sinks from the new window
+    session.drafter.rewind(sinks)  # drafters rebuild what they kept past the sinks from the new window
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

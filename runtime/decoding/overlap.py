@@ -57,10 +57,9 @@ class Overlap:
         self.kept = 0  # trees drafted ahead that were used
         self.drafted_ahead = 0
 
-    def step(self, target: ModelRunner, session: Session, drafter: Drafter,
-             sampler: Sampler | None = None) -> tuple[list[int], int]:
+    def step(self, target: ModelRunner, session: Session, sampler: Sampler | None = None) -> tuple[list[int], int]:
         """One target pass with the next tree drafted meanwhile. Returns (new committed tokens, accepted drafts)."""
-        cache, window = session.cache, list(session.window)
+        cache, drafter, window = session.cache, session.drafter, list(session.window)
         if sampler is not None and self.worker_sampler is None:
             self.worker_sampler = sampler.spawn()
         tree = self.ready.tree if self.ready is not None and self.ready.window == window else None
@@ -98,9 +97,9 @@ class Overlap:
 
         return self.pool.submit(work)
 
-    def settle(self, drafter: Drafter, session: Session) -> None:
+    def settle(self, session: Session) -> None:
         """Ends the generation: the draft forgets what it drafted ahead; the worker thread stops."""
         self.pool.shutdown(wait=True)  # a step cut short (an error) may have left the worker drafting
         self.ready = None
         if self.trusted is not None:
-            drafter.rewind(min(self.trusted, len(session.window)))
+            session.drafter.rewind(min(self.trusted, len(session.window)))

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from ..contract.errors import InputError
+from ..contract.errors import BackendError, InputError
 from ..contract.facts import ModelFacts
 from ..contract.graph import ATTENTION_BIAS, FEATURES, FEATURES_OUT, GraphSignature, StaticShape
 from ..contract.topology import Topology
 from .kvcache import KVCache
+from .sessions import ORT_ERRORS
 
 
 @dataclass
@@ -96,6 +97,11 @@ class ModelRunner:
         """The most tokens one pass takes (a static graph's nodes), None without a limit."""
         return self.signature.pass_limit
 
+    @property
+    def tree_limit(self) -> int | None:
+        """The most nodes one verified tree takes: a static graph's, as every pass."""
+        return self.signature.pass_limit
+
     def forward(self, cache: KVCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
                 past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
                 exact_rows: bool = True) -> Pass:
@@ -141,7 +147,12 @@ def run_bound(session: ort.InferenceSession, cache: KVCache, feed: dict,
     for name, (rows, width) in outputs.items():
         arrays[name] = np.empty((rows, width), np.float32)
         binding.bind_output(name, "cpu", 0, np.float32, [1, rows, width], arrays[name].ctypes.data)
-    session.run_with_iobinding(binding)
+    try:
+        session.run_with_iobinding(binding)
+    except ORT_ERRORS as err:
+        raise BackendError(f"onnxruntime {ort.__version__} failed in a pass ({type(err).__name__}): {str(err)[:300]} "
+                           "(if `edgespec inspect --check-exact` passes on the bundle, this is a bug: please report "
+                           "it)") from err
     return arrays
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgespec.targets.profiles import DeviceProfile, Provider, usable_providers
+from edgespec.targets.profiles import DeviceProfile, Provider
 
 from ..contract.errors import InputError
+from .providers import usable_providers
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
+from ..contract.errors import BundleError
 from .device import machine_key
 from .sessions import make_session
 
@@ -69,7 +70,7 @@ def resident_bytes(checksum: str, root: Path) -> int | None:
     try:
         return int(json.loads(path.read_text())["mapped_bytes"])
     except (ValueError, KeyError, TypeError) as err:
-        raise RuntimeError(f"{path} is damaged ({err}): delete its folder and it is prepared again") from err
+        raise BundleError(f"{path} is damaged ({err}): delete its folder and it is prepared again") from err
 
 
 def prepare(graphs: list[tuple[Path, str]], root: Path) -> list[Path]:
@@ -82,7 +83,7 @@ def prepare(graphs: list[tuple[Path, str]], root: Path) -> list[Path]:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            raise RuntimeError(f"cannot pack the weights of {missing[0][0].parent} for this machine: {reason}")
+            raise BundleError(f"cannot pack the weights of {missing[0][0].parent} for this machine: {reason}")
     return [_place(checksum, root) / GRAPH for _, checksum in graphs]
 
 

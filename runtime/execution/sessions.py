@@ -4,9 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnxruntime as ort
-from edgespec.targets.profiles import CPU, fall_back, provider_label, usable_providers
+from edgespec.targets.profiles import CPU
 
 from ..contract.errors import BundleError
+from .providers import fall_back, provider_label, usable_providers
+
+# what onnxruntime raises: its own classes derive from Exception alone
+_STATE = ort.capi.onnxruntime_pybind11_state
+ORT_ERRORS = (_STATE.Fail, _STATE.InvalidGraph, _STATE.InvalidArgument, _STATE.NoSuchFile, _STATE.InvalidProtobuf,
+              _STATE.RuntimeException, _STATE.NotImplemented, _STATE.EPFail)
 
 
 def make_session(path: Path, providers: tuple, threads: int,
@@ -37,9 +43,7 @@ def make_session(path: Path, providers: tuple, threads: int,
         options.add_initializer(name, value)
     try:
         return _first_that_starts(path, options, usable_providers(tuple(providers), role, strict), role, strict)
-    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-            ort.capi.onnxruntime_pybind11_state.InvalidArgument, ort.capi.onnxruntime_pybind11_state.NoSuchFile,
-            ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as err:
+    except ORT_ERRORS as err:
         # a graph that passed its checksum but onnxruntime refuses: written wrong, or for another onnxruntime
         raise BundleError(f"onnxruntime {ort.__version__} cannot load {Path(path).name}: {str(err)[:300]}; "
                           "re-export the bundle with this edgespec") from err
