@@ -220,6 +220,9 @@ def staged_bundle(out: Path, force: bool):
             check_output(out, force)  # again: the export took a while
             (tmp / EXPORT_OWNER).unlink()
             _move_into_place(tmp, out)
+    except OSError as err:  # what the system refused (no space, a file size limit, a permission): the cause, once
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"the export to {out} stopped, nothing of it left behind: {err}") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

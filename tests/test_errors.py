@@ -314,7 +314,7 @@ def test_a_replacement_that_fails_at_the_last_step_keeps_the_old_bundle(models, 
         return rename(path, target)
 
     monkeypatch.setattr(pathlib.Path, "rename", failing)
-    with pytest.raises(OSError, match="no space"):
+    with pytest.raises(ExportError, match=f"export to {out} stopped.*no space"):
         exported(models, out, force=True)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -460,3 +460,25 @@ def test_a_broken_config_json_is_an_export_error(models, tmp_path):
     with pytest.raises(ExportError, match="cannot load"):
         export(ExportConfig(model=str(folder), draft="ngram", out=tmp_path / "b", cache_dir=tmp_path / "c"))
     assert not (tmp_path / "b").exists()
+
+
+def test_a_file_size_limit_during_export_is_one_line_and_leaves_nothing(models, tmp_path):
+    """The system refusing a write (here RLIMIT_FSIZE: EFBIG, which Python gets instead of SIGXFSZ) ends the
+    export with one line naming the output and the cause, and no half-written bundle."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "b"
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    done = subprocess.run([sys.executable, "-m", "edgespec.cli", "export", str(models["target"]), "--draft", "ngram",
+                           "--out", str(out), "--context", "128"], capture_output=True, text=True,
+                          preexec_fn=limited, timeout=600, env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and f"the export to {out} stopped" in done.stderr
+    assert "File too large" in done.stderr
+    assert not out.exists() and not list(tmp_path.glob(".b.*"))
