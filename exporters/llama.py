@@ -70,6 +70,7 @@ from edgespec.runtime.contract.graph import FEATURES, FEATURES_OUT, KV_SLACK
 
 from .attention import LayerAttention
 from .onnx_builder import FLOAT, INT32, INT64, GraphBuilder
+from .slots import slot_layers
 
 # Rows past the context a pass may write (a one-token step's padding row): the rotary tables cover them.
 ROPE_SLACK = KV_SLACK
@@ -265,13 +266,14 @@ class LlamaBuilder(LayerAttention):
 
     # --- the graph ---------------------------------------------------------------------------
     def build(self, name: str, nodes: int | str = "nodes", layers: range | None = None,
-              embed: bool = True, head: bool = True, sequences: bool = False) -> GraphBuilder:
+              embed: bool = True, head: bool = True, sequences: bool = False, slots: int = 0) -> GraphBuilder:
         """The whole model, or one stage of it: the embedding, `layers`, and the head, each optional.
 
         A stage that starts after the embedding takes the residual stream as `hidden` and the last
         block's output not yet added to it as `branch` ([1, N, H] each); a stage that ends before the
         head returns them as `hidden_out` and `branch_out`. Handing both over keeps the fused add-and-norm of the
-        single graph, so the stages compute what the single graph computes.
+        single graph, so the stages compute what the single graph computes. `slots` > 0: the whole
+        model as a slots graph of that many conversations per pass (exporters/slots.py).
         """
         f = self.facts
         layers = range(f.num_layers) if layers is None else layers
@@ -291,7 +293,9 @@ class LlamaBuilder(LayerAttention):
             table = None
             x = g.input("hidden", FLOAT, [1, nodes, f.hidden_size])
             branch = g.input("branch", FLOAT, [1, nodes, f.hidden_size]) if layers.start > 0 else None
-        if len(layers):
+        if slots:  # several conversations in one pass (exporters/slots.py)
+            x, branch = slot_layers(self, g, x, branch, layers, nodes, slots)
+        elif len(layers):
             x, branch = self.decoder_layers(g, x, branch, layers, nodes, sequences)
         if head:
             logit_rows = g.input("logit_rows", INT64, ["rows"])
@@ -329,13 +333,7 @@ class LlamaBuilder(LayerAttention):
             if not self.exact_passes or self.portable_attention:  # standard operators mask through the bias alone
                 attend["bias"] = g.input("attention_bias", FLOAT, [1, 1, "slots", "total"])
         attend["total"] = g.input("total_sequence_length", INT32, [])
-        tables = {}
-        for kind in sorted({self.ropes[l] for l in layers} - {None}):
-            cos_table, sin_table = self.rope_tables(kind)
-            half = cos_table.shape[1] // 2  # HF's tables repeat their first half; the fused op takes one half
-            suffix = f"_{kind}" if kind else ""
-            tables[kind] = (g.weight(f"rope_cos{suffix}", cos_table[:, :half]),
-                            g.weight(f"rope_sin{suffix}", sin_table[:, :half]))
+        tables = self.rotary_inputs(g, layers)
         buffer = [batch, (1 if sequences else self.lanes) * f.num_kv_heads, "capacity", f.head_dim]
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
             past = (g.input(f"past_key_{l}", FLOAT, buffer), g.input(f"past_value_{l}", FLOAT, buffer))
@@ -354,6 +352,17 @@ class LlamaBuilder(LayerAttention):
 
             x, branch = self.decoder_layer(g, x, branch, w, attention)
         return x, branch
+
+    def rotary_inputs(self, g: GraphBuilder, layers: range) -> dict:
+        """The rotary tables `layers` read, as graph weights: {kind: (cos, sin)} (`layer_rope`)."""
+        tables = {}
+        for kind in sorted({self.ropes[l] for l in layers} - {None}):
+            cos_table, sin_table = self.rope_tables(kind)
+            half = cos_table.shape[1] // 2  # HF's tables repeat their first half; the fused op takes one half
+            suffix = f"_{kind}" if kind else ""
+            tables[kind] = (g.weight(f"rope_cos{suffix}", cos_table[:, :half]),
+                            g.weight(f"rope_sin{suffix}", sin_table[:, :half]))
+        return tables
 
     def decoder_layer(self, g: GraphBuilder, x: str, branch: str | None, w: dict, attention) -> tuple[str, str]:
         """One block: (residual stream, the block's output not yet added to it); `attention(h)` is the
