@@ -66,6 +66,15 @@ def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, pol
                       stages=tuple(stage_specs))
 
 
+def write_slots(folder: Path, builder: LlamaBuilder, policy: QuantPolicy, slots: int,
+                calibration: Calibration | None = None, grids: dict | None = None) -> GraphSpec:
+    """Writes the target again as a slots graph of `slots` conversations per pass (exporters/slots.py),
+    `target.slots.onnx`, its weights quantized as the target's: the same weights, the same bits per row."""
+    maxima = calibration.maxima if calibration is not None else None
+    model, applied = save_graph(folder, "target.slots", builder, policy, dict(slots=slots), maxima=maxima, grids=grids)
+    return _graph_spec("target.slots", model, applied, policy)
+
+
 def stage_plan(num_layers: int, groups: int) -> list[tuple[range, bool, bool]]:
     """(layers, embedding?, head?) per stage: the embedding alone, `groups` even groups of layers, the head alone."""
     if not 1 <= groups <= num_layers:

@@ -32,6 +32,7 @@ from .bundle_writer import (
     calibrate,
     staged_bundle,
     write_model,
+    write_slots,
     write_tokenizer,
 )
 from .coreml import CoreMLOptions
@@ -67,6 +68,7 @@ class ExportConfig:
     lookup: int = 0  # > 0: a prompt-lookup chain of up to this many tokens beside the draft model's tree
     lookup_quote: int = 0  # > lookup: the chain may run this long where the context's last 4 tokens occurred before
     lanes: int | None = None  # root-to-leaf paths the target graph verifies at once; None: the tree's (`graph_lanes`)
+    slots: int = 0  # > 0: the target also as a slots graph of this many conversations per pass (exporters/slots.py)
     suffix: bool = False  # suffix drafting beside the drafter, each step's tree chosen by the step controller
     cache_dir: Path = field(default_factory=default_cache_dir)  # EDGESPEC_CACHE when set, read when the config is made
     formats: tuple[str, ...] = ("onnx",)  # + "coreml": CoreML packages beside the ONNX graphs
@@ -150,6 +152,8 @@ def plan_export(config: ExportConfig) -> ExportPlan:
         raise ExportError(f"--context {config.context} is too small for a tree of {topology.size} nodes"
                           + (f" and {lookup_tokens} lookup tokens" if lookup_tokens else ""))
     lanes = config.lanes if config.lanes is not None else graph_lanes(topology, dynamic, config.lookup > 0)
+    if config.slots < 0:
+        raise ExportError(f"--slots must be 0 (none) or more conversations per pass (got {config.slots})")
     if not 1 <= lanes <= MAX_LANES:
         raise ExportError(f"--lanes must be between 1 and {MAX_LANES} (got {lanes})")
     if not 2 <= config.prefill_chunk <= MAX_PREFILL_CHUNK:
@@ -195,6 +199,9 @@ def plan_export(config: ExportConfig) -> ExportPlan:
     shapes = tuple(static_roles(p, coreml) for p in profiles)
     static_nodes = None
     if any(any(roles) for roles in shapes):
+        if config.slots and shapes[0][0]:
+            raise ExportError(f"the {profiles[0].name} profile verifies on static-shape graphs, which are not written "
+                              "with slots: drop --slots")
         if config.stages and shapes[0][0]:
             raise ExportError(f"the {profiles[0].name} profile verifies on static-shape graphs, which are not written "
                               "as stages: drop --stages")
@@ -280,6 +287,10 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     target_entry = write_model(folder, "target", target_builder, target_source.description, plan.target_policy,
                                stages=config.stages, calibration=calibration,
                                static=static if plan.main_static[0] else None, grids=grids)
+    if config.slots:
+        say(f"writing target graph with {config.slots} slots (conversations per pass)")
+        target_entry = replace(target_entry, slots=write_slots(folder, target_builder, plan.target_policy, config.slots,
+                                                               calibration, grids))
     draft_entry, draft_builder, draft_calibration = None, None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")

@@ -76,6 +76,8 @@ class ModelEntry:
     source: str
     head_tokens: str | None = None  # a draft's trimmed head: JSON file of the vocabulary ids its logits cover
     stages: tuple[GraphSpec, ...] = ()  # the same model as stages run in order (embedding, layer groups, head)
+    # the target again as a slots graph (exporters/slots.py): several conversations per pass, each with its bits
+    slots: GraphSpec | None = None
 
     @property
     def lanes(self) -> int:
@@ -95,7 +97,8 @@ class ModelEntry:
     def from_dict(cls, data: dict) -> "ModelEntry":
         entry = cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
                     source=data.get("source", ""), head_tokens=data.get("head_tokens"),
-                    stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())))
+                    stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())),
+                    slots=GraphSpec.from_dict(data["slots"]) if data.get("slots") is not None else None)
         entry.check_graphs()
         return entry
 
@@ -131,6 +134,7 @@ class ModelEntry:
     def to_dict(self) -> dict:
         return {"facts": self.facts.to_dict(), "source": self.source, "graph": self.graph.to_dict(),
                 **({"stages": [stage.to_dict() for stage in self.stages]} if self.stages else {}),
+                **({"slots": self.slots.to_dict()} if self.slots is not None else {}),
                 **({"head_tokens": self.head_tokens} if self.head_tokens is not None else {})}
 
 
@@ -350,6 +354,7 @@ def used_files(manifest: Manifest) -> list[str]:
         if entry is not None:
             names += [entry.graph.file, *entry.graph.weights] + ([entry.head_tokens] if entry.head_tokens else [])
             names += [name for stage in entry.stages for name in (stage.file, *stage.weights)]
+            names += [entry.slots.file, *entry.slots.weights] if entry.slots is not None else []
     for other in manifest.other_profiles:
         names += [name for graph in (other.target, other.draft) if graph is not None
                   for name in (graph.file, *graph.weights)]

@@ -1,0 +1,161 @@
+"""Conversations in flight sharing target passes: each one's next pass gathered into one slots pass.
+
+Each conversation generates as it does alone (runtime/decoding/engine.py, on a thread of its own: its
+drafter, sampler, constraints and cancellation untouched), through a `SharedTarget` in place of the
+target runner. Its `forward` hands the pass to `SharedPasses` and waits: the first conversation waiting
+leads, gathers the passes of every conversation that has joined (or as many as the graph has slots, or
+those waiting after `patience_s`), runs them in one pass of the slots graph (runtime/execution/slots.py:
+each with the bits it gets alone, so no answer changes), and hands each its own result. A conversation
+alone runs the single graph's pass, exactly its pass alone. A conversation joins at its next pass and
+leaves when it ends (`with shared.target() as target:`); a pass the slots graph cannot take (a mask over
+the past, a draft's inexact rows, features to read) runs alone, in turn.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ..contract.errors import EdgespecError
+from .model import ModelRunner, Pass
+from .sessions import make_session
+from .slots import SlotRunner
+
+# how long the first conversation waiting holds a pass for the others still drafting or streaming: long
+# enough for a drafter's step, short against a pass (history.md §65)
+PATIENCE_S = 0.005
+
+
+@dataclass
+class _Request:
+    args: tuple
+    kwargs: dict
+    done: bool = False
+    result: Pass | None = None
+    error: BaseException | None = None
+    shareable: bool = field(init=False)
+
+    def __post_init__(self):
+        kw = self.kwargs
+        self.shareable = (kw.get("past_mask") is None and kw.get("features") is None and kw.get("exact_rows", True)
+                          and len(self.args) == 5)
+
+
+class SharedPasses:
+    """The target passes of every conversation that has joined, gathered into passes of `slots`."""
+
+    def __init__(self, runner: ModelRunner, slots: SlotRunner, patience_s: float = PATIENCE_S):
+        self.runner, self.slots, self.patience_s = runner, slots, patience_s
+        self._changed = threading.Condition()
+        self._queue: list[_Request] = []
+        self._members = 0  # conversations joined
+        self._running = False
+        self.passes = 0  # passes run, and conversation passes they held: their ratio is the mean batch
+        self.parts = 0
+
+    @contextmanager
+    def target(self):
+        """A conversation's target for as long as it generates: its passes are shared from the next one on."""
+        with self._changed:
+            self._members += 1
+        try:
+            yield SharedTarget(self)
+        finally:
+            with self._changed:
+                self._members -= 1
+                self._changed.notify_all()
+
+    def members(self) -> int:
+        with self._changed:
+            return self._members
+
+    def forward(self, args: tuple, kwargs: dict) -> Pass:
+        request = _Request(args, kwargs)
+        with self._changed:
+            self._queue.append(request)
+            self._changed.notify_all()
+            while not request.done:
+                if not self._running and self._queue and self._queue[0] is request:
+                    batch = self._gather(request)
+                    break
+                self._changed.wait()
+            else:
+                return self._result(request)
+        self._run(batch)
+        return self._result(request)
+
+    def _gather(self, leader: _Request) -> list[_Request]:
+        """Called by the leader, holding the lock: waits for the others' passes, then takes its batch."""
+        batch = [leader]
+        if leader.shareable:
+            self._changed.wait_for(lambda: self._ready() >= min(self._members, self.slots.slots),
+                                   timeout=self.patience_s)
+            batch = [r for r in self._queue if r.shareable][: self.slots.slots]  # the leader first: it heads the queue
+        for r in batch:
+            self._queue.remove(r)
+        self._running = True
+        return batch
+
+    def _ready(self) -> int:
+        return sum(r.shareable for r in self._queue)
+
+    def _run(self, batch: list[_Request]) -> None:
+        """Runs `batch` (not holding the lock) and hands each request its result, or the error that ended it."""
+        try:
+            if len(batch) == 1:
+                batch[0].result = self.runner.forward(*batch[0].args, **batch[0].kwargs)
+            else:
+                self._run_shared(batch)
+        except BaseException as err:  # handed to every conversation of the pass, each raising it in its thread
+            for r in batch:
+                if r.result is None and r.error is None:
+                    r.error = err
+        finally:
+            with self._changed:
+                self.passes += 1
+                self.parts += len(batch)
+                for r in batch:
+                    r.done = True
+                self._running = False
+                self._changed.notify_all()
+
+    def _run_shared(self, batch: list[_Request]) -> None:
+        parts, placed = [], []
+        for r in batch:
+            try:
+                parts.append(self.slots.layout(*r.args))
+                placed.append(r)
+            except EdgespecError as err:  # this conversation's pass is refused, not the others'
+                r.error = err
+        for r, out in zip(placed, self.slots.run(parts) if parts else []):
+            r.result = out
+
+    @staticmethod
+    def _result(request: _Request) -> Pass:
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+
+class SharedTarget:
+    """The target runner as one conversation sees it: its passes go through `SharedPasses`, all else is the
+    runner's."""
+
+    def __init__(self, shared: SharedPasses):
+        self._shared = shared
+
+    def __getattr__(self, name):
+        return getattr(self._shared.runner, name)
+
+    def forward(self, *args, **kwargs) -> Pass:
+        return self._shared.forward(args, kwargs)
+
+
+def open_shared(folder, target, runner: ModelRunner, threads: int | None,
+                patience_s: float = PATIENCE_S) -> SharedPasses | None:
+    """Shared passes over the bundle's slots graph (`target`: the manifest's target entry), on the providers
+    `runner`'s session runs on; None when the bundle has no slots graph."""
+    if target.slots is None:
+        return None
+    session = make_session(folder / target.slots.file, tuple(runner.session.get_providers()), threads)
+    return SharedPasses(runner, SlotRunner(session, runner), patience_s)

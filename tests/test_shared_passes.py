@@ -1,0 +1,74 @@
+"""Conversations sharing target passes (runtime/execution/shared_passes.py over a slots graph): interleaved
+generations of different lengths, plain and speculative, one sampled with a seed and one cancelled midway,
+each exactly what it gets alone; and their passes were in fact shared."""
+import copy
+import threading
+
+import pytest
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.execution.shared_passes import open_shared
+from edgespec.runtime.pipeline import Pipeline
+
+LONG = GenerationConfig(max_new_tokens=120, stop_at_eos=False)
+SAMPLED = GenerationConfig(max_new_tokens=60, stop_at_eos=False,
+                           sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=11))
+
+
+@pytest.fixture(scope="module")
+def pipeline(models, tmp_path_factory):
+    from edgespec.exporters.export import ExportConfig, export
+
+    root = tmp_path_factory.mktemp("slots_bundle")
+    out = root / "bundle"
+    export(ExportConfig(model=str(models["target"]), draft=str(models["draft"]), out=out, tree="chain:3",
+                        context=256, slots=3, cache_dir=root / "cache"))
+    return Pipeline(out, threads=1)
+
+
+def generate_shared(pipeline, shared, ids, config, speculate=True, should_stop=None):
+    with shared.target() as target:
+        mine = copy.copy(pipeline)  # the same loaded models; this conversation's passes go through `target`
+        mine.target = target
+        return mine.generate(ids=ids, config=config, speculate=speculate, should_stop=should_stop)
+
+
+def test_the_bundle_records_its_slots_graph(pipeline):
+    assert pipeline.manifest.target.slots is not None
+    assert pipeline.manifest.target.slots.file in pipeline.manifest.files
+    assert open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, 1).slots.slots == 3
+
+
+def test_interleaved_conversations_get_exactly_their_answers_alone(pipeline):
+    shared = open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, 1, patience_s=0.05)
+    cancel_after = iter(range(12, -1, -1))  # the cancelled one stops before its 13th pass
+    requests = {"greedy long, speculative": ("a b c d e f a b", LONG, True, None),
+                "greedy short, plain": ("the quick brown fox", GenerationConfig(max_new_tokens=20), False, None),
+                "sampled, speculative": ("one two three", SAMPLED, True, None),
+                "cancelled": ("x y z x y z", LONG, True, lambda: next(cancel_after) == 0),
+                "greedy long, plain": ("def add(a, b):", LONG, False, None)}
+    results, errors = {}, []
+
+    def run(name):
+        prompt, config, speculate, stop = requests[name]
+        try:
+            results[name] = generate_shared(pipeline, shared, pipeline.encode(prompt), config, speculate, stop)
+        except Exception as err:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for name, (prompt, config, speculate, _) in requests.items():
+        alone = pipeline.generate(prompt, config=config, speculate=speculate)
+        got = results[name]
+        if name == "cancelled":
+            assert got.stop_reason == "cancelled" and 0 < len(got.token_ids) < len(alone.token_ids)
+            assert got.token_ids == alone.token_ids[: len(got.token_ids)]
+        else:
+            assert got.token_ids == alone.token_ids, name
+    assert shared.members() == 0
+    assert shared.parts > 1.5 * shared.passes  # most passes held several conversations
