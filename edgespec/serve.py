@@ -44,7 +44,7 @@ from edgespec.runtime.decoding.engine import GenerationConfig, Result
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
 from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
-from edgespec.serve_turns import Turn, Turns
+from edgespec.serve_turns import Turn, Turns, generate_sharing, shared_passes_of
 from edgespec.tool_calls import read_call, told
 
 LOG = logging.getLogger("edgespec.serve")
@@ -96,6 +96,8 @@ class Generations:
         # parsing and tokenising: off the event loop, and never queued behind a generation
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-read")
         self.conversations = KeptConversations(pipeline, config.kept_conversations, self.in_flight)
+        self.shared = shared_passes_of(pipeline)  # None: the generations in flight take turns instead
+        self.book = threading.Lock()  # with shared passes: the kept conversations and the mean
         self.longest_token = longest_token(pipeline.codec.tokenizer)
 
     def admit(self) -> None:
@@ -162,7 +164,9 @@ class Generations:
 
     def _generate(self, ids: list[int], config, client, on_text, cancel) -> Result | None:
         """Holds the turn from the start to the end, but for the passes of the others between its own; the
-        kept conversations and the mean are touched only under it."""
+        kept conversations and the mean are touched only under it. With shared passes: `_generate_shared`."""
+        if self.shared is not None:
+            return self._generate_shared(ids, config, client, on_text, cancel)
         turn = Turn(self.turns)
 
         def should_stop() -> bool:  # asked before each target pass
@@ -181,6 +185,26 @@ class Generations:
                 self.conversations.keep(client, conversation)
             if result.stop_reason != "cancelled":
                 took = turn.held_s + time.perf_counter() - turn.since
+                self.mean_s = took if self.mean_s is None else (1 - MEAN_WEIGHT) * self.mean_s + MEAN_WEIGHT * took
+        return result
+
+
+    def _generate_shared(self, ids: list[int], config, client, on_text, cancel) -> Result | None:
+        """Generates beside the others in flight, its target passes shared with theirs; the kept
+        conversations and the mean are touched under `book`. A generation's cost to the queue: its seconds
+        over the conversations a pass holds."""
+        if cancel.is_set():
+            return None
+        with self.book:
+            conversation = self.conversations.take(client) if client is not None else self.conversations.new()
+        started = time.perf_counter()
+        result = generate_sharing(self.pipeline, self.shared, ids=ids, config=config, session=conversation.session,
+                                  on_text=on_text, should_stop=cancel.is_set)
+        with self.book:
+            if client is not None:
+                self.conversations.keep(client, conversation)
+            if result.stop_reason != "cancelled":
+                took = (time.perf_counter() - started) / min(self.in_flight, self.shared.slots.slots)
                 self.mean_s = took if self.mean_s is None else (1 - MEAN_WEIGHT) * self.mean_s + MEAN_WEIGHT * took
         return result
 

@@ -1,10 +1,12 @@
 """Generations in flight taking target passes in turn: `edgespec serve`'s interleaving.
 
-Several conversations cannot share one target pass with the bits each gets alone on this runtime
-(history.md §62: onnxruntime's attention takes several sequences with a past only at one new token
-each, and that one-query path rounds unlike an exact pass's two slots). So each generation keeps its
-own passes, exactly those it runs alone, and the generations in flight run them one at a time, in
-turn: a generation holds the turn from its start (prefill included) to its next target pass, then
+Where the bundle has a slots graph (exported with slots: exporters/slots.py), the generations in flight
+share their target passes instead (`shared_passes_of`, `generate_sharing`: runtime/execution/shared_passes.py):
+each conversation's next pass joins the others' in one pass, each with the bits it gets alone (history.md
+§65). Without one, several conversations cannot share a pass with those bits (history.md §62: onnxruntime's
+attention takes several sequences with a past only at one new token each, and that one-query path rounds
+unlike an exact pass's two slots). So each generation keeps its own passes, exactly those it runs alone,
+and the generations in flight run them one at a time, in turn: a generation holds the turn from its start (prefill included) to its next target pass, then
 hands it to the one that has waited longest. A new request's prefill waits for one pass of each
 generation ahead of it, not for their ends; no answer changes, whatever runs beside it (each pass
 reads only its own conversation's caches, drafter and sampler).
@@ -15,8 +17,14 @@ generation threads; its own lock guards it.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
+
+from edgespec.runtime.decoding.engine import Result
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.execution.shared_passes import SharedPasses, open_shared
+from edgespec.runtime.pipeline import Pipeline
 
 
 class Turns:
@@ -67,3 +75,19 @@ class Turn:
         if self.turns.waiting():
             self.__exit__()
             self.__enter__()
+
+
+def shared_passes_of(pipeline: Pipeline) -> SharedPasses | None:
+    """Shared passes over the bundle's slots graph, where it has one and its target runs as one graph in
+    memory (not streamed in stages, not CoreML); None otherwise."""
+    if not isinstance(pipeline.target, ModelRunner):
+        return None
+    return open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, pipeline.target_threads)
+
+
+def generate_sharing(pipeline: Pipeline, shared: SharedPasses, **generate) -> Result:
+    """`pipeline.generate(**generate)` with this generation's target passes shared with the others in flight."""
+    with shared.target() as target:
+        mine = copy.copy(pipeline)  # the same loaded models and state; only its target passes go elsewhere
+        mine.target = target
+        return mine.generate(**generate)

@@ -72,3 +72,25 @@ def test_interleaved_conversations_get_exactly_their_answers_alone(pipeline):
             assert got.token_ids == alone.token_ids, name
     assert shared.members() == 0
     assert shared.parts > 1.5 * shared.passes  # most passes held several conversations
+
+
+def test_serve_shares_passes_and_answers_as_alone(pipeline):
+    """`edgespec serve` on a bundle with slots: requests in flight share passes, a short one is answered
+    while a long one generates, and each answer (with a client's kept conversation or none) is its own."""
+    from edgespec.serve import Generations, ServeConfig
+
+    generations = Generations(pipeline, ServeConfig(model="tiny", interleave=3))
+    assert generations.shared is not None
+    long_ids, short_ids = pipeline.encode("a b c d e f"), pipeline.encode("the quick brown fox")
+    started, results = threading.Event(), {}
+    long = threading.Thread(target=lambda: results.setdefault("long", generations._generate(
+        long_ids, LONG, "ann", lambda text: started.set(), threading.Event())))
+    long.start()
+    assert started.wait(60)
+    short = generations._generate(short_ids, GenerationConfig(max_new_tokens=4), "bob", None, threading.Event())
+    assert long.is_alive()  # the short one did not wait for the long one's end
+    long.join(timeout=300)
+    assert short.token_ids == pipeline.generate(ids=short_ids, config=GenerationConfig(max_new_tokens=4)).token_ids
+    assert results["long"].token_ids == pipeline.generate(ids=long_ids, config=LONG).token_ids
+    assert generations.shared.parts > generations.shared.passes  # the short one's passes rode with the long one's
+    assert generations.mean_s > 0 and set(generations.conversations.kept) == {"ann", "bob"}
