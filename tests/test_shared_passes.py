@@ -4,6 +4,7 @@ each exactly what it gets alone; and their passes were in fact shared."""
 import copy
 import threading
 
+import numpy as np
 import pytest
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.sampling import SamplingConfig
@@ -94,3 +95,22 @@ def test_serve_shares_passes_and_answers_as_alone(pipeline):
     assert results["long"].token_ids == pipeline.generate(ids=long_ids, config=LONG).token_ids
     assert generations.shared.parts > generations.shared.passes  # the short one's passes rode with the long one's
     assert generations.mean_s > 0 and set(generations.conversations.kept) == {"ann", "bob"}
+
+
+def test_shared_passes_are_refused_where_the_slots_graph_would_change_bits(pipeline, monkeypatch):
+    from edgespec.runtime.execution import shared_passes
+    from edgespec.runtime.execution.slots import SlotRunner
+
+    shared = open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, 1)
+    assert shared_passes.keeps_bits(pipeline.target, shared.slots)
+    run = SlotRunner.run
+
+    def nudged(self, parts):  # a slots graph whose second conversation's logits move by one unit in the last place
+        outs = run(self, parts)
+        if len(outs) > 1:
+            outs[1].logits[0, 0] = np.nextafter(outs[1].logits[0, 0], np.inf)
+        return outs
+
+    monkeypatch.setattr(SlotRunner, "run", nudged)
+    assert not shared_passes.keeps_bits(pipeline.target, shared.slots)
+    assert open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, 1) is None

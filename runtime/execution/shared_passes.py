@@ -16,8 +16,10 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..contract.errors import EdgespecError
-from .model import ModelRunner, Pass
+from .model import ModelRunner, Pass, commit
 from .sessions import make_session
 from .slots import SlotRunner
 
@@ -154,8 +156,33 @@ class SharedTarget:
 def open_shared(folder, target, runner: ModelRunner, threads: int | None,
                 patience_s: float = PATIENCE_S) -> SharedPasses | None:
     """Shared passes over the bundle's slots graph (`target`: the manifest's target entry), on the providers
-    `runner`'s session runs on; None when the bundle has no slots graph."""
+    `runner`'s session runs on; None when the bundle has no slots graph, or when its passes do not give each
+    conversation its bits alone on this device (`keeps_bits`)."""
     if target.slots is None:
         return None
     session = make_session(folder / target.slots.file, tuple(runner.session.get_providers()), threads)
-    return SharedPasses(runner, SlotRunner(session, runner), patience_s)
+    slots = SlotRunner(session, runner)
+    return SharedPasses(runner, slots, patience_s) if keeps_bits(runner, slots) else None
+
+
+def keeps_bits(runner: ModelRunner, slots: SlotRunner) -> bool:
+    """Whether a slots pass gives each conversation the bits of its pass alone here, at the runner's
+    `min_rows` (the device's verdict, measured on the single graph): two probe conversations of different
+    lengths, a prefill chunk then two one-token steps each, run both ways and compared bit for bit."""
+    vocab = runner.facts.vocab_size
+    probes = [[(7 * i + 3) % vocab for i in range(9)], [(11 * i + 5) % vocab for i in range(4)]]
+    alone = [runner.new_cache(16) for _ in probes]
+    shared = [runner.new_cache(16) for _ in probes]
+    for step in range(3):
+        batch = [ids if step == 0 else [ids[step]] for ids in probes]
+        parts, outs = [], []
+        for tokens, a, b in zip(batch, alone, shared):
+            positions, mask = range(a.length, a.length + len(tokens)), np.tri(len(tokens), dtype=bool)
+            outs.append(runner.forward(a, tokens, positions, mask, [len(tokens) - 1]))
+            parts.append(slots.layout(b, tokens, positions, mask, [len(tokens) - 1]))
+        for tokens, a, b, mine, theirs in zip(batch, alone, shared, slots.run(parts), outs):
+            if not np.array_equal(mine.logits, theirs.logits):
+                return False
+            commit(a, theirs, range(len(tokens)))
+            commit(b, mine, range(len(tokens)))
+    return True
