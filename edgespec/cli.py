@@ -87,7 +87,8 @@ def cmd_export(args) -> None:
                         integer_matmul=args.integer_matmul, gguf_blocks=args.gguf_blocks,
                         quant_policy=Path(args.quant_policy) if args.quant_policy else None,
                         force=args.force, stages=args.stages, lookup=args.lookup, lookup_quote=args.lookup_quote,
-                        suffix=args.suffix, lanes=args.lanes, cache_dir=cache_dir(), formats=tuple(args.format.split(",")),
+                        suffix=args.suffix, lanes=args.lanes, slots=args.slots, cache_dir=cache_dir(),
+                        formats=tuple(args.format.split(",")),
                         coreml_kv=tuple(args.coreml_kv.split(",")), coreml_compress=args.coreml_compress)
     if args.tree == "auto":
         export_tuned(config)

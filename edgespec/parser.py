@@ -114,6 +114,9 @@ def _add_export(sub) -> None:
     p.add_argument("--lookup", type=int, default=0,
                    help="with a draft model: also draft up to this many tokens by prompt lookup (continuing the "
                         "context where its suffix occurred before), grafted onto the model's tree (0: off)")
+    p.add_argument("--slots", type=int, default=0,
+                   help="also write the target as a slots graph of this many conversations per pass: `serve` then "
+                        "shares the target passes of the requests in flight, each with its bits alone (0: none)")
     p.add_argument("--lanes", type=int, default=None,
                    help="root-to-leaf paths the target graph verifies in one pass (default: the tree's paths, with "
                         "the lookup chain's; every lane's attention runs on every pass, trees with more are cut)")
