@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -16,14 +15,12 @@ from edgespec.doctor import report as doctor_report
 from edgespec.inspection import check_exact, print_bundle
 from edgespec.parser import build_parser
 from edgespec.runtime.contract.errors import BudgetError, ContextOverflowError, EdgespecError, InputError
-from edgespec.runtime.contract.manifest import open_bundle, read_manifest
+from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.sampling import SamplingConfig
-from edgespec.runtime.decoding.text import TextCodec
 from edgespec.runtime.execution import prepacked
 from edgespec.runtime.execution.budget import MemoryPlan, mib, parse_size, plan_memory, trade_offs
-from edgespec.runtime.execution.coreml import open_coreml
 from edgespec.runtime.execution.paths import cache_dir
 from edgespec.runtime.execution.placement import Placement, candidates
 from edgespec.runtime.execution.stage_build import device_measures
@@ -41,12 +38,18 @@ def _stats_line(stats) -> str:
 
 def _pipeline(args):
     check_threads(args.threads)  # before --placement auto would calibrate with another count
+    backend = getattr(args, "backend", "auto")
+    reason = coreml_refusal()  # CoreML runs on macOS only: refused here before anything loads
+    if backend == "coreml" and reason is not None:
+        raise InputError(reason)
     folder = resolve_bundle(args.bundle)
     profile = getattr(args, "profile", None)
     return Pipeline(folder, args.threads, getattr(args, "memory_budget", None),
                     evict_page_cache=getattr(args, "evict_page_cache", False),
                     placement=_placement(folder, getattr(args, "placement", "profile"), args.threads, profile),
-                    profile=profile, context=getattr(args, "context", None))
+                    profile=profile, context=getattr(args, "context", None), backend=backend,
+                    predictor=coreml_predictor if reason is None else None,
+                    coreml_kv=preferred_kv() if reason is None else None)
 
 
 def _placement(folder: Path, mode: str, threads: int | None, profile: str | None) -> Placement | None:
@@ -154,9 +157,6 @@ def _result_json(result) -> dict:
 
 def cmd_generate(args) -> None:
     config = _generation_config(args)  # before minutes of loading
-    if args.backend == "coreml" or (args.backend == "auto" and _profile_runs_coreml(args)):
-        _generate_coreml(args, config)
-        return
     pipeline = _pipeline(args)
     ask = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.json:
@@ -171,35 +171,6 @@ def cmd_generate(args) -> None:
         print(json.dumps(_result_json(result)))
     else:
         _stream(pipeline, config, not args.no_speculate, **ask)
-
-
-def _profile_runs_coreml(args) -> bool:
-    """The apple profile's bundles decode on their CoreML packages where CoreML runs (macOS)."""
-    if coreml_refusal() is not None:
-        return False
-    manifest = read_manifest(resolve_bundle(args.bundle))  # the checksums are verified by whatever loads it
-    return manifest.profile.name == "apple" and bool(manifest.coreml)
-
-
-def _generate_coreml(args, config) -> None:
-    """The bundle's CoreML packages through coremltools (macOS); refused elsewhere before anything loads."""
-    reason = coreml_refusal()
-    if reason is not None:
-        raise InputError(reason)
-    if config.sampling.temperature > 0 or config.stop_strings or args.json:
-        raise InputError("--backend coreml decodes greedily and prints the text: leave out --temperature, --stop "
-                         "and --json")
-    folder = resolve_bundle(args.bundle)
-    manifest = open_bundle(folder)
-    codec = TextCodec(folder, manifest.tokenizer)
-    ids = codec.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else codec.encode(args.prompt)
-    started = time.perf_counter()
-    tokens, calls = open_coreml(folder, manifest, preferred_kv(), coreml_predictor).generate(ids, config.max_new_tokens, manifest.tokenizer.eos_token_ids,
-                                                           speculate=not args.no_speculate)
-    seconds = time.perf_counter() - started
-    print(codec.decode(tokens))
-    print(f"{len(tokens)} tokens in {seconds:.2f} s ({len(tokens) / seconds:.1f} tokens/s), "
-          f"{len(tokens) / max(calls, 1):.2f} tokens per target call (CoreML)", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:

@@ -1,7 +1,8 @@
 """The CoreML backend on macOS: coremltools' prediction API behind runtime/execution/coreml.py's predictor contract.
 
 It lives at the front door because coremltools (the [coreml] extra) is no runtime dependency: the
-runtime's CoreML loop takes any predictor, and elsewhere the packages are refused with what runs instead.
+runtime's CoreML runner takes any predictor (the Pipeline's `predictor`), and elsewhere the packages are
+refused with what runs instead.
 """
 from __future__ import annotations
 

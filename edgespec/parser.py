@@ -34,6 +34,13 @@ def _budget_arg(p):
                         "the budget goes to speed first (stages kept resident), the context gets what is left")
 
 
+def _backend_arg(p):
+    p.add_argument("--backend", default="auto", choices=("auto", "onnx", "coreml"),
+                   help="coreml: the bundle's CoreML packages on macOS (exported with --format onnx,coreml), through "
+                        "the same decoding as onnx; auto (default): coreml for a bundle of the apple profile where "
+                        "CoreML runs, else onnx")
+
+
 def _placement_arg(p):
     p.add_argument("--placement", default="profile", choices=("profile", "auto", "overlapped"),
                    help="where the draft and the target run: profile (default: the bundle profile's first provider "
@@ -145,10 +152,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.add_argument("--backend", default="auto", choices=("auto", "onnx", "coreml"),
-                   help="coreml: the bundle's CoreML packages on macOS (greedy; exported with --format onnx,coreml); "
-                        "auto (default): coreml for a bundle of the apple profile where CoreML runs, else onnx")
     _generation_args(p)
+    _backend_arg(p)
     _placement_arg(p)
     _budget_arg(p)
 
@@ -157,6 +162,7 @@ def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat")
     _bundle_arg(p, optional=True)
     _generation_args(p, max_new=256)
+    _backend_arg(p)
     _placement_arg(p)
     _budget_arg(p)
 
@@ -174,6 +180,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--schema-in-prompt", action="store_true",
                    help="each output must match the JSON schema its prompt states after 'Schema:' (strict), as in "
                         "benchmarks/workloads/extraction.jsonl")
+    _backend_arg(p)
     _placement_arg(p)
     _budget_arg(p)
 
@@ -267,6 +274,7 @@ def _add_serve(sub) -> None:
                    help="the model id clients send (default: the bundle folder's name, 'default' for the default)")
     p.add_argument("--memory-budget", default=None,
                    help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
+    _backend_arg(p)
     _placement_arg(p)
 
 

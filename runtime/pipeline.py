@@ -25,15 +25,17 @@ from .decoding.suffix import SuffixDrafter, SuffixStore
 from .decoding.text import TextCodec
 from .execution import prepacked
 from .execution.budget import parse_size
+from .execution.coreml import Predictor, open_coreml
 from .execution.device import describe
 from .execution.heap import heap_trimmer
-from .execution.kvcache import KVCache
 from .execution.model import ModelRunner
 from .execution.paths import cache_dir
 from .execution.placement import Placement
+from .execution.runner import Cache
 from .execution.sessions import make_session
 from .execution.stage_build import build_measured, plan_on_this_device, window_specs
 
+BACKENDS = ("auto", "onnx", "coreml")
 MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxruntime's pools thrash
 
 
@@ -58,7 +60,8 @@ class Pipeline:
 
     def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
                  prepared_dir: Path | None = None, evict_page_cache: bool = False, strict: bool = False,
-                 placement: Placement | None = None, profile: str | None = None, context: int | None = None):
+                 placement: Placement | None = None, profile: str | None = None, context: int | None = None,
+                 backend: str = "auto", predictor: Predictor | None = None, coreml_kv: str | None = None):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
         `prepared_dir`: where stages' packed weights are kept for this machine (default: the
@@ -71,7 +74,10 @@ class Pipeline:
         for each role, `threads` for both, one after the other. `profile`: which of the bundle's device profiles
         to run (its providers and its graphs; default: the first it was exported for). `context`: the fewest
         tokens the caches must hold under a budget (default runtime/execution/budget.py MIN_CONTEXT): the budget goes to
-        speed first, the context gets what is left beyond this floor."""
+        speed first, the context gets what is left beyond this floor. `backend`: "onnx" runs the ONNX graphs,
+        "coreml" the bundle's CoreML packages through `predictor` (runtime/execution/coreml.py's contract:
+        edgespec/coreml_backend.py on macOS), with KV as `coreml_kv` (default: the packages' first form); "auto"
+        takes CoreML for a bundle of the apple profile with CoreML packages when a predictor is given."""
         self.evict_page_cache = evict_page_cache
         self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
         self.folder = Path(folder)
@@ -89,7 +95,15 @@ class Pipeline:
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)
         self.stream_costs = None  # a staged target's stage costs on this device (runtime/execution/stream_costs.py)
-        if self.memory.stage_bytes:  # the single graph does not fit: stages, through a window
+        self.backend = _backend(backend, m, predictor)
+        coreml_draft = None
+        if self.backend == "coreml":
+            if memory_budget is not None or placement is not None:
+                raise InputError("a memory budget and a placement plan the ONNX graphs; the CoreML packages hold "
+                                 "their context whole on the compute units chosen at export: leave them out, or run "
+                                 "the ONNX backend")
+            self.target, coreml_draft, coreml_tree = open_coreml(self.folder, m, coreml_kv or m.coreml[0].kv, predictor)
+        elif self.memory.stage_bytes:  # the single graph does not fit: stages, through a window
             self.target, self.memory, self.stream_costs = build_measured(
                 m, self.folder, self.memory, profile.verify, self.target_threads, self.prepared_dir, cache_dir(),
                 evict_page_cache)
@@ -101,13 +115,20 @@ class Pipeline:
         # (tune) may try another
         self.tree = tree_under_budget(m, self.memory, self.stream_costs, profile.max_tree_nodes)
         self.lookup = m.lookup  # prompt lookup beside the draft model; tune leaves it out to measure the model
+        if self.backend == "coreml":  # the verify function's chain: a grafted lookup chain would branch it
+            self.tree, self.lookup = coreml_tree, None
         self.draft = None
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         # earlier outputs that suffix drafting continues from: one store per pipeline, for all its requests
         self.suffix_store = SuffixStore(m.suffix.store_tokens) if m.suffix is not None else None
         self.step_measurements: Measurements | None = None  # the step controllers', shared: made on first use
         self._grammars: Grammars | None = None  # the tokenizer as the grammar engine reads it: made on first use
-        if m.drafter is DrafterKind.MODEL:
+        if m.drafter is DrafterKind.MODEL and self.backend == "coreml":
+            if coreml_draft is None:
+                raise BundleError("the manifest names a draft model but the bundle has no CoreML draft package: "
+                                  "export it again with --format onnx,coreml, or run the ONNX backend")
+            self.draft = coreml_draft
+        elif m.drafter is DrafterKind.MODEL:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file,
@@ -147,7 +168,7 @@ class Pipeline:
         other.tree, other.lookup, other.recycling_table = tree, lookup, None
         return other
 
-    def new_draft_cache(self) -> KVCache:
+    def new_draft_cache(self) -> Cache:
         """A cache for the draft model: its own KV rows, and its output features when it reads the target's."""
         draft = self.manifest.draft
         return self.draft.new_cache(self.context, draft.feature_size)
@@ -161,6 +182,10 @@ class Pipeline:
 
     def _resolve_exactness(self) -> None:
         m = self.manifest
+        if self.backend == "coreml":  # not checked: the same function computes a step and a chain (coreml.py)
+            self._exactness = Verdict(True, "CoreML: one-token steps and drafted chains run the same verify function",
+                                      1)
+            return
         self._exactness = verdict_here(m.exactness, m.files.get(m.target.graph.file, ""), self.target, cache_dir())
         self.target.min_rows = self._exactness.min_rows
 
@@ -237,6 +262,9 @@ class Pipeline:
         """Whether this device gives every token of the target plain decoding's bits in any pass, which
         greedy speculation's exactness rests on: (tokens compared, those that differ), at the fewest rows
         per one-token step that keep them (then `target.min_rows`). Takes seconds."""
+        if self.backend == "coreml":
+            raise InputError("the exactness check compares the ONNX graphs' passes: open the bundle with "
+                             "backend='onnx' to run it")
         min_rows, compared, differ = fewest_exact_rows(self.target)
         self._exactness = Verdict(not differ, f"checked now, {describe()}", min_rows)
         return compared, differ
@@ -303,6 +331,22 @@ class Pipeline:
         (a training-free drafter costs too little to hide; the step controller times each pass alone)."""
         return bool(self.placement and self.placement.overlap and self.draft is not None
                     and not isinstance(drafter, (NoDrafter, Controller)))
+
+
+def _backend(asked: str, manifest: Manifest, predictor: Predictor | None) -> str:
+    """Which backend runs the bundle: the one asked for, or for "auto" CoreML where the bundle was exported for
+    the apple profile with CoreML packages and a predictor runs them here."""
+    if asked not in BACKENDS:
+        raise InputError(f"unknown backend {asked!r}; choose one of {', '.join(BACKENDS)}")
+    if asked == "auto":
+        return "coreml" if manifest.profile.name == "apple" and manifest.coreml and predictor is not None else "onnx"
+    if asked == "coreml" and predictor is None:
+        raise InputError("the CoreML backend needs a predictor that runs the packages (edgespec.coreml_backend's "
+                         "on macOS)")
+    if asked == "coreml" and not manifest.coreml:
+        raise InputError("the bundle has no CoreML packages: export it with --format onnx,coreml, or run the ONNX "
+                         "backend")
+    return asked
 
 
 def _checked_ids(ids, vocab_size: int) -> list[int]:

@@ -141,16 +141,44 @@ def test_bad_prompts_file(bundle_factory, tmp_path, capsys):
     assert "needs a 'messages' list or a 'prompt' string" in capsys.readouterr().err
 
 
-def test_chat_reads_turns_from_stdin(bundle_factory, monkeypatch, capsys):
+def _cli_backend(backend, monkeypatch) -> tuple[dict, list[str]]:
+    """The bundle options and command-line flags that run `backend`; CoreML's predictor is the saved programs in
+    numpy (exporters/mil_reference.py), standing in for macOS's."""
+    if backend == "onnx":
+        return {}, []
+    from edgespec import cli
+    from edgespec.exporters.mil_reference import reference_predictor
+
+    kv = backend.split("-")[1]
+    monkeypatch.setattr(cli, "coreml_refusal", lambda: None)
+    monkeypatch.setattr(cli, "coreml_predictor", reference_predictor)
+    monkeypatch.setattr(cli, "preferred_kv", lambda: kv)
+    return {"coreml": (kv,)}, ["--backend", "coreml"]
+
+
+def test_chat_reads_turns_from_stdin(bundle_factory, backend, monkeypatch, capsys):
     import io
 
+    bundle, flags = _cli_backend(backend, monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nand again\n\n"))
-    assert main(["chat", str(bundle_factory(draft="draft")), "--max-new-tokens", "6"]) == 0
+    assert main(["chat", str(bundle_factory(draft="draft", **bundle)), "--max-new-tokens", "6", *flags]) == 0
     assert capsys.readouterr().err.count("tokens/s") == 2
 
 
-def test_stop_strings_cut_the_text(bundle_factory):
-    pipeline = Pipeline(bundle_factory())
+def test_generate_stops_at_a_stop_string_in_json(bundle_factory, backend, monkeypatch, capsys):
+    bundle, flags = _cli_backend(backend, monkeypatch)
+    command = ["generate", str(bundle_factory(draft="draft", **bundle)), "--prompt", "The quick", "--json",
+               "--max-new-tokens", "16", *flags]
+    assert main(command) == 0
+    full = json.loads(capsys.readouterr().out)
+    stop = full["text"].strip()[-2:]
+    assert main([*command, "--stop", stop]) == 0
+    cut = json.loads(capsys.readouterr().out)
+    assert cut["stop_reason"] == "stop_string" and stop not in cut["text"] and full["text"].startswith(cut["text"])
+
+
+def test_stop_strings_cut_the_text(open_pipeline):
+    pipeline = open_pipeline()
     full = pipeline.generate("The quick", config=GenerationConfig(max_new_tokens=30, stop_at_eos=False))
     start = next(i for i in range(len(full.text) // 2, len(full.text)) if not full.text[i].isspace())
     stop = full.text[start : start + 2]
@@ -160,9 +188,9 @@ def test_stop_strings_cut_the_text(bundle_factory):
     assert full.text.startswith(cut.text) and len(cut.text) < len(full.text)
 
 
-def test_stop_strings_never_reach_the_stream(bundle_factory):
+def test_stop_strings_never_reach_the_stream(open_pipeline):
     """A stop string spanning several tokens is held back while it may still be forming."""
-    pipeline = Pipeline(bundle_factory())
+    pipeline = open_pipeline()
     config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     full = pipeline.generate("The quick", config=config)
     ends, text = [], ""

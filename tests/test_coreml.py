@@ -1,7 +1,9 @@
 """CoreML packages: what can be checked without a Mac. The saved packages are read back (their functions,
 inputs, outputs, states and compression against the manifest), their MIL programs run in numpy
-(exporters/mil_reference.py) against the fp32 model, and the runtime's CoreML decode loop runs on that
-reference: speculative output must equal plain decoding through the same verify function."""
+(exporters/mil_reference.py) against the fp32 model, and the Pipeline decodes on that reference through the
+CoreML runner (runtime/execution/coreml.py) and the one decode loop: speculative output must equal plain
+decoding through the same verify function. The ONNX path's stop-string and chat tests run on this backend too
+(tests/conftest.py `backend`)."""
 import json
 import os
 import stat
@@ -17,9 +19,14 @@ from edgespec.exporters.mil_reference import (
     reference_logits,
     reference_predictor,
 )
-from edgespec.runtime.contract.errors import BundleError, ExportError
+from edgespec.runtime.contract.errors import BundleError, ExportError, InputError
 from edgespec.runtime.contract.manifest import open_bundle, read_manifest, verify_files
-from edgespec.runtime.execution.coreml import open_coreml
+from edgespec.runtime.decoding.engine import GenerationConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.execution.coreml import CoreMLRunner
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.execution.runner import Cache, Runner
+from edgespec.runtime.pipeline import Pipeline
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 12, 100, 3, 64, 9, 150, 21]
 
@@ -28,11 +35,15 @@ PROMPT = [5, 17, 33, 2, 90, 41, 7, 12, 100, 3, 64, 9, 150, 21]
 def coreml_bundles(models, tmp_path_factory):
     """(a) target + an unrelated draft, both KV forms, int8 (drafts get rejected);
     (b) target drafting for itself, KV as states, fp16, the apple profile (every draft accepted; semantics
-    checked in fp32)."""
+    checked in fp32); (c) a draft that reads the target's features, with a trimmed head, both KV forms."""
+    from test_features import write_feature_draft
+
     root = tmp_path_factory.mktemp("coreml")
     made = {}
     for key, draft, kv, compress, profile in (("int8", models["draft"], ("state", "io"), "int8", "cpu"),
-                                              ("self", models["target"], ("state",), "fp16", "apple")):
+                                              ("self", models["target"], ("state",), "fp16", "apple"),
+                                              ("features", write_feature_draft(root / "eagle"), ("state", "io"),
+                                               "fp16", "cpu")):
         made[key] = export(ExportConfig(model=str(models["target"]), draft=str(draft), out=root / key, tree="chain:3",
                                         context=96, prefill_chunk=8, formats=("onnx", "coreml"), coreml_kv=kv,
                                         coreml_compress=compress, profile=profile, cache_dir=root / "cache"))
@@ -117,17 +128,67 @@ def test_fp16_int8_packages_against_the_fp32_model(coreml_bundles, models, kv):
     assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.8
 
 
-@pytest.mark.parametrize("key,kv", [("int8", "state"), ("int8", "io"), ("self", "state")])
-def test_speculative_equals_plain_on_the_coreml_loop(coreml_bundles, key, kv):
-    folder = coreml_bundles[key]
-    manifest = open_bundle(folder)
-    plain, plain_calls = open_coreml(folder, manifest, kv, reference_predictor).generate(PROMPT, 20, speculate=False)
-    spec, spec_calls = open_coreml(folder, manifest, kv, reference_predictor).generate(PROMPT, 20)
-    assert spec == plain and len(plain) == 20 and plain_calls == 20
-    if key == "self":  # the draft is the target: every drafted token is accepted
-        assert spec_calls == 5
+def _coreml(folder, kv="state") -> Pipeline:
+    return Pipeline(folder, backend="coreml", predictor=reference_predictor, coreml_kv=kv)
+
+
+@pytest.mark.parametrize("key,kv", [("int8", "state"), ("int8", "io"), ("self", "state"), ("features", "state"),
+                                    ("features", "io")])
+def test_speculative_equals_plain_through_the_pipeline(coreml_bundles, key, kv):
+    pipeline = _coreml(coreml_bundles[key], kv)
+    assert isinstance(pipeline.target, CoreMLRunner) and isinstance(pipeline.draft, CoreMLRunner)
+    config = GenerationConfig(max_new_tokens=20, stop_at_eos=False)
+    plain = pipeline.generate(ids=PROMPT, config=config, speculate=False)
+    spec = pipeline.generate(ids=PROMPT, config=config)
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 20
+    assert plain.stats.target_passes == 19  # the first token comes from prefill, then one verify call per token
+    if key == "self":  # the draft is the target: every drafted token of the chain of 3 is accepted
+        assert spec.stats.target_passes == 5 and spec.stats.mean_accepted_per_pass == 4
     else:
-        assert spec_calls <= plain_calls
+        assert spec.stats.target_passes <= plain.stats.target_passes
+
+
+def test_every_runner_and_cache_is_what_the_loop_calls(coreml_bundles):
+    onnx, coreml = Pipeline(coreml_bundles["int8"], backend="onnx"), _coreml(coreml_bundles["int8"])
+    assert isinstance(onnx.target, ModelRunner) and isinstance(coreml.target, CoreMLRunner)
+    for pipeline in (onnx, coreml):
+        assert isinstance(pipeline.target, Runner) and isinstance(pipeline.draft, Runner)
+        assert isinstance(pipeline.new_session().cache, Cache) and isinstance(pipeline.new_draft_cache(), Cache)
+    assert coreml.context == onnx.context == 96 and coreml.tree.parents == (-1, 0, 1, 2)
+    assert coreml.target.tree_limit == 4 and coreml.target.pass_limit == 8  # verify's nodes, prefill's chunk
+
+
+def test_the_backend_follows_the_bundle_and_the_device(coreml_bundles):
+    """auto: CoreML for the apple profile's bundle where a predictor runs its packages, else the ONNX graphs."""
+    assert Pipeline(coreml_bundles["self"], predictor=reference_predictor).backend == "coreml"
+    assert Pipeline(coreml_bundles["self"]).backend == "onnx"  # no predictor here: not a Mac
+    assert Pipeline(coreml_bundles["int8"], predictor=reference_predictor).backend == "onnx"  # the cpu profile
+    with pytest.raises(InputError, match="needs a predictor"):
+        Pipeline(coreml_bundles["int8"], backend="coreml")
+    with pytest.raises(InputError, match="memory budget and a placement plan the ONNX graphs"):
+        Pipeline(coreml_bundles["int8"], memory_budget="1GB", backend="coreml", predictor=reference_predictor)
+    with pytest.raises(InputError, match="unknown backend 'tpu'"):
+        Pipeline(coreml_bundles["int8"], backend="tpu")
+    with pytest.raises(InputError, match="exactness check compares the ONNX graphs"):
+        _coreml(coreml_bundles["int8"]).check_exact()
+
+
+def test_sampling_runs_on_the_packages_and_its_seed_repeats_it(coreml_bundles):
+    pipeline = _coreml(coreml_bundles["int8"])
+    config = GenerationConfig(max_new_tokens=12, stop_at_eos=False, sampling=SamplingConfig(temperature=0.8, seed=3))
+    first, again = pipeline.generate(ids=PROMPT, config=config), pipeline.generate(ids=PROMPT, config=config)
+    greedy = pipeline.generate(ids=PROMPT, config=GenerationConfig(max_new_tokens=12, stop_at_eos=False))
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 12
+    assert first.token_ids != greedy.token_ids
+
+
+def test_a_sliding_cache_moves_io_rows_and_refuses_states(coreml_bundles):
+    """The context holds 96 tokens; 120 new ones slide it. CoreML keeps a state's rows out of reach."""
+    config = GenerationConfig(max_new_tokens=120, stop_at_eos=False, kv_policy="sliding")
+    slid = _coreml(coreml_bundles["int8"], "io").generate(ids=PROMPT, config=config)
+    assert len(slid.token_ids) == 120 and slid.stop_reason == "max_new_tokens"
+    with pytest.raises(InputError, match="CoreML keeps inside its states"):
+        _coreml(coreml_bundles["int8"], "state").generate(ids=PROMPT, config=config)
 
 
 def test_package_files_are_checksummed(coreml_bundles, tmp_path):
@@ -205,7 +266,7 @@ def test_manifest_round_trip_keeps_the_packages(coreml_bundles):
 @pytest.mark.reference
 def test_reference_model_with_its_shipped_draft_converts_and_decodes(tmp_path):
     """SmolLM2 and the shipped draft (which reads the target's features) as CoreML packages: they hold what
-    the manifest says, and the CoreML loop, run on the saved programs, gives plain decoding's tokens."""
+    the manifest says, and the Pipeline on them, run on the saved programs, gives plain decoding's tokens."""
     from edgespec.defaults import _default_draft_folder
 
     folder = export(ExportConfig(model="default", draft=str(_default_draft_folder()), out=tmp_path / "b", tree="chain:1",
@@ -216,9 +277,9 @@ def test_reference_model_with_its_shipped_draft_converts_and_decodes(tmp_path):
     _, spec = load_program(folder / manifest.coreml[1].file)
     inputs = {i.name for f in spec.description.functions for i in f.input}
     assert "features" in inputs  # the eagle draft reads the target's features
-    from edgespec.runtime.decoding.text import TextCodec
 
-    prompt = TextCodec(folder, manifest.tokenizer).encode_chat([{"role": "user", "content": "Name three colors."}])
-    plain, _ = open_coreml(folder, manifest, "state", reference_predictor).generate(prompt, 12, speculate=False)
-    spec, calls = open_coreml(folder, manifest, "state", reference_predictor).generate(prompt, 12)
-    assert spec == plain and calls < 12
+    pipeline = _coreml(folder)
+    ask = dict(messages=[{"role": "user", "content": "Name three colors."}],
+               config=GenerationConfig(max_new_tokens=12, stop_at_eos=False))
+    plain, spec = pipeline.generate(**ask, speculate=False), pipeline.generate(**ask)
+    assert spec.token_ids == plain.token_ids and spec.stats.target_passes < plain.stats.target_passes

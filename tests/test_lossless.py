@@ -107,8 +107,8 @@ def test_dynamic_trees_need_a_draft_model(models, tmp_path):
                                 context=256, cache_dir=tmp_path))
 
 
-def test_chat_prompts_and_multi_turn_session(bundle_factory):
-    pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
+def test_chat_prompts_and_multi_turn_session(open_pipeline, backend):
+    pipeline = open_pipeline(draft="draft", tree="topk:2x2" if backend == "onnx" else "chain:4")  # CoreML: chains
     session = pipeline.new_session()
     messages = [{"role": "user", "content": "hello fox"}]
     first = pipeline.generate(messages=messages, config=CONFIG, session=session)

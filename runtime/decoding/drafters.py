@@ -14,8 +14,8 @@ from ..contract.drafting import NgramConfig
 from ..contract.errors import InputError
 from ..contract.topology import Topology, path_from_root
 from ..execution.features import draft_inputs
-from ..execution.kvcache import KVCache
-from ..execution.model import ModelRunner, commit, prefill
+from ..execution.model import commit, prefill
+from ..execution.runner import Cache, Runner
 from .sampling import Sampler, sample_without_replacement
 from .tree import Tree
 
@@ -143,7 +143,7 @@ class NgramDrafter:
             self.context, self.index = [], {}  # rebuilt lazily by the next propose
 
 
-def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: int,
+def catch_up(runner: Runner, cache: Cache, committed: list[int], chunk: int,
              target_features: np.ndarray | None) -> np.ndarray:
     """Feeds the draft the committed tokens it has not seen; returns the newest one's logits.
 
@@ -166,7 +166,7 @@ def catch_up(runner: ModelRunner, cache: KVCache, committed: list[int], chunk: i
     return logits
 
 
-def own_features(cache: KVCache, committed_len: int, fed: list[int], nodes) -> np.ndarray | None:
+def own_features(cache: Cache, committed_len: int, fed: list[int], nodes) -> np.ndarray | None:
     """The draft's own output features at the parents of a level of tree nodes: a drafted token has
     no target feature yet, so (as in EAGLE) the draft's prediction of it stands in. `nodes` are parent
     node ids: 0 is the root (the newest committed row), others are rows fed while drafting."""
@@ -179,7 +179,7 @@ def own_features(cache: KVCache, committed_len: int, fed: list[int], nodes) -> n
 class ModelDrafter:
     """A draft model proposes the top-k tokens of its own distribution at every node."""
 
-    def __init__(self, runner: ModelRunner, cache: KVCache, topology: Topology, prefill_chunk: int):
+    def __init__(self, runner: Runner, cache: Cache, topology: Topology, prefill_chunk: int):
         self.runner, self.cache, self.topology, self.chunk = runner, cache, topology, prefill_chunk
 
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..contract.errors import BundleError, ContextOverflowError, InputError
-from ..execution.kvcache import KVCache
-from ..execution.model import ModelRunner, commit, prefill
+from ..execution.model import commit, prefill
+from ..execution.runner import Cache, Runner
 from .accept import accept_greedy, accept_sampled
 from .constraints import ConstraintSpec, Guide
 from .drafters import Drafter, NoDrafter
@@ -118,7 +118,7 @@ class Session:
     """One conversation's state, owned by the caller: the target's cache, and the drafter that proposes in it
     with whatever it keeps (its own cache, what it learned)."""
 
-    cache: KVCache
+    cache: Cache  # the target's (kvcache.KVCache, coreml.CoreMLCache)
     drafter: Drafter = field(default_factory=NoDrafter)
     suffix_store: SuffixStore | None = None  # where the conversation's outputs go for suffix drafting to continue
     committed: list[int] = field(default_factory=list)
@@ -130,7 +130,7 @@ class Session:
         self.window = list(tokens)
 
 
-def speculative_step(target: ModelRunner, session: Session, sampler: Sampler | None = None,
+def speculative_step(target: Runner, session: Session, sampler: Sampler | None = None,
                      guide: Guide | None = None) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens). `guide`: the
     constraint's parser state at the committed tokens (runtime/decoding/constraints.py), advanced here."""
@@ -157,15 +157,15 @@ def speculative_step(target: ModelRunner, session: Session, sampler: Sampler | N
     return new_tokens, accepted
 
 
-def _forced(target: ModelRunner, cache: KVCache, guide: Guide | None) -> tuple[list[int], int]:
+def _forced(target: Runner, cache: Cache, guide: Guide | None) -> tuple[list[int], int]:
     """The tokens the grammar forces next, and the nodes left for the drafter's tree after them: a pass takes
-    the cache's room, or a static graph's nodes."""
-    most = min(cache.room(), target.static.nodes) if target.static else cache.room()
+    the cache's room, or the most nodes the target verifies at once (a static graph's, CoreML's verify function's)."""
+    most = min(cache.room(), target.tree_limit) if target.tree_limit else cache.room()
     forced = guide.forced(min(most - 1, FORCED_TOKENS)) if guide is not None else []
     return forced, most - len(forced)
 
 
-def verify(target: ModelRunner, session: Session, tree: Tree, sampler: Sampler | None,
+def verify(target: Runner, session: Session, tree: Tree, sampler: Sampler | None,
            masks: np.ndarray | None = None) -> tuple[list[int], int, np.ndarray]:
     """Verifies `tree` in one target pass and commits what it accepts. Returns (new committed tokens,
     accepted draft tokens, the target's logits at the tree's nodes). `masks` [N, V]: the tokens a
@@ -228,7 +228,7 @@ class TextSink:
             self.shown = upto
 
 
-def generate(target: ModelRunner, codec: TextCodec, session: Session, context_ids: list[int],
+def generate(target: Runner, codec: TextCodec, session: Session, context_ids: list[int],
              config: GenerationConfig, prefill_chunk: int, on_text=None, should_stop=None,
              step=speculative_step, guide: Guide | None = None) -> Result:
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
@@ -286,7 +286,7 @@ def generate(target: ModelRunner, codec: TextCodec, session: Session, context_id
     return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason)
 
 
-def _start(target: ModelRunner, session: Session, context_ids: list[int], config: GenerationConfig,
+def _start(target: Runner, session: Session, context_ids: list[int], config: GenerationConfig,
            prefill_chunk: int, sampler: Sampler | None, guide: Guide | None) -> Stats:
     """Checks the prompt, keeps what the session already holds of it, prefills the rest and commits the
     first new token. Under the sliding policy the conversation is one stream: a prompt longer than the
@@ -342,7 +342,7 @@ def _reuse(session: Session, context_ids: list[int], sliding: bool, sinks: int) 
     return min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
 
 
-def _prefill_sliding(target: ModelRunner, session: Session, chunk: int, sinks: int) -> np.ndarray:
+def _prefill_sliding(target: Runner, session: Session, chunk: int, sinks: int) -> np.ndarray:
     """Feeds the window's tokens the cache does not hold, in chunks cut to its room, sliding it (as
     generation does) when it is full; returns the last token's logits."""
     cache, window = session.cache, session.window

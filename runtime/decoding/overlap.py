@@ -20,7 +20,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..execution.model import ModelRunner
+from ..execution.runner import Runner
 from .drafters import Drafter
 from .engine import Session, verify
 from .sampling import Sampler
@@ -57,7 +57,7 @@ class Overlap:
         self.kept = 0  # trees drafted ahead that were used
         self.drafted_ahead = 0
 
-    def step(self, target: ModelRunner, session: Session, sampler: Sampler | None = None) -> tuple[list[int], int]:
+    def step(self, target: Runner, session: Session, sampler: Sampler | None = None) -> tuple[list[int], int]:
         """One target pass with the next tree drafted meanwhile. Returns (new committed tokens, accepted drafts)."""
         cache, drafter, window = session.cache, session.drafter, list(session.window)
         if sampler is not None and self.worker_sampler is None:

@@ -1,10 +1,15 @@
-"""A bundle's CoreML packages on Apple devices: the decode loop that runs them through a predictor — on
-macOS CoreML's prediction API (edgespec/coreml_backend.py, behind the [coreml] extra), for checks anywhere
-the saved programs run in numpy (exporters/mil_reference.py). The runtime itself needs neither.
+"""A bundle's CoreML packages behind the `Runner` protocol (runner.py), so the one decode loop
+(runtime/decoding/engine.py) runs them: on macOS through CoreML's prediction API (edgespec/coreml_backend.py,
+behind the [coreml] extra), for checks anywhere with the saved programs run in numpy
+(exporters/mil_reference.py). The runtime itself needs neither: it takes a predictor.
 
-The packages' contract is exporters/coreml.py's: static N tokens per call, written at `write_pos`."""
+The packages' contract is exporters/coreml.py's: static N tokens per call, written at `write_pos`, each new
+token seeing every row before it. A pass therefore takes a chain: the verify function's tree is the bundle's
+chain, and a pass of n tokens runs the role's tree function (verify, or a draft's step) where n fits it, so a
+one-token step and a verified chain share its bits, and the prefill function otherwise."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -12,14 +17,18 @@ from typing import Callable
 import numpy as np
 
 from ..contract.coreml_package import CoreMLPackage
-from ..contract.errors import InputError
+from ..contract.errors import ContextOverflowError, InputError
+from ..contract.facts import ModelFacts
+from ..contract.graph import GraphSignature
 from ..contract.manifest import read_head_tokens
 from ..contract.topology import Topology
-from ..decoding.accept import accept_greedy
-from .features import draft_inputs
+from .kvcache import rotated_back
+from .model import Pass
 
 # predict(function name, feed, cache) -> outputs; the cache is what make_cache returned
 Predict = Callable[[str, dict, object], dict]
+# predictor(folder, one role's packages of one KV form, facts) -> (predict, make_cache)
+Predictor = Callable[[Path, list, ModelFacts], tuple]
 
 
 @dataclass
@@ -34,42 +43,25 @@ def io_cache(facts, capacity: int) -> IOCache:
     return IOCache(np.zeros(shape, np.float16), np.zeros(shape, np.float16))
 
 
-@dataclass
-class CoreMLBundle:
-    """A bundle's CoreML packages opened for decoding: target (+ draft) with their caches."""
-    target: "CoreMLModel"
-    target_cache: object
-    draft: "CoreMLModel | None"
-    draft_cache: object
-    tree: Topology
-    prefill_chunk: int
-
-    def generate(self, prompt: list[int], max_new_tokens: int, eos_ids=(), speculate: bool = True):
-        return greedy_generate(self.target, self.target_cache, self.draft if speculate else None, self.draft_cache,
-                               prompt, max_new_tokens, self.tree if speculate else Topology((-1,)),
-                               self.prefill_chunk, eos_ids)
-
-
-def open_coreml(folder: Path, manifest, kv: str, predictor) -> CoreMLBundle:
-    """Opens the bundle's CoreML packages of KV form `kv` through `predictor(folder, packages, facts)`, which
-    returns (predict, make_cache). Needs a verified manifest (runtime/bundle.open_bundle)."""
+def open_coreml(folder: Path, manifest, kv: str, predictor: Predictor) -> tuple["CoreMLRunner", "CoreMLRunner | None",
+                                                                                 Topology]:
+    """The bundle's CoreML packages of KV form `kv` as runners, through `predictor` (which returns predict and
+    make_cache): (target, draft or None, the chain the verify function takes). Needs a verified manifest
+    (runtime/contract/manifest.open_bundle)."""
     chosen = {role: [p for p in manifest.coreml if p.role == role and p.kv == kv] for role in ("target", "draft")}
     if not chosen["target"]:
         forms = sorted({p.kv for p in manifest.coreml})
         raise InputError(f"the bundle has no CoreML target packages with KV as {kv}"
                          + (f" (it has {', '.join(forms)})" if forms else "; export it with --format onnx,coreml"))
-    target_facts = manifest.target.facts
-    predict, make_cache = predictor(folder, chosen["target"], target_facts)
-    gives_features = manifest.draft is not None and manifest.draft.graph.inputs.get("features") is not None
-    target = CoreMLModel(predict, merged_package(chosen["target"]), target_facts.hidden_size)
+    reads = manifest.draft is not None and manifest.draft.graph.inputs.get("features") is not None
+    target = CoreMLRunner(*predictor(folder, chosen["target"], manifest.target.facts), merged_package(chosen["target"]),
+                          manifest.target.facts)
     tree = Topology(next(p.parents["verify"] for p in chosen["target"] if "verify" in p.parents))
-    draft, draft_cache = None, None
+    draft = None
     if chosen["draft"]:
-        draft_predict, make_draft_cache = predictor(folder, chosen["draft"], manifest.draft.facts)
-        draft = CoreMLModel(draft_predict, merged_package(chosen["draft"]), manifest.draft.facts.hidden_size,
-                            reads_features=gives_features, head_tokens=read_head_tokens(folder, manifest.draft))
-        draft_cache = make_draft_cache()
-    return CoreMLBundle(target, make_cache(), draft, draft_cache, tree, manifest.prefill_chunk)
+        draft = CoreMLRunner(*predictor(folder, chosen["draft"], manifest.draft.facts), merged_package(chosen["draft"]),
+                             manifest.draft.facts, reads_features=reads, head_tokens=read_head_tokens(folder, manifest.draft))
+    return target, draft, tree
 
 
 def merged_package(packages: list[CoreMLPackage]) -> CoreMLPackage:
@@ -81,20 +73,13 @@ def merged_package(packages: list[CoreMLPackage]) -> CoreMLPackage:
 class CoreMLModel:
     """One model's functions: run N static tokens at `write_pos`, keep the rows the caller accepts."""
 
-    def __init__(self, predict: Predict, package: CoreMLPackage, hidden_size: int, reads_features: bool = False,
-                 head_tokens: np.ndarray | None = None):
-        """`head_tokens`: the vocabulary ids a trimmed head's logits cover (a draft's), in order."""
+    def __init__(self, predict: Predict, package: CoreMLPackage, hidden_size: int, reads_features: bool = False):
         self.predict = predict
-        self.head_tokens = head_tokens
         self.functions = package.functions
         self.kv = package.kv
         self.capacity = package.capacity
         self.hidden_size = hidden_size
         self.reads_features = reads_features
-
-    def greedy_token(self, logits_row: np.ndarray) -> int:
-        best = int(np.argmax(logits_row))
-        return best if self.head_tokens is None else int(self.head_tokens[best])
 
     def run(self, name: str, cache, tokens, positions, write_pos: int, features=None) -> dict:
         """Tokens beyond the function's N are an error; fewer are padded (their rows land after the real
@@ -103,7 +88,8 @@ class CoreMLModel:
         if len(tokens) > nodes:
             raise InputError(f"{name} takes {nodes} tokens per call, got {len(tokens)}")
         if write_pos + nodes > self.capacity:
-            raise InputError(f"the context is full: {write_pos} rows and {nodes} more exceed the cache's {self.capacity}")
+            raise ContextOverflowError(f"the context is full: {write_pos} rows and {nodes} more exceed the cache's "
+                                       f"{self.capacity}")
         feed = {"input_ids": _padded(tokens, nodes, np.int32)[None],
                 "position_ids": _padded(positions, nodes, np.int32),
                 "write_pos": np.array([write_pos], np.int32)}
@@ -127,63 +113,116 @@ def _padded(values, size: int, dtype) -> np.ndarray:
     return out
 
 
-def greedy_generate(target: CoreMLModel, target_cache, draft: CoreMLModel | None, draft_cache, prompt: list[int],
-                    max_new_tokens: int, tree: Topology, prefill_chunk: int, eos_ids=()) -> tuple[list[int], int]:
-    """Greedy speculative decoding on CoreML packages whose static tree is a chain; without a draft, plain
-    decoding through the same verify function (one real token per call), which speculative output is
-    compared with. Returns (tokens, target calls). A feature-reading draft gets the target's feature at
-    i - 1 with token i, and its own prediction of it while drafting deeper (runtime/execution/features.py)."""
-    if tree.max_width > 1:
-        raise InputError("the CoreML loop verifies chains; this bundle's tree branches")
-    if not prompt:
-        raise InputError("the prompt is empty")
-    # the target's feature at every committed row, for a draft that reads them: written in place, never regrown
-    features = np.zeros((target.capacity, target.hidden_size), np.float32) if draft and draft.reads_features else None
-    _prefill(target, target_cache, prompt[:-1], prefill_chunk, keep=features)
-    if draft is not None:
-        _prefill(draft, draft_cache, prompt[:-1], prefill_chunk, features)
-    out, calls, length, last = [], 0, len(prompt) - 1, prompt[-1]  # length: rows in both caches
-    while True:
-        chain = [last] + (_draft_chain(draft, draft_cache, last, length, tree.size - 1, features) if draft else [])
-        verified = target.run("verify", target_cache, chain, range(length, length + len(chain)), length)
-        calls += 1
-        choices = np.argmax(verified["logits"][0, : len(chain)], axis=-1)
-        path, bonus = accept_greedy(np.array(chain), Topology(tuple(range(-1, len(chain) - 1))).children, choices)
-        if features is not None:
-            features[length: length + len(path)] = verified["features_out"][0, : len(path)]
-        if draft is not None and len(path) == len(chain) > 1:  # the draft never ran the chain's last token
-            _draft_step(draft, draft_cache, chain[-1], length + len(chain) - 1, features)
-        length += len(path)
-        for token in [chain[node] for node in path[1:]] + [bonus]:
-            out.append(int(token))
-            if token in eos_ids or len(out) >= max_new_tokens:
-                return out, calls
-        last = bonus
+class CoreMLCache:
+    """A conversation's rows in a package's KV cache (a CoreML state, or an IOCache): `length` rows are valid,
+    a pass writes its N rows at `length`, and what the caller accepts of a chain is its first rows, already in
+    place, so commit and trim move the length only. One lane: the packages verify chains."""
+    lanes = 1
+
+    def __init__(self, kv, kv_form: str, capacity: int, feature_size: int = 0):
+        self.kv, self.kv_form, self.capacity = kv, kv_form, capacity
+        self.features = np.zeros((capacity, feature_size), np.float32) if feature_size else None
+        self.length = 0
+
+    def room(self) -> int:
+        return self.capacity - self.length
+
+    def feature_rows(self) -> np.ndarray | None:
+        return None if self.features is None else self.features[: self.length]
+
+    def commit(self, lane: int, count: int, features: np.ndarray | None = None) -> None:
+        end = self.length + count
+        if lane != 0 or end > self.capacity:
+            raise ContextOverflowError(f"the CoreML cache holds {self.capacity} tokens in one lane; "
+                                       f"{end} were needed in lane {lane}")
+        if self.features is not None:
+            if features is None:
+                raise InputError("this cache keeps features, but the package returned none")
+            self.features[self.length: end] = features
+        self.length = end
+
+    def trim(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise InputError(f"cannot trim a cache of {self.length} rows to {length}")
+        self.length = length
+
+    def evict(self, start: int, count: int, rope_frequencies) -> None:
+        """The sliding KV policy's eviction (kvcache.KVCache.evict): an "io" cache's rows are arrays here; a
+        state lives inside CoreML, which cannot move its rows."""
+        if self.kv_form != "io":
+            raise InputError("the sliding KV policy moves cached rows, which CoreML keeps inside its states: use "
+                             "--kv-policy error, or a bundle exported with --coreml-kv io")
+        if not (0 <= start and count > 0 and start + count <= self.length):
+            raise InputError(f"cannot evict rows {start}..{start + count} of a cache of {self.length}")
+        moved, kept = slice(start + count, self.length), slice(start, self.length - count)
+        keys = self.kv.keys[:, :, moved].astype(np.float32)
+        self.kv.keys[:, :, kept] = rotated_back(keys, count, rope_frequencies)
+        self.kv.values[:, :, kept] = self.kv.values[:, :, moved].copy()
+        if self.features is not None:
+            self.features[kept] = self.features[moved].copy()
+        self.length -= count
 
 
-def _draft_step(draft: CoreMLModel, cache, token: int, position: int, features, own_feature=None) -> dict:
-    feature = None
-    if draft.reads_features:
-        feature = own_feature if own_feature is not None or not position else features[position - 1: position]
-    return draft.run("step", cache, [token], [position], position, feature)
+class CoreMLRunner:
+    """One model's CoreML functions as a `Runner`: a pass runs its tokens, a chain, through one function."""
 
+    def __init__(self, predict: Predict, make_cache: Callable[[], object], package: CoreMLPackage, facts: ModelFacts,
+                 reads_features: bool = False, head_tokens: np.ndarray | None = None):
+        """`head_tokens`: the vocabulary ids a trimmed head's logits cover (a draft's); `forward` spreads them
+        over the full vocabulary with -inf elsewhere, as the ONNX runner does."""
+        self.model = CoreMLModel(predict, package, facts.hidden_size, reads_features)
+        self.make_cache, self.facts, self.head_tokens = make_cache, facts, head_tokens
+        functions = package.functions
+        # the role's tree function (verify, a draft's step) first: every pass it can take runs through it
+        self.order = sorted(functions, key=lambda name: (name == "prefill", functions[name]))
+        self.context = package.capacity - max(functions.values())  # a pass may write its N rows past the context
+        self.signature = GraphSignature(heads=(facts.num_heads, facts.num_kv_heads), inputs=frozenset(), lanes=1,
+                                        min_rows=1, reads_features=reads_features)
+        self.min_rows = 1  # rows of a function are its N, whatever a pass asks
+        self.run_seconds = 0.0
+        self.kernels = "coreml"
 
-def _draft_chain(draft: CoreMLModel, cache, last: int, length: int, count: int, features) -> list[int]:
-    drafted, token, own = [], last, None
-    for depth in range(count):
-        step = _draft_step(draft, cache, token, length + depth, features, own)
-        token = draft.greedy_token(step["logits"][0, 0])
-        own = step["features_out"][0, :1].astype(np.float32) if "features_out" in step else None
-        drafted.append(token)
-    return drafted
+    lanes = 1
+    static = None  # the functions' shapes are fixed, but each pass picks one: `pass_limit`, `tree_limit`
 
+    @property
+    def pass_limit(self) -> int:
+        return max(self.model.functions.values())
 
-def _prefill(model: CoreMLModel, cache, tokens: list[int], chunk: int, target_features=None, keep=None) -> None:
-    """Runs `tokens` chunk by chunk from row 0. A draft that reads features gets `target_features`;
-    `keep` (if given) receives the features the model returns for every row."""
-    for start in range(0, len(tokens), chunk):
-        part = tokens[start: start + chunk]
-        fed = draft_inputs(target_features, start, start + len(part)) if model.reads_features else None
-        result = model.run("prefill", cache, part, range(start, start + len(part)), start, fed)
-        if keep is not None:
-            keep[start: start + len(part)] = result["features_out"][0, : len(part)]
+    @property
+    def tree_limit(self) -> int:
+        return self.model.functions[self.order[0]]
+
+    @property
+    def reads_features(self) -> bool:
+        return self.model.reads_features
+
+    def new_cache(self, capacity: int, feature_size: int = 0) -> CoreMLCache:
+        if capacity > self.context:
+            raise InputError(f"the CoreML packages hold a context of {self.context} tokens, fixed at export; "
+                             f"{capacity} were asked for")
+        return CoreMLCache(self.make_cache(), self.model.kv, capacity, feature_size)
+
+    def forward(self, cache: CoreMLCache, tokens, positions, tree_mask: np.ndarray, logit_rows,
+                past_mask: np.ndarray | None = None, features: np.ndarray | None = None,
+                exact_rows: bool = True) -> Pass:
+        """As model.ModelRunner.forward, for a chain after every cached row (what the functions compute)."""
+        n = len(tokens)
+        if not np.array_equal(np.asarray(tree_mask, bool), np.tri(n, dtype=bool)) or \
+                (past_mask is not None and not np.asarray(past_mask, bool).all()):
+            raise InputError("CoreML packages verify chains, each token after every cached row: this pass asks for "
+                             "a branching tree or a mask over the past (export the bundle with a chain tree)")
+        name = next((name for name in self.order if self.model.functions[name] >= n), None)
+        if name is None:
+            raise InputError(f"{n} tokens in one pass of CoreML functions that take at most {self.pass_limit}")
+        started = time.perf_counter()
+        outputs = self.model.run(name, cache.kv, list(tokens), list(positions), cache.length, features)
+        self.run_seconds += time.perf_counter() - started
+        logits = np.asarray(outputs["logits"][0], np.float32)[np.asarray(logit_rows, np.int64)]
+        if self.head_tokens is not None:
+            full = np.full((len(logits), self.facts.vocab_size), -np.inf, np.float32)
+            full[:, self.head_tokens] = logits
+            logits = full
+        given = outputs.get("features_out")
+        return Pass(logits=logits, path_nodes=np.arange(n)[None],
+                    features=None if given is None else np.asarray(given[0, :n], np.float32))

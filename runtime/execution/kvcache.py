@@ -66,6 +66,16 @@ def kv_input_layers(names) -> list[int]:
     return sorted(int(name[len("past_key_"):]) for name in names if name.startswith("past_key_"))
 
 
+def rotated_back(keys: np.ndarray, count: int, rope_frequencies) -> np.ndarray:
+    """`keys` [..., rows, head_dim] with their rotary embedding turned back by `count` positions (a new array)."""
+    freqs = np.asarray(rope_frequencies, dtype=np.float64)
+    cos = np.cos(-count * freqs).astype(np.float32)
+    sin = np.sin(-count * freqs).astype(np.float32)
+    half = len(freqs)
+    first, second = keys[..., :half], keys[..., half:]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
 class KVCache:
     def __init__(self, facts: ModelFacts, capacity: int, feature_size: int = 0, lanes: int = 1,
                  initial_rows: int = INITIAL_ROWS, slack: int = KV_SLACK):
@@ -155,14 +165,7 @@ class KVCache:
             raise InputError(f"cannot evict rows {start}..{start + count} of a cache of {self.length}")
         moved = slice(start + count, self.length)
         kept = slice(start, self.length - count)
-        freqs = np.asarray(rope_frequencies, dtype=np.float64)
-        cos = np.cos(-count * freqs).astype(np.float32)
-        sin = np.sin(-count * freqs).astype(np.float32)
-        keys = self.data[:, 0, :, :, moved].copy()  # [layers, lanes, kv_heads, m, head_dim]
-        half = len(freqs)
-        first, second = keys[..., :half], keys[..., half:]
-        self.data[:, 0, :, :, kept, :half] = first * cos - second * sin
-        self.data[:, 0, :, :, kept, half:] = second * cos + first * sin
+        self.data[:, 0, :, :, kept] = rotated_back(self.data[:, 0, :, :, moved], count, rope_frequencies)
         self.data[:, 1, :, :, kept] = self.data[:, 1, :, :, moved].copy()
         if self.features is not None:
             self.features[kept] = self.features[moved].copy()

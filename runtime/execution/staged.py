@@ -168,6 +168,7 @@ class StagedRunner:
 
     static = None  # stages are written with dynamic shapes only
     pass_limit = None
+    tree_limit = None
 
     @property
     def kernels(self) -> str:
