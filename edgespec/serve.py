@@ -135,12 +135,19 @@ class Generations:
             raise
 
     def _compiles(self, completion: Completion) -> None:
-        """A 400 before the request's turn, not a failed stream, for a schema or tools the engine cannot compile."""
+        """A 400 before the request's turn, not a failed stream, for a schema or tools the engine cannot compile,
+        or a `max_tokens` in which no output the constraint admits can complete (a context too small for one
+        is refused as the generation starts)."""
         try:
             self.pipeline.grammars.start(completion.constraint)
         except ConstraintError as err:
             raise APIError(str(err), "tools" if completion.tool_choice else "response_format",
                            "invalid_schema") from err
+        if completion.max_tokens is not None:
+            try:
+                self.pipeline.grammars.within(completion.constraint, completion.max_tokens, "max_tokens")
+            except InputError as err:
+                raise APIError(str(err), "max_tokens", "max_tokens_too_small") from err
 
     def _encode(self, completion: Completion) -> list[int]:
         try:

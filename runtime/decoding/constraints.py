@@ -27,6 +27,7 @@ import llguidance
 import numpy as np
 
 from ..contract.errors import ConstraintError, InputError
+from .shortest import shortest_tokens
 from .tree import Tree
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -125,6 +126,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos = tuple(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos))
+        self._vocab_bytes: frozenset[bytes] | None = None
 
     def start(self, spec: ConstraintSpec, forced_chains: bool = True) -> "Guide":
         """The parser state before the first new token; a spec the engine cannot compile is a ConstraintError.
@@ -138,6 +140,24 @@ class Grammars:
         if matcher.is_error():
             raise ConstraintError(f"{spec.describe()} cannot be compiled for constrained decoding: {matcher.get_error()}")
         return Guide(matcher, self.vocab_size, forced_chains)
+
+    def shortest(self, spec: ConstraintSpec, above: int | None = None) -> int:
+        """The fewest new tokens a complete output of `spec` has (runtime/decoding/shortest.py; `above`: only
+        whether it exceeds this matters)."""
+        if self._vocab_bytes is None:  # every token's bytes, read once (a few tens of ms on a large vocabulary)
+            self._vocab_bytes = frozenset(self.tokenizer.decode_bytes([i]) for i in range(self.vocab_size))
+            self._longest = max(map(len, self._vocab_bytes))
+        return shortest_tokens(spec, self.tokenizer, self._vocab_bytes, self._longest, above)
+
+    def within(self, spec: ConstraintSpec, max_new_tokens: int, name: str = "max_new_tokens") -> None:
+        """Refuses (InputError) a budget in which no output of `spec` can complete: a run would only end
+        at the budget with a cut document. `name`: the budget's name in the caller's terms. The server asks
+        this of every constrained request; `Pipeline.generate` does not, since a prefix under a short budget
+        is what a caller may want (the first tokens of a constrained distribution)."""
+        needed = self.shortest(spec, above=max_new_tokens)
+        if needed > max_new_tokens:
+            raise InputError(f"no output matching {spec.describe()} is shorter than {needed} tokens, and {name} is "
+                             f"{max_new_tokens}: raise {name} to {needed} or more, or loosen the constraint")
 
 
 class Guide:
