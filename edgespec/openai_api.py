@@ -96,14 +96,15 @@ def parse_chat(body, model: str) -> Completion:
         if choice is not None and constraint is not None:
             raise ToolsError("give 'response_format' or 'tools', not both: a tool call's arguments follow its own "
                              "schema", "response_format")
-        if _typed(body, "parallel_tool_calls", bool, True) is not True and not tools:
+        parallel = _typed(body, "parallel_tool_calls", bool, None)
+        if parallel is False and not tools:
             raise ToolsError("'parallel_tool_calls' needs 'tools'", "parallel_tool_calls")
     except ToolsError as err:
         raise APIError(str(err), err.param) from err
     except InputError as err:  # a schema that is not one
         raise APIError(f"'response_format': {err}", "response_format") from err
     if choice is not None:
-        constraint = tool_constraint(tools, choice)
+        constraint = tool_constraint(tools, choice, parallel=parallel is True)  # several calls when asked
     return Completion(messages=tuple(messages), **_generation(body, model), constraint=constraint, tools=tools,
                       tool_choice=choice)
 
@@ -258,7 +259,7 @@ def speculation(result: Result) -> dict:
 
 
 def response(request_id: str, chat: bool, model: str, result: Result, tool_calls: list[dict] | None = None) -> dict:
-    """`tool_calls`: the call the answer made (edgespec/tool_calls.py: read_call), which it is instead of text."""
+    """`tool_calls`: the calls the answer made (edgespec/tool_calls.py: read_call), which they are instead of text."""
     finish = "tool_calls" if tool_calls else FINISH_REASONS[result.stop_reason]
     message = {"role": "assistant", "content": None, "tool_calls": tool_calls} if tool_calls else \
         {"role": "assistant", "content": result.text}

@@ -8,14 +8,15 @@ first system message or as one of its own; it calls a tool by writing
 The call is constrained by a grammar whose JSON part is the tools' schemas (objects closed, as OpenAI's strict
 mode), so its arguments validate against their tool's parameters: `tool_choice` "required" or a named
 function admits only a call; "auto" a call or text that does not begin with `<`; "none" no call, and the
-tools are not shown. One call per answer (`parallel_tool_calls` is honoured by never making more than one).
+tools are not shown. One call per answer unless the request says `parallel_tool_calls: true`; then calls follow
+one another, a newline between, as Hermes-style models write several (history.md §63: left to its default, a
+small model may go on calling to the budget, so several calls are asked for, not assumed from OpenAI's default).
 Earlier calls and their results in `messages` are written back in the same form, results as user turns
 beginning "Tool result:" (as benchmarks/workloads/agent.jsonl writes them), so any chat template reads them.
 """
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 from edgespec.runtime.decoding.constraints import JSON_OPTIONS, ConstraintSpec, closed_objects
@@ -23,7 +24,7 @@ from edgespec.runtime.decoding.constraints import JSON_OPTIONS, ConstraintSpec, 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_INSTRUCTION = ("Tools (JSON Schema of each one's arguments):\n{tools}\nTo call one, answer only "
                     "<tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>; otherwise answer in text.")
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*)" + re.escape(CALL_CLOSE), re.S)
+
 
 
 class ToolsError(ValueError):
@@ -91,18 +92,19 @@ def read_tools(tools, tool_choice) -> tuple[tuple[dict, ...], str | None]:
     return tuple(functions), named
 
 
-def tool_constraint(functions: tuple[dict, ...], choice: str) -> ConstraintSpec:
+def tool_constraint(functions: tuple[dict, ...], choice: str, parallel: bool = False) -> ConstraintSpec:
     """A grammar for `choice`: a call of the named function, a call of any ("required"), or either a call or
-    text ("auto")."""
+    text ("auto"); `parallel`: one call or more, a newline between."""
     offered = [f for f in functions if choice in ("auto", "required") or f["name"] == choice]
     call_schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                                  "arguments": closed_objects(f["parameters"])},
                               "required": ["name", "arguments"], "additionalProperties": False} for f in offered],
                    "x-guidance": JSON_OPTIONS}  # the engine's options inside a grammar: JSON as json.dumps writes it
     call = f"call: {json.dumps(CALL_OPEN)} %json {json.dumps(call_schema)} {json.dumps(CALL_CLOSE)}\n"
+    calls = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
     if choice == "auto":  # text cannot begin with "<", so the two never share a beginning
-        return ConstraintSpec.grammar("start: call | TEXT\nTEXT: /[^<][\\s\\S]*/\n" + call)
-    return ConstraintSpec.grammar("start: call\n" + call)
+        return ConstraintSpec.grammar("start: calls | TEXT\nTEXT: /[^<][\\s\\S]*/\n" + calls + call)
+    return ConstraintSpec.grammar("start: calls\n" + calls + call)
 
 
 def told(messages: list[dict], functions: tuple[dict, ...], template_takes_tools: bool) -> tuple[list[dict], list | None]:
@@ -143,10 +145,23 @@ def written_call(tool_calls, param: str) -> str:
 
 
 def read_call(text: str) -> list[dict] | None:
-    """The answer's tool call as OpenAI's `tool_calls`, or None when it answered in text."""
-    match = _CALL.fullmatch(text.strip())
-    if match is None:
-        return None
-    call = json.loads(match.group(1))  # the grammar wrote it: it parses
+    """The answer's tool calls as OpenAI's `tool_calls`, or None when it answered in text (or was cut)."""
+    text, calls, at = text.strip(), [], 0
+    while True:  # each call read as JSON, so that an argument holding "</tool_call>" does not end it
+        if not text.startswith(CALL_OPEN, at):
+            return None
+        try:
+            call, at = json.JSONDecoder().raw_decode(text, at + len(CALL_OPEN))
+        except json.JSONDecodeError:
+            return None
+        if not text.startswith(CALL_CLOSE, at) or not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+            return None
+        calls.append(call)
+        at += len(CALL_CLOSE)
+        if at == len(text):
+            break
+        if text[at] != "\n":
+            return None
+        at += 1
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}} for call in calls]

@@ -4,6 +4,7 @@ import json
 
 import jsonschema
 import pytest
+from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.pipeline import Pipeline
 from test_serve import KEY, MESSAGES, MODEL, Server
 
@@ -92,6 +93,25 @@ def test_a_schema_the_engine_cannot_compile_is_a_400(server):
         assert status == 400 and reply["error"]["param"] == param, (body, reply)
 
 
+def test_a_max_tokens_no_output_can_complete_in_is_a_400(server, pipeline):
+    """Refused before the request's turn, with the fewest tokens a complete answer needs, not run to the budget."""
+    schema = {"name": "p", "schema": PERSON, "strict": True}
+    needed = pipeline.grammars.shortest(ConstraintSpec.json_schema(PERSON, strict=True))
+    for stream in (False, True):
+        status, _, reply = server.post("/v1/chat/completions", {
+            "model": MODEL, "messages": MESSAGES, "max_tokens": needed - 1, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": schema}})
+        assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+        assert reply["error"]["code"] == "max_tokens_too_small"
+        assert f"raise max_tokens to {needed}" in reply["error"]["message"]
+    status, _, reply = server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "tools": TOOLS, "tool_choice": "required"})
+    assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+    answer = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=needed, temperature=0,
+                                                     response_format={"type": "json_schema", "json_schema": schema})
+    assert answer.choices[0].message.content.startswith("{")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "timer"}}])
 def test_tool_calls_validate_against_their_schema(server, tool_choice, stream):
@@ -151,6 +171,39 @@ def test_the_tools_are_told_and_a_call_is_read_back():
     with pytest.raises(APIError, match="arguments are not JSON"):
         parse_chat({"model": "m", "messages": [{"role": "assistant", "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": "{"}}]}]}, "m")
+
+
+def test_several_calls_in_one_answer_when_parallel_tool_calls_is_asked(server, pipeline):
+    """The grammar admits calls one after another only under `parallel_tool_calls: true`; each is read back."""
+    two = ('<tool_call>{"name": "timer", "arguments": {"minutes": 5}}</tool_call>\n'
+           '<tool_call>{"name": "weather", "arguments": {"city": "Porto"}}</tool_call>')
+    for parallel, admitted in ((True, True), (False, False), (None, False)):
+        body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
+        chat = parse_chat({**body, **({} if parallel is None else {"parallel_tool_calls": parallel})}, "m")
+        guide = pipeline.grammars.start(chat.constraint)
+        matcher, tokens = guide.matcher, pipeline.grammars.tokenizer.tokenize_str(two)
+        first = len(pipeline.grammars.tokenizer.tokenize_str(two.split("\n")[0]))
+        assert matcher.consume_tokens(tokens[:first])
+        assert (matcher.try_consume_tokens(tokens[first:]) == len(tokens) - first) is admitted, parallel
+    calls = read_call(two)
+    assert [c["function"]["name"] for c in calls] == ["timer", "weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Porto"}
+    tagged = read_call(two.replace('"Porto"', '"</tool_call>"'))  # read as JSON: a string may hold the tag
+    assert json.loads(tagged[1]["function"]["arguments"]) == {"city": "</tool_call>"}
+    assert read_call(two + "\nmore words") is None and read_call(two.split("\n")[0] + " words") is None
+    # through OpenAI's client: every call the answer makes validates against its tool
+    client = server.client()
+    for parallel in (True, False):
+        answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=75, temperature=0,
+                                                tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+        choice = answer.choices[0]
+        if choice.finish_reason == "length":  # several calls may run past the budget: then no call is read
+            assert parallel and choice.message.tool_calls is None
+            continue
+        assert choice.finish_reason == "tool_calls" and (parallel or len(choice.message.tool_calls) == 1)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 def test_langchain_with_structured_output_and_bind_tools(server):
