@@ -78,6 +78,12 @@ def test_no_module_imports_a_layer_above_its_own():
     assert upward == []
 
 
+def test_runtime_rooms_import_downward_only():
+    upward = [(a, b) for a, b, _ in imports()
+              if room(a) is not None and room(b) is not None and room(b) > room(a)]
+    assert upward == []
+
+
 def test_every_runtime_module_sits_in_a_room():
     loose = [m for m in MODULES if m.startswith("edgespec.runtime.") and room(m) is None]
     assert loose == []
