@@ -9,6 +9,11 @@ each with the bits it gets alone, so no answer changes), and hands each its own 
 alone runs the single graph's pass, exactly its pass alone. A conversation joins at its next pass and
 leaves when it ends (`with shared.target() as target:`); a pass the slots graph cannot take (a mask over
 the past, a draft's inexact rows, features to read) runs alone, in turn.
+
+Everything else a conversation computes (its drafts, sampling, text) runs under one lock, `_cpu`, which it
+gives up only while it waits for its pass, and the pass runs under it too: on a machine of a few cores,
+several onnxruntime runs at once (drafts beside a target pass, each with a pool of spinning threads) take
+the cores from each other (history.md §62, §65), as interleaved generations never did.
 """
 from __future__ import annotations
 
@@ -23,9 +28,9 @@ from .model import ModelRunner, Pass, commit
 from .sessions import make_session
 from .slots import SlotRunner
 
-# how long the first conversation waiting holds a pass for the others still drafting or streaming: long
-# enough for a drafter's step, short against a pass (history.md §65)
-PATIENCE_S = 0.005
+# the longest the first conversation waiting holds a pass for the others, which draft one after another
+# under the lock: a bound for one stuck outside its passes, not a pace (history.md §65)
+PATIENCE_S = 0.25
 
 
 @dataclass
@@ -52,6 +57,7 @@ class SharedPasses:
         self._queue: list[_Request] = []
         self._members = 0  # conversations joined
         self._running = False
+        self._cpu = threading.Lock()  # held by the conversation computing, or by the pass running
         self.passes = 0  # passes run, and conversation passes they held: their ratio is the mean batch
         self.parts = 0
 
@@ -60,9 +66,11 @@ class SharedPasses:
         """A conversation's target for as long as it generates: its passes are shared from the next one on."""
         with self._changed:
             self._members += 1
+        self._cpu.acquire()
         try:
             yield SharedTarget(self)
         finally:
+            self._cpu.release()
             with self._changed:
                 self._members -= 1
                 self._changed.notify_all()
@@ -72,18 +80,23 @@ class SharedPasses:
             return self._members
 
     def forward(self, args: tuple, kwargs: dict) -> Pass:
-        request = _Request(args, kwargs)
-        with self._changed:
-            self._queue.append(request)
-            self._changed.notify_all()
-            while not request.done:
-                if not self._running and self._queue and self._queue[0] is request:
-                    batch = self._gather(request)
-                    break
-                self._changed.wait()
-            else:
-                return self._result(request)
-        self._run(batch)
+        """Called holding `_cpu` (from `target`): gives it up while the pass waits and runs, takes it back."""
+        request, batch = _Request(args, kwargs), None
+        self._cpu.release()
+        try:
+            with self._changed:
+                self._queue.append(request)
+                self._changed.notify_all()
+                while not request.done:
+                    if not self._running and self._queue and self._queue[0] is request:
+                        batch = self._gather(request)
+                        break
+                    self._changed.wait()
+            if batch is not None:
+                with self._cpu:
+                    self._run(batch)
+        finally:
+            self._cpu.acquire()
         return self._result(request)
 
     def _gather(self, leader: _Request) -> list[_Request]:
