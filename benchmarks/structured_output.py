@@ -3,7 +3,7 @@ constrained plain decoding, the tokens the grammar supplies, what the grammar co
 token with a 2 KB schema.
 
     python benchmarks/structured_output.py [BUNDLE] [--prompts benchmarks/workloads/extraction.jsonl] [--count 8]
-        [--max-new-tokens 384] [--ttft-rounds 5] [--json FILE]
+        [--max-new-tokens 384] [--ttft-rounds 5] [--json FILE] [--show] [--bounds ITEMS,CHARS]
 
 Per prompt, alternating: unconstrained speculative (does its answer parse as JSON after stripping code fences,
 and validate?), constrained plain and constrained speculative with the prompt's own schema in strict form
@@ -13,6 +13,10 @@ supplied, and the grammar's seconds per pass (masks per tree node, forced tokens
 timed around the Guide's methods) against the rest of the pass. TTFT: one extraction prompt, with and
 without a schema of at least 2 KB (the prompt's schema with more properties), alternating, the median of
 `--ttft-rounds`; the tokenizer as the grammar engine reads it is made once per pipeline, before.
+`--show` prints each constrained output. `--bounds ITEMS,CHARS` (an experiment, history.md §63): every array
+of the prompt's schema without a `maxItems` gets ITEMS, every free string (no enum, format or maxLength)
+CHARS as its `maxLength`, and every number `multipleOf: 0.01`, in the schema the prompt shows and in the
+constraint alike; validity is then judged against the bounded schema.
 """
 from __future__ import annotations
 
@@ -71,6 +75,34 @@ def parses(text: str, schema: dict) -> tuple[bool, bool]:
     return True, True
 
 
+def bounded(schema, items: int, chars: int):
+    """`schema` with its arrays, free strings and numbers bounded (`--bounds`)."""
+    if isinstance(schema, list):
+        return [bounded(s, items, chars) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded(value, items, chars) for key, value in schema.items()}
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "array" in kinds:
+        out.setdefault("maxItems", items)
+    if "string" in kinds and not {"enum", "format", "maxLength", "pattern"} & set(out):
+        out["maxLength"] = chars
+    if "number" in kinds:
+        out.setdefault("multipleOf", 0.01)
+    return out
+
+
+def bounded_item(item: dict, items: int, chars: int) -> dict:
+    """The prompt with its stated schema bounded, as the prompt shows it (2-space indented)."""
+    schema = prompt_schema(item)
+    shown, bigger = json.dumps(schema, indent=2), json.dumps(bounded(schema, items, chars), indent=2)
+    messages = json.loads(json.dumps(item["messages"]))
+    if shown not in messages[-1]["content"]:
+        raise ValueError("--bounds: the prompt does not show its schema 2-space indented")
+    messages[-1]["content"] = messages[-1]["content"].replace(shown, bigger)
+    return {**item, "messages": messages}
+
+
 def two_kb_schema(schema: dict) -> dict:
     """`schema` with more string properties until its JSON text is at least 2 KB."""
     bigger = json.loads(json.dumps(schema))
@@ -90,9 +122,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--ttft-rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the report to this file")
+    parser.add_argument("--show", action="store_true", help="print each constrained output")
+    parser.add_argument("--bounds", help="ITEMS,CHARS: bound the prompts' schemas (an experiment)")
     args = parser.parse_args(argv)
     pipeline = Pipeline(resolve_bundle(args.bundle))
     items = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.count]
+    if args.bounds:
+        limits = [int(n) for n in args.bounds.split(",")]
+        items = [bounded_item(item, *limits) for item in items]
     pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8), remember=False)
     _ = pipeline.grammars
     clock = GrammarClock()
@@ -118,6 +155,8 @@ def main(argv=None) -> int:
                "grammar_share_of_pass": round(grammar_s / max(1e-9, s.decode_s - grammar_s), 4)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.show:
+            print("   ", fast.text, flush=True)
     # time to first token: the first prompt, without a schema and with a 2 KB one, alternating
     item = items[0]
     big = two_kb_schema(prompt_schema(item))
