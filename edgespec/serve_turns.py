@@ -6,8 +6,8 @@ each conversation's next pass joins the others' in one pass, each with the bits 
 §65). Without one, several conversations cannot share a pass with those bits (history.md §62: onnxruntime's
 attention takes several sequences with a past only at one new token each, and that one-query path rounds
 unlike an exact pass's two slots). So each generation keeps its own passes, exactly those it runs alone,
-and the generations in flight run them one at a time, in turn: a generation holds the turn from its start (prefill included) to its next target pass, then
-hands it to the one that has waited longest. A new request's prefill waits for one pass of each
+and the generations in flight run them one at a time, in turn: a generation holds the turn from its
+start (prefill included) to its next target pass, then hands it to the one that has waited longest. A new request's prefill waits for one pass of each
 generation ahead of it, not for their ends; no answer changes, whatever runs beside it (each pass
 reads only its own conversation's caches, drafter and sampler).
 

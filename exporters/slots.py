@@ -74,7 +74,8 @@ def slot_layers(builder, g: GraphBuilder, x: str, branch: str | None, layers: ra
                 g.output(present_v, slot_name(f"present_value_{l}", s), FLOAT, buffer)
                 outs.append(g.op("Reshape", [out, g.const([-1, f.head_dim])]))  # [L_s * B * H, D]
             joined = outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=0)
-            out = g.op("Reshape", [g.op("Gather", [joined, out_rows], axis=0), g.const([1, -1, f.num_heads * f.head_dim])])
+            out = g.op("Reshape", [g.op("Gather", [joined, out_rows], axis=0),
+                                   g.const([1, -1, f.num_heads * f.head_dim])])  # [1, N, H * D]
             return g.op("MatMul", [out, w["o"]], "o_proj")
 
         x, branch = builder.decoder_layer(g, x, branch, w, attention)

@@ -39,7 +39,7 @@ def fork():
 def passes(lanes: int):
     """Per shared pass, each conversation's (tokens, tree mask, logit rows, rows kept), or None: not in it."""
     rng = np.random.default_rng(7)
-    tokens = lambda n: rng.integers(3, 300, n).tolist()  # noqa: E731
+    tokens = lambda n: rng.integers(3, 300, n).tolist()
     tree = (tokens(3), fork(), [0, 1, 2], [0, 2]) if lanes > 1 else (tokens(3), chain(3), [0, 1, 2], [0, 1])
     return [
         [(tokens(16), chain(16), [15], range(16)), (tokens(5), chain(5), [4], range(5)), None],

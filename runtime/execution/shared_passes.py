@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..contract.errors import EdgespecError
+from ..contract.errors import BackendError, EdgespecError
 from .model import ModelRunner, Pass, commit
 from .sessions import make_session
 from .slots import SlotRunner
@@ -115,18 +115,20 @@ class SharedPasses:
         return sum(r.shareable for r in self._queue)
 
     def _run(self, batch: list[_Request]) -> None:
-        """Runs `batch` (not holding the lock) and hands each request its result, or the error that ended it."""
+        """Runs `batch` (its first request the leader's, whose thread this is) and hands each request its
+        result. An error the pass raises ends the leader's call with it, and each other one's with a
+        BackendError that points there."""
         try:
             if len(batch) == 1:
                 batch[0].result = self.runner.forward(*batch[0].args, **batch[0].kwargs)
             else:
                 self._run_shared(batch)
-        except BaseException as err:  # handed to every conversation of the pass, each raising it in its thread
-            for r in batch:
-                if r.result is None and r.error is None:
-                    r.error = err
         finally:
             with self._changed:
+                for r in batch[1:]:
+                    if r.result is None and r.error is None:
+                        r.error = BackendError("the shared target pass this conversation was in failed; the "
+                                               "conversation that ran it raised the error")
                 self.passes += 1
                 self.parts += len(batch)
                 for r in batch:

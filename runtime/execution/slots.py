@@ -74,7 +74,8 @@ class SlotRunner:
             feed, cache = (part.layout.feed, part.cache) if part else (self._scratch_feed(), self.scratch)
             self._bind_cache(s, cache)
             # an empty slot reads the first token's heads: any rows of this pass would do
-            qkv, outs = self._head_rows(part.layout) if part else (np.zeros((SCRATCH_SLOTS, self._units()), np.int64), None)
+            qkv, outs = self._head_rows(part.layout) if part else \
+                (np.zeros((SCRATCH_SLOTS, self._units()), np.int64), None)
             slot_inputs = {"qkv_rows": qkv + row * width if part else qkv, "position_ids": feed["position_ids"],
                            "seqlens_k": feed["seqlens_k"], "total_sequence_length": feed["total_sequence_length"]}
             for name, value in slot_inputs.items():
