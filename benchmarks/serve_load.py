@@ -14,6 +14,10 @@ differ from the prompt's answer alone, p95 of time to first token over the same 
 server's peak RSS. Abuse: a 50 MB body, JSON nested 10,000 levels and a 5,000-digit max_tokens, each
 answered with a 4xx in under a second while /health keeps answering, RSS back within 10% of its baseline.
 
+With --slots S it first serves the default recipe exported again with a slots graph of S conversations
+per pass (benchmarks/slot_passes.py; the server shares the passes of the generations in flight), then the
+bundle as given, so that the two are compared within one run (history.md §65).
+
 With --llama-server and --gguf it runs the same after against llama.cpp's `llama-server --parallel 4` on
 that GGUF (its context split over the 4 slots, each as large as edgespec's default), its prompt cache off:
 the levels send the same prompts, and edgespec's anonymous requests reuse nothing either.
@@ -217,6 +221,14 @@ def built(bundle: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def built_with_slots(slots: int) -> str:
+    """The default bundle's recipe with a slots graph (benchmarks/slot_passes.py), built in a process of its own."""
+    code = f"from slot_passes import slots_bundle; print(slots_bundle({int(slots)}))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parent)
+    return done.stdout.strip().splitlines()[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", nargs="?", default="default")
@@ -231,6 +243,9 @@ def main() -> None:
     parser.add_argument("--gguf", default=None, help="the GGUF llama-server loads (the default's: Q4_1)")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="passed on to edgespec serve, e.g. --serve-arg=--max-body=64MiB (repeatable)")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="first serve the default recipe exported with a slots graph of this many conversations "
+                             "per pass (shared passes, history.md §65), then the bundle as given, in the same run")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
@@ -241,6 +256,11 @@ def main() -> None:
     prompts = workload_prompts(args.sets.split(","), args.requests)
     model = "bench"
     commands = []
+    if args.slots and not args.no_edgespec:
+        port = free_port()
+        commands.append((f"edgespec, {args.slots} slots", port,
+                         [sys.executable, "-m", "edgespec.cli", "serve", built_with_slots(args.slots), "--port", str(port),
+                          "--threads", str(args.threads), "--model-name", model, *args.serve_arg]))
     if not args.no_edgespec:
         port = free_port()
         bundle = built(args.bundle)
@@ -266,7 +286,7 @@ def main() -> None:
         print_report(report)
     if len(reports) == 2:
         for ours, theirs in zip(reports[0]["load"], reports[1]["load"]):
-            print(f"{ours['clients']} clients: edgespec / llama-server tokens/s "
+            print(f"{ours['clients']} clients: {reports[0]['server']} / {reports[1]['server']} tokens/s "
                   f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "reports": reports}, indent=2))
