@@ -91,7 +91,24 @@ def server(pipeline):
     running.stop()
 
 
-def test_chat_streamed_equals_unstreamed_equals_the_pipeline(server, pipeline):
+@pytest.fixture(scope="module", params=["onnx", "coreml-state"])
+def served(request, bundle_factory, server, pipeline):
+    """(server, its pipeline) on each backend: this module's ONNX one, and the bundle's CoreML packages with the
+    saved programs run in numpy (exporters/mil_reference.py), as on a Mac."""
+    if request.param == "onnx":
+        yield server, pipeline
+        return
+    from edgespec.exporters.mil_reference import reference_predictor
+
+    coreml = Pipeline(bundle_factory(draft="draft", tree="chain:3", coreml=("state",)), threads=1, backend="coreml",
+                      predictor=reference_predictor, coreml_kv="state")
+    running = Server(coreml, api_keys=(KEY,), queue=1)
+    yield running, coreml
+    running.stop()
+
+
+def test_chat_streamed_equals_unstreamed_equals_the_pipeline(served):
+    server, pipeline = served
     client = server.client()
     settings = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stop=["zz"])
     whole = client.chat.completions.create(**settings)
@@ -108,7 +125,8 @@ def test_chat_streamed_equals_unstreamed_equals_the_pipeline(server, pipeline):
     assert extension["tokens_per_target_pass"] >= 1 and extension["target_passes"] >= 1
 
 
-def test_sampling_with_a_seed_is_reproducible_and_matches_the_pipeline(server, pipeline):
+def test_sampling_with_a_seed_is_reproducible_and_matches_the_pipeline(served):
+    server, pipeline = served
     client = server.client()
     settings = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=20, temperature=0.8, top_p=0.9, seed=7)
     first = client.chat.completions.create(**settings).choices[0].message.content

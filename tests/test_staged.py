@@ -147,6 +147,7 @@ def test_without_packed_mapping_streamed_stages_read_unpacked_weights(staged_bun
 def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
     """With every stage pinned (loaded, packed), a tree pass is the packed single graph's, bit for bit."""
     from edgespec.runtime.execution.sessions import make_session
+    from edgespec.runtime.execution.runner import Cache, Runner
     from edgespec.runtime.execution.staged import StagedRunner
 
     manifest = open_bundle(staged_bundle)
@@ -154,6 +155,7 @@ def test_loaded_stages_compute_the_single_graphs_bits(staged_bundle):
     window = StageWindow([LoadedStage(lambda s=s: make_session(staged_bundle / s.file, ("CPUExecutionProvider",), 1))
                           for s in stages], pinned=range(len(stages)))
     staged = StagedRunner(window, manifest.target.facts, manifest.target.lanes)
+    assert isinstance(staged, Runner) and isinstance(staged.new_cache(32), Cache)  # what the decode loop calls
     _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=True)), _first_pass(staged))
     # its stages take no attention bias (a target's): a pass that would need one is refused, not run unmasked
     cache = staged.new_cache(32)

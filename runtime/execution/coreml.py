@@ -180,7 +180,6 @@ class CoreMLRunner:
                                         min_rows=1, reads_features=reads_features)
         self.min_rows = 1  # rows of a function are its N, whatever a pass asks
         self.run_seconds = 0.0
-        self.kernels = "coreml"
 
     lanes = 1
     static = None  # the functions' shapes are fixed, but each pass picks one: `pass_limit`, `tree_limit`

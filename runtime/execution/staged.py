@@ -169,6 +169,7 @@ class StagedRunner:
     static = None  # stages are written with dynamic shapes only
     pass_limit = None
     tree_limit = None
+    reads_features = False  # a target's stages: only a draft reads features
 
     @property
     def kernels(self) -> str:
