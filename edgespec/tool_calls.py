@@ -9,8 +9,9 @@ The call is constrained by a grammar whose JSON part is the tools' schemas (obje
 mode), so its arguments validate against their tool's parameters: `tool_choice` "required" or a named
 function admits only a call; "auto" a call or text that does not begin with `<`; "none" no call, and the
 tools are not shown. One call per answer unless the request says `parallel_tool_calls: true`; then calls follow
-one another, a newline between, as Hermes-style models write several (history.md §63: left to its default, a
-small model may go on calling to the budget, so several calls are asked for, not assumed from OpenAI's default).
+one another, a newline between, as Hermes-style models write several. Several are asked for, not assumed from
+OpenAI's default: a run of calls cut at the budget returns no call at all, where one call is always whole
+(on the agent set the default model made one call either way, history.md §63).
 Earlier calls and their results in `messages` are written back in the same form, results as user turns
 beginning "Tool result:" (as benchmarks/workloads/agent.jsonl writes them), so any chat template reads them.
 """
