@@ -182,6 +182,20 @@ def test_sampling_runs_on_the_packages_and_its_seed_repeats_it(coreml_bundles):
     assert first.token_ids != greedy.token_ids
 
 
+def test_constrained_output_takes_forced_chains_through_the_verify_function(coreml_bundles):
+    """The grammar's forced tokens and the draft's chain after them are cut to the verify function's nodes."""
+    import re
+
+    from edgespec.runtime.decoding.constraints import ConstraintSpec
+
+    pipeline = _coreml(coreml_bundles["self"])
+    pattern = "[a-z]{3} (alpha|beta|gamma)[0-9]{2}"
+    config = GenerationConfig(max_new_tokens=24, constraint=ConstraintSpec.regex(pattern))
+    plain, spec = pipeline.generate("hello", config=config, speculate=False), pipeline.generate("hello", config=config)
+    assert spec.token_ids == plain.token_ids and re.fullmatch(pattern, spec.text)
+    assert spec.stats.grammar_tokens > 0 and spec.stats.target_passes < plain.stats.target_passes
+
+
 def test_a_sliding_cache_moves_io_rows_and_refuses_states(coreml_bundles):
     """The context holds 96 tokens; 120 new ones slide it. CoreML keeps a state's rows out of reach."""
     config = GenerationConfig(max_new_tokens=120, stop_at_eos=False, kv_policy="sliding")
