@@ -9,7 +9,9 @@ of `--steps` one-token steps two ways, alternating round by round on the same ma
 conversation's step alone in the target graph, one pass after another (what interleaving runs), and (b) all
 of them in one pass of the slots graph (runtime/execution/slots.py). Reports the median seconds of a round
 each way, the ratio (aggregate throughput of the shared pass over the passes alone), and the rounds whose
-logits differ in any bit between (a) and (b) (must be 0). history.md §65 has the run.
+logits differ in any bit between (a) and (b) (must be 0). With --generate N, the S prompts' greedy answers
+of N tokens, one after another and then all at once through shared passes (runtime/execution/shared_passes.py),
+speculative and plain: aggregate tokens/s each way and answers that differ. history.md §65 has the runs.
 """
 from __future__ import annotations
 
@@ -41,12 +43,48 @@ def slots_bundle(slots: int) -> Path:
     return out
 
 
+def generations(pipeline, shared, prompts, tokens: int, speculate: bool) -> dict:
+    """The prompts' greedy answers of `tokens` tokens, one after another and then all at once through shared
+    passes, speculative or not: aggregate generated tokens/s (prefill included) each way, and whether the
+    answers together equal the answers alone."""
+    import threading
+
+    from edgespec.runtime.decoding.engine import GenerationConfig
+    from edgespec.serve_turns import generate_sharing
+
+    config = GenerationConfig(max_new_tokens=tokens, stop_at_eos=False)
+    pipeline.forget_outputs()  # no run copies an answer from the store of earlier outputs: remember=False
+    started = time.perf_counter()
+    alone = [pipeline.generate(ids=ids, config=config, speculate=speculate, remember=False) for ids in prompts]
+    alone_s = time.perf_counter() - started
+    together = [None] * len(prompts)
+
+    def run(i):
+        together[i] = generate_sharing(pipeline, shared, ids=prompts[i], config=config, speculate=speculate,
+                                       remember=False)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    together_s = time.perf_counter() - started
+    made = sum(len(r.token_ids) for r in alone)
+    return {"speculate": speculate, "tokens": made, "one_after_another_tokens_per_s": round(made / alone_s, 2),
+            "shared_tokens_per_s": round(made / together_s, 2), "ratio": round(alone_s / together_s, 3),
+            "answers_differ": sum(a.token_ids != b.token_ids for a, b in zip(alone, together))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", default=None, help="a bundle exported with --slots (default: slots_bundle)")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--generate", type=int, default=0,
+                        help="also generate this many tokens per conversation, one after another and together "
+                             "through shared passes, speculative and plain")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from edgespec.runtime.execution.model import commit, prefill
@@ -93,6 +131,14 @@ def main() -> None:
                  "passes_with_bits_that_differ": differ, "passes": count * args.steps}
         report["levels"].append(level)
         print(json.dumps(level), file=sys.stderr)
+    if args.generate:
+        from edgespec.runtime.execution.shared_passes import SharedPasses
+
+        shared = SharedPasses(single, slots)
+        report["generations"] = [generations(pipeline, shared, prompts, args.generate, speculate)
+                                 for speculate in (True, False)]
+        for row in report["generations"]:
+            print(json.dumps(row), file=sys.stderr)
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
