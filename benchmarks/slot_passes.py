@@ -50,6 +50,7 @@ def generations(pipeline, shared, prompts, tokens: int, speculate: bool) -> dict
     import threading
 
     from edgespec.runtime.decoding.engine import GenerationConfig
+
     from edgespec.serve_turns import generate_sharing
 
     config = GenerationConfig(max_new_tokens=tokens, stop_at_eos=False)
