@@ -10,6 +10,8 @@ from edgespec.runtime.decoding.engine import Session, speculative_step
 from edgespec.runtime.execution.features import draft_inputs
 from edgespec.runtime.execution.model import ModelRunner, commit, prefill
 
+DRAFT_RANKS = 4  # the draft's choices whose agreement is measured: as many siblings as a 4-lane graph verifies
+
 
 def _passes(runner: ModelRunner, ids: list[int], chunk: int, features: np.ndarray | None = None):
     """Every position of `ids` teacher-forced, chunk by chunk: yields each chunk's Pass (logits [n, V]).
@@ -61,11 +63,18 @@ def agreement(runner: ModelRunner, prompt: list[int], continuation: list[int], c
               target: ModelRunner | None = None) -> float:
     """How often `runner`'s greedy choice equals `continuation`'s next token, teacher-forced. A draft that
     reads features gets `target`'s (its first drafting step: every feature is the target's own)."""
+    return agreement_by_rank(runner, prompt, continuation, 1, chunk, target)[0]
+
+
+def agreement_by_rank(runner: ModelRunner, prompt: list[int], continuation: list[int], ranks: int,
+                      chunk: int = 64, target: ModelRunner | None = None) -> list[float]:
+    """How often `continuation`'s next token is `runner`'s r-th choice, r = 0..ranks-1, teacher-forced as
+    `agreement`: the rates a tree's siblings are accepted at (runtime/decoding/treeopt.py's accept row)."""
     ids = list(prompt) + list(continuation)
     features = draft_input_features(target, ids, chunk) if runner.reads_features else None
-    choices = _row_logits(runner, ids, chunk, features).argmax(-1)
-    predicted = choices[len(prompt) - 1 : len(ids) - 1]
-    return float(np.mean(predicted == np.asarray(continuation)))
+    logits = _row_logits(runner, ids, chunk, features)[len(prompt) - 1 : len(ids) - 1]
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :ranks]
+    return [float(np.mean(order[:, r] == np.asarray(continuation))) for r in range(ranks)]
 
 
 def quality_report(reference: ModelRunner, quantized: ModelRunner, heldout: list[int], prompts: list[list[int]],
@@ -92,4 +101,9 @@ def quality_report(reference: ModelRunner, quantized: ModelRunner, heldout: list
             "quantized": round(float(np.mean([agreement(drafts[1], p, c, target=quantized)
                                               for p, c in zip(prompts, quant_continuations)])), 4),
         }
+        # the quantized draft's agreement by rank: what a tree's second and later siblings add, for the
+        # tree a budget's streamed pass pays for (runtime/decoding/streamed_tree.py, history.md §64)
+        by_rank = [agreement_by_rank(drafts[1], p, c, DRAFT_RANKS, target=quantized)
+                   for p, c in zip(prompts, quant_continuations)]
+        report["draft_agreement_by_rank"] = {"quantized": [round(float(r), 4) for r in np.mean(by_rank, axis=0)]}
     return report

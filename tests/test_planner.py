@@ -95,6 +95,26 @@ def test_a_streamed_pass_buys_a_longer_tree_than_a_resident_one():
     assert streamed.leaves == 1  # one lane: a chain
 
 
+def test_agreement_by_rank_buys_siblings_where_a_pass_is_mostly_fetching_and_lanes_verify_them():
+    from edgespec.runtime.decoding.streamed_tree import draft_agreement, tree_for_budget
+
+    quality = {"draft_agreement": {"fp32": 0.5, "quantized": 0.4},
+               "draft_agreement_by_rank": {"quantized": [0.4, 0.15, 0.08, 0.05]}}
+    assert draft_agreement(quality) == [0.4, 0.15, 0.08, 0.05]
+    assert draft_agreement({"draft_agreement": {"fp32": 0.5, "quantized": 0.4}}) == [0.4]  # older bundles: chains
+    assert draft_agreement({}) is None
+    fetching = _costs(fetch=(5.0,) * 6)
+    ranked = tree_for_budget(fetching, (), draft_agreement(quality), max_nodes=8, lanes=4, draft_seconds_per_level=0.3)
+    assert ranked.leaves > 1 and ranked.leaves <= 4 and len(ranked.children[0]) > 1  # siblings of the first choice
+    first_only = tree_for_budget(fetching, (), [0.4], max_nodes=8, lanes=4, draft_seconds_per_level=0.3)
+    one_lane = tree_for_budget(fetching, (), draft_agreement(quality), max_nodes=8, lanes=1,
+                               draft_seconds_per_level=0.3)
+    assert first_only.leaves == 1 and one_lane.leaves == 1
+    resident = tree_for_budget(_costs(), range(6), draft_agreement(quality), max_nodes=8, lanes=4,
+                               draft_seconds_per_level=0.3)
+    assert resident.size < ranked.size  # where rows cost compute, fewer of them
+
+
 def test_a_resident_plan_lists_only_the_splits_that_stream_beside_it(staged):
     manifest = open_bundle(staged)
     full = plan_memory(manifest, staged, None, stage_bytes=STAGES)

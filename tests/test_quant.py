@@ -93,6 +93,10 @@ def test_manifest_records_every_graphs_scheme_and_quality(quantized):
     assert quality["perplexity"]["fp32"] > 1 and quality["perplexity"]["quantized"] > 1
     assert 0 <= quality["greedy_agreement"]["top1_agreement"] <= 1
     assert set(quality["draft_agreement"]) == {"fp32", "quantized"}
+    # by rank: the first is draft_agreement's, and the ranks are disjoint events (one token is the target's)
+    by_rank = quality["draft_agreement_by_rank"]["quantized"]
+    assert len(by_rank) == 4 and by_rank[0] == pytest.approx(quality["draft_agreement"]["quantized"], abs=1e-4)
+    assert all(r >= 0 for r in by_rank) and sum(by_rank) <= 1 + 1e-6
 
 
 def test_quantized_ngram_bundles_draft_one_token_unless_quoting(quantized, bundle_factory):
