@@ -6,7 +6,7 @@ a few short prompts, greedy, twice: the first round warms the sessions up (OpenV
 subgraphs per input shape: without it the prediction was far too low, history.md §51), the second is
 timed, and its decoding speed is the prediction for that placement; the fastest is chosen. The choice and every measurement are cached per device (onnxruntime release, CPU) and
 bundle (its manifest's checksum), so a later `--placement auto` reads it instead of measuring again.
-`benchmarks/placement.py` checks the predictions against longer runs."""
+`benchmarks/measure/placement.py` checks the predictions against longer runs."""
 from __future__ import annotations
 
 import hashlib

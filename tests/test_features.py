@@ -158,7 +158,7 @@ def test_quality_report_measures_a_feature_draft_with_a_trimmed_head(models, tmp
 
 
 def test_a_feature_draft_pass_can_be_timed(feature_bundles):
-    """`benchmarks/verify_cost.py` times the draft alone, with no target to give it features."""
+    """`benchmarks/measure/verify_cost.py` times the draft alone, with no target to give it features."""
     from edgespec.runtime.pipeline import Pipeline
 
     from edgespec.tune import pass_seconds
@@ -170,7 +170,7 @@ def test_a_feature_draft_pass_can_be_timed(feature_bundles):
 
 
 def test_graph_ab_compares_graphs_in_processes_of_every_load_order(feature_bundles, tmp_path):
-    """`benchmarks/graph_ab.py` on two copies of one graph: a line per graph, the first the baseline."""
+    """`benchmarks/measure/graph_ab.py` on two copies of one graph: a line per graph, the first the baseline."""
     import shutil
     import subprocess
     import sys
@@ -179,7 +179,7 @@ def test_graph_ab_compares_graphs_in_processes_of_every_load_order(feature_bundl
     bundle = feature_bundles["chain:3"]
     copy = tmp_path / "copy"
     shutil.copytree(bundle, copy)
-    script = Path(__file__).parent.parent / "benchmarks" / "graph_ab.py"
+    script = Path(__file__).parent.parent / "benchmarks" / "measure" / "graph_ab.py"
     done = subprocess.run([sys.executable, str(script), str(bundle), str(bundle / "target.onnx"),
                            str(copy / "target.onnx"), "--past", "6", "--rounds", "1", "--steps", "2", "--threads", "1"],
                           capture_output=True, text=True, timeout=300)

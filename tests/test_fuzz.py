@@ -1,7 +1,7 @@
 """Property-based fuzzing: whatever a manifest, a bundle folder, a prompt, generation settings or a server request hold,
 the outcome is a result or an EdgespecError (a 4xx answer from the server), never anything else.
 
-CI runs a fixed-seed slice; `python benchmarks/fuzz.py` runs the same properties at benchmark scale
+CI runs a fixed-seed slice; `python benchmarks/long/fuzz.py` runs the same properties at benchmark scale
 (EDGESPEC_FUZZ_EXAMPLES cases each)."""
 import contextlib
 import copy

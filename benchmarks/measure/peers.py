@@ -1,7 +1,7 @@
 """edgespec against what a user would pick instead: onnxruntime-genai's own exports of the same model.
 
     pip install -e ".[export,peers]"
-    python benchmarks/peers.py BUNDLE [BUNDLE ...] [--sets chat,rag,...] [--prompts FILE.jsonl ...] [--first N]
+    python benchmarks/measure/peers.py BUNDLE [BUNDLE ...] [--sets chat,rag,...] [--prompts FILE.jsonl ...] [--first N]
                                [--max-new-tokens 128] [--rounds 2] [--threads 2] [--json OUT.json]
                                [--perplexity] [--openvino-python PATH]
 
@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 PEER_NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}  # the mode the fast-engine issue compared against
 PRECISIONS = ("int4", "int8")
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 WORKLOADS = HERE / "workloads"
 
 

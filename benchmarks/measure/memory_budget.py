@@ -1,9 +1,9 @@
 """Tokens/s and peak RSS against the memory budget, plain and speculative, for a bundle with stages.
 
-    python benchmarks/memory_budget.py BUNDLE [--fractions 1.0,0.75,0.5,0.25] [--context 2048]
+    python benchmarks/measure/memory_budget.py BUNDLE [--fractions 1.0,0.75,0.5,0.25] [--context 2048]
         [--workloads chat=benchmarks/workloads/chat.jsonl,edit=benchmarks/edit_prompts.jsonl] [--first 3]
         [--page-cache kept,evicted] [--max-new-tokens 64] [--plot benchmarks/memory_budget.svg] [--json-out ROWS.json]
-    python benchmarks/memory_budget.py --replot ROWS.json [ROWS.json ...] --plot benchmarks/memory_budget.svg
+    python benchmarks/measure/memory_budget.py --replot ROWS.json [ROWS.json ...] --plot benchmarks/memory_budget.svg
 
 Each budget is the plan's fixed part (runtime, draft, scratch, KV for `--context` tokens, the floor the
 planner keeps) plus a fraction of the target's resident weights as this machine holds them (the packed

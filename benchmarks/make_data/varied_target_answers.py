@@ -1,6 +1,6 @@
 """Target answers to varied assistant prompts, as chat shards for `edgespec distill --data` (§34).
 
-    python benchmarks/varied_target_answers.py OUT_DIR --minutes 22 [--seed 1] [--prompts 3000]
+    python benchmarks/make_data/varied_target_answers.py OUT_DIR --minutes 22 [--seed 1] [--prompts 3000]
 
 distill's own prompts (edgespec/distill/prompts.py) come from 20 topic templates and quoted standard
 library text; §23 found that more answers to those same templates barely moved agreement on other

@@ -1,9 +1,9 @@
 """What `edgespec serve` adds to one client, measured from OpenAI's client: a single streamed request's
 tokens/s against `edgespec generate` on the same prompt, and the time to first token of a conversation's
-turn 2 against its turn 1 (load and abuse: benchmarks/serve_load.py).
+turn 2 against its turn 1 (load and abuse: benchmarks/measure/serve_load.py).
 
     pip install -e ".[serve,dev]"
-    python benchmarks/serve_overhead.py [BUNDLE] [--port 8765] [--threads 2] [--json FILE]
+    python benchmarks/measure/serve_overhead.py [BUNDLE] [--port 8765] [--threads 2] [--json FILE]
 
 Starts the server itself (a process of its own) and stops it at the end.
 """

@@ -6,7 +6,7 @@ it: a conversation grown to the length at which the mix starts a new one, and, w
 generation past the context. Every sample also records the KV caches the conversation holds, so a
 rise shows whether it is the conversation's cache (held by design) or memory nobody holds.
 
-    python benchmarks/soak.py [BUNDLE] [--minutes 30] [--warmup-minutes 5] [--threads 2] [--seed 0] [--json FILE]
+    python benchmarks/long/soak.py [BUNDLE] [--minutes 30] [--warmup-minutes 5] [--threads 2] [--seed 0] [--json FILE]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """t(rows) / t(1) of a verify pass for targets shaped like larger models, with random int4 weights, and
 the speculative speedup those curves imply (a projection, not a measurement of decoding).
 
-    python benchmarks/row_cost_sizes.py [--graphs SIZE:LAYERS,...]  (default: the 1.5B at 2, 8, 14 layers, the 3B at 1, 5)
+    python benchmarks/measure/row_cost_sizes.py [--graphs SIZE:LAYERS,...]  (default: the 1.5B at 2, 8, 14 layers, the 3B at 1, 5)
         [--reference default] [--rows 1-16] [--past 256] [--rounds 8] [--threads 2] [--workdir DIR]
         [--profile 1,8] [--json FILE]
 
@@ -18,7 +18,7 @@ the speculative speedup those curves imply (a projection, not a measurement of d
    builder's arrays, the initializer protos and the graph's copy of them, then the quantizer's): the 1.5B
    at 28 layers (6.2 GB fp32) peaked above 22 GB and was killed on a 24 GB machine. Hence fewer layers and:
 2. Time every graph (and --reference, a bundle's target) in one process, alternating
-   (benchmarks/verify_cost.py's measure): chain passes of 1..16 rows after --past tokens, logits for every row.
+   (benchmarks/measure/verify_cost.py's measure): chain passes of 1..16 rows after --past tokens, logits for every row.
 3. Depth: where a size has two or more depths, t(rows) = a(rows) + layers * b(rows) is fitted per row
    count (a: embedding, head and per-pass overhead; b: one layer) and extrapolated to the model's own depth
    ("SIZE@28 (extrapolated ...)"). With three depths or more, the deepest is also predicted from the others

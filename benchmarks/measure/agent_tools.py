@@ -1,7 +1,7 @@
 """Tool calls on the agent set: how many calls the model makes, and how many of their arguments validate
 against their tool's schema, through the server's own path (edgespec/openai_api.py, edgespec/tool_calls.py).
 
-    python benchmarks/agent_tools.py [BUNDLE] [--prompts benchmarks/workloads/agent.jsonl] [--count 8]
+    python benchmarks/measure/agent_tools.py [BUNDLE] [--prompts benchmarks/workloads/agent.jsonl] [--count 8]
         [--max-tokens 256] [--modes auto,required,named] [--parallel] [--json FILE] [--show]
 
 benchmarks/workloads/agent.jsonl states each conversation's tools in its system message ("- name: what it
@@ -29,7 +29,7 @@ from edgespec.defaults import resolve_bundle
 from edgespec.openai_api import parse_chat
 from edgespec.tool_calls import read_call, told
 
-WORKLOAD = Path(__file__).resolve().parent / "workloads" / "agent.jsonl"
+WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "agent.jsonl"
 TOOL_LINE = re.compile(r"^- (\w+): (.*)\n  arguments schema: (\{.*\})$", re.M)
 
 

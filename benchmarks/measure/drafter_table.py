@@ -1,6 +1,6 @@
 """Every drafter and tree mode on one bundle, in one run, against plain decoding (issue 4's table).
 
-    python benchmarks/drafter_table.py [BUNDLE] [--prompts FILE.jsonl] [--max-new-tokens 64]
+    python benchmarks/measure/drafter_table.py [BUNDLE] [--prompts FILE.jsonl] [--max-new-tokens 64]
                                        [--tree parents:...]   (a tuned tree to include)
                                        [--free-tree parents:...]  (a tree for the training-free rows)
                                        [--only TEXT]  (only the rows whose name contains TEXT; repeatable)

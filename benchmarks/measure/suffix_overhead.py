@@ -1,7 +1,7 @@
 """What the step controller and suffix drafting cost per step outside onnxruntime: propose + observe on a
 conversation of random tokens, with the store of earlier outputs filled to a given size (no model runs).
 
-    python benchmarks/suffix_overhead.py [--conversation 1500] [--store 34000] [--steps 400]
+    python benchmarks/measure/suffix_overhead.py [--conversation 1500] [--store 34000] [--steps 400]
 """
 import argparse
 import time

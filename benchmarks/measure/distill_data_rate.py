@@ -1,7 +1,7 @@
 """Training data per hour: the target's greedy answers to distill's prompts, made by each data engine on
 the same prompts in one run (history.md §50).
 
-    python benchmarks/distill_data_rate.py [--prompts 64] [--slots 32] [--engines onnx,torch]
+    python benchmarks/measure/distill_data_rate.py [--prompts 64] [--slots 32] [--engines onnx,torch]
 
 onnx: the target's graph quantized as the default bundle's (int4), `slots` answers per pass, slots refilled as
 answers end (distill/engine.py). torch: transformers' generate over batches of `slots` prompts, float32

@@ -1,6 +1,6 @@
 """Where a staged target's decoding time goes: per stage, the wait for its fetch and its run, per token.
 
-    python benchmarks/stage_timing.py BUNDLE --weights 0.5 [--max-new-tokens 40] [--threads 2]
+    python benchmarks/measure/stage_timing.py BUNDLE --weights 0.5 [--max-new-tokens 40] [--threads 2]
 
 The budget is `plan`'s fixed part plus that fraction of the target's weights (as memory_budget.py).
 One plain greedy generation warms up, a second is timed.

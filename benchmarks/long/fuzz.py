@@ -2,7 +2,7 @@
 generation settings, server request bodies (parsed, and through the HTTP app). A crash is anything but a
 result or an EdgespecError (a 4xx answer from the server).
 
-    python benchmarks/fuzz.py [--examples 2000]      (six properties: 6 x EXAMPLES cases, fresh random cases)
+    python benchmarks/long/fuzz.py [--examples 2000]      (six properties: 6 x EXAMPLES cases, fresh random cases)
 
 It runs tests/test_fuzz.py, which CI runs with a small fixed-seed slice.
 """
@@ -18,7 +18,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=2000, help="cases per property")
     args = parser.parse_args()
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "EDGESPEC_FUZZ_EXAMPLES": str(args.examples), "EDGESPEC_FUZZ_RANDOM": "1"}
     started = time.time()
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py",

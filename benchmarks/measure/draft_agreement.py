@@ -3,7 +3,7 @@
 For each prompt the target decodes greedily (plain); then the draft reads prompt + answer teacher-forced
 and we count the answer positions where the draft's argmax is the token the target chose.
 
-    python benchmarks/draft_agreement.py [BUNDLE] [--prompts FILE.jsonl ...] [--max-new-tokens 128]
+    python benchmarks/measure/draft_agreement.py [BUNDLE] [--prompts FILE.jsonl ...] [--max-new-tokens 128]
 """
 import argparse
 from pathlib import Path

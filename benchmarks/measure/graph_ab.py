@@ -1,7 +1,7 @@
 """One-token steps on several graphs of one bundle's target model, for deciding between two ways to write a
 graph (an exporter change) without a peers run for each.
 
-    python benchmarks/graph_ab.py BUNDLE A.onnx B.onnx [C.onnx ...] [--past 300] [--rounds 2] [--steps 32]
+    python benchmarks/measure/graph_ab.py BUNDLE A.onnx B.onnx [C.onnx ...] [--past 300] [--rounds 2] [--steps 32]
 
 Every graph takes the bundle's model facts and this device's one-token rows. Two biases had favoured every
 variant over the baseline in the earlier step probes (history.md §55): a graph's place in the loop, and
@@ -10,7 +10,7 @@ than the one before it. So the graphs are measured in as many processes as there
 them in an order rotated by one, and within a process each round runs a block of `steps` steps on every
 graph, the order rotated by one each round. Each process gives every graph's median step against the first
 graph's (machine drift between processes cancels in the ratio); the report is the mean of those ratios and
-their range. Differences inside the range are noise: confirm one that matters with `benchmarks/peers.py`.
+their range. Differences inside the range are noise: confirm one that matters with `benchmarks/measure/peers.py`.
 """
 import argparse
 import json

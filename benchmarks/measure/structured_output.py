@@ -2,8 +2,8 @@
 constrained plain decoding, the tokens the grammar supplies, what the grammar costs a pass, and time to first
 token with a 2 KB schema.
 
-    python benchmarks/structured_output.py [BUNDLE] [--prompts benchmarks/workloads/extraction.jsonl] [--count 8]
-        [--max-new-tokens 384] [--ttft-rounds 5] [--json FILE] [--show] [--bounds ITEMS,CHARS]
+    python benchmarks/measure/structured_output.py [BUNDLE] [--prompts benchmarks/workloads/extraction.jsonl]
+        [--count 8] [--max-new-tokens 384] [--ttft-rounds 5] [--json FILE] [--show] [--bounds ITEMS,CHARS]
 
 Per prompt, alternating: unconstrained speculative (does its answer parse as JSON after stripping code fences,
 and validate?), constrained plain and constrained speculative with the prompt's own schema in strict form
@@ -36,7 +36,7 @@ from edgespec.runtime.pipeline import Pipeline
 from edgespec.bench import prompt_schema
 from edgespec.defaults import resolve_bundle
 
-WORKLOAD = Path(__file__).resolve().parent / "workloads" / "extraction.jsonl"
+WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "extraction.jsonl"
 
 
 class GrammarClock:

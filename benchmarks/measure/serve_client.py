@@ -1,4 +1,4 @@
-"""The client side of benchmarks/serve_load.py, in the standard library alone so that it speaks to any
+"""The client side of benchmarks/measure/serve_load.py, in the standard library alone so that it speaks to any
 OpenAI-compatible server the same way (edgespec serve, llama.cpp's llama-server): a streamed chat request
 that honours Retry-After, a body sent piece by piece that stops when the server answers early, the
 server process's memory (resident now, and its peak), and /health polled while something else runs.

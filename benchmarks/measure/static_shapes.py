@@ -4,7 +4,7 @@ profile's graphs (the static profile's: a static draft, and a static target wher
 its NPU), alternating prompt by prompt in one process; prints tokens/s plain and speculative, tokens per
 pass, and whether every output equals the dynamic graphs' plain decoding.
 
-    python benchmarks/static_shapes.py BUNDLE [--static-profile ai-pc-intel] [--max-new-tokens 128]
+    python benchmarks/measure/static_shapes.py BUNDLE [--static-profile ai-pc-intel] [--max-new-tokens 128]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from edgespec.runtime.pipeline import Pipeline
 
 from edgespec.bench import load_prompts, prompt_kwargs
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ AMX where the CPU has it). Not an exporter option: on AVX2 without VNNI the u8 x
 (history.md §41). The manifest's recorded exactness is dropped, so the runtime checks the new graph itself
 (history.md §57: 8 verify rows 1.49-1.52x a one-row pass, against 1.73-1.75x for the uint8 graph).
 
-    python benchmarks/int8_signed_weights.py SRC_BUNDLE DST_BUNDLE
-    python benchmarks/verify_cost.py SRC_BUNDLE DST_BUNDLE --rows 1,2,4,8,16 --rounds 16 --block 4
+    python benchmarks/measure/int8_signed_weights.py SRC_BUNDLE DST_BUNDLE
+    python benchmarks/measure/verify_cost.py SRC_BUNDLE DST_BUNDLE --rows 1,2,4,8,16 --rounds 16 --block 4
 """
 import argparse
 import json

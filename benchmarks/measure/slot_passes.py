@@ -1,6 +1,6 @@
 """S conversations in one slots pass against the same S conversations' passes one after another (issue 42).
 
-    python benchmarks/slot_passes.py [--bundle B] [--slots 4] [--steps 32] [--threads 2] [--json FILE]
+    python benchmarks/measure/slot_passes.py [--bundle B] [--slots 4] [--steps 32] [--threads 2] [--json FILE]
 
 Without --bundle, exports the default bundle's recipe again with a slots graph of `--slots` conversations per
 pass into ~/.cache/edgespec/bundles/default-slots{S} (reused when there; `slots_bundle`). Then, for 1..S
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-WORKLOADS = Path(__file__).parent / "workloads"
+WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 SETS = ("chat", "rag", "code_edit", "agent", "extraction", "summary", "multiturn")
 
 

@@ -2,7 +2,8 @@
 largest logit difference against the fp32 model, measured on the saved programs run in numpy
 (exporters/mil_reference.py: fp16 activations, as a device stores them; Linux cannot run CoreML itself).
 
-    python benchmarks/coreml_export.py [MODEL] [--compress fp16,int8,int4,palette4] [--context 2048] [--json FILE]
+    python benchmarks/measure/coreml_export.py [MODEL] [--compress fp16,int8,int4,palette4] [--context 2048]
+        [--json FILE]
 
 MODEL defaults to the reference model (`default`). The target's stateful package is written for each
 compression (prefill 64 tokens, verify the default draft tree's 2), plus the io fallback where the

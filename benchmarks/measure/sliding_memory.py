@@ -1,6 +1,6 @@
 """Long generation under the `sliding` KV policy: resident memory sampled while it runs.
 
-    python benchmarks/sliding_memory.py [BUNDLE] [--tokens 8000] [--memory-budget SIZE] [--no-speculate]
+    python benchmarks/measure/sliding_memory.py [BUNDLE] [--tokens 8000] [--memory-budget SIZE] [--no-speculate]
 
 Prints RSS every 4,000 characters of text (sampled by a thread every 0.2 s from /proc/self/statm), the peak, the
 planned budget split, and the start and end of the text so a reader can judge its coherence.

@@ -1,6 +1,6 @@
 """`edgespec serve` under load and under abuse, as clients see it (issue 42, item 5).
 
-    python benchmarks/serve_load.py [BUNDLE] [--max-tokens 64] [--clients 1,4,16] [--requests 16]
+    python benchmarks/measure/serve_load.py [BUNDLE] [--max-tokens 64] [--clients 1,4,16] [--requests 16]
         [--llama-server PATH --gguf FILE] [--json FILE]
 
 Starts `edgespec serve` (the default bundle, or BUNDLE) as a process of its own on a free port, with its
@@ -15,7 +15,7 @@ server's peak RSS. Abuse: a 50 MB body, JSON nested 10,000 levels and a 5,000-di
 answered with a 4xx in under a second while /health keeps answering, RSS back within 10% of its baseline.
 
 With --slots S it first serves the default recipe exported again with a slots graph of S conversations
-per pass (benchmarks/slot_passes.py; the server shares the passes of the generations in flight), then the
+per pass (benchmarks/measure/slot_passes.py; the server shares the passes of the generations in flight), then the
 bundle as given, so that the two are compared within one run (history.md §65).
 
 With --llama-server and --gguf it runs the same after against llama.cpp's `llama-server --parallel 4` on
@@ -39,7 +39,7 @@ from pathlib import Path
 from serve_client import Answer, Watch, peak_rss_bytes, rss_bytes, send_raw, stream_chat
 
 HOST = "127.0.0.1"
-WORKLOADS = Path(__file__).parent / "workloads"
+WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 SETS = ("chat", "rag", "code_edit", "agent", "extraction", "summary", "multiturn")
 SLOT_CONTEXT = 2048  # edgespec's default context: each llama-server slot gets as much
 ABUSE_S = 1.0  # the issue's bound on answering an abusive request
@@ -222,10 +222,11 @@ def built(bundle: str) -> str:
 
 
 def built_with_slots(slots: int) -> str:
-    """The default bundle's recipe with a slots graph (benchmarks/slot_passes.py), built in a process of its own."""
+    """The default bundle's recipe with a slots graph (benchmarks/measure/slot_passes.py), built in a process of
+    its own."""
     code = f"from slot_passes import slots_bundle; print(slots_bundle({int(slots)}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).parent)
+                          cwd=Path(__file__).resolve().parent)
     return done.stdout.strip().splitlines()[-1]
 
 

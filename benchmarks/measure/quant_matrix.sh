@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Exports the reference model in several schemes and benchmarks each bundle (plain vs speculative, one run each).
-#   benchmarks/quant_matrix.sh MODEL OUT_DIR      (MODEL: default, or a local copy of it for faster loading)
+#   benchmarks/measure/quant_matrix.sh MODEL OUT_DIR      (MODEL: default, or a local copy of it for faster loading)
 set -euo pipefail
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   sed -n '2,3p' "$0" | sed 's/^# \{0,1\}//'

@@ -2,7 +2,7 @@
 speed; this runs every placement it measured on whole prompt sets (alternating prompt by prompt, one
 process) and prints predicted against measured, with the output checked identical to plain decoding.
 
-    python benchmarks/placement.py [BUNDLE] [--threads N] [--max-new-tokens 128]
+    python benchmarks/measure/placement.py [BUNDLE] [--threads N] [--max-new-tokens 128]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from edgespec.bench import load_prompts, prompt_kwargs
 from edgespec.calibrate import CALIBRATION_PROMPTS, calibrate
 from edgespec.defaults import resolve_bundle
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Can several conversations share one target pass and each keep the bits it gets alone? (issue 42, item 1)
 
-    python benchmarks/batch_bits.py [--model default] [--workdir W] [--steps 16] [--batch 4] [--threads 2]
+    python benchmarks/measure/batch_bits.py [--model default] [--workdir W] [--steps 16] [--batch 4] [--threads 2]
 
 Exports the model twice from one loaded source, into W (reused when there): a bundle whose int4 target
 graph is the runtime's (one lane; its passes exact: a padding row, two attention slots), and the same
@@ -38,7 +38,7 @@ from edgespec.runtime.execution.model import commit, prefill
 from edgespec.runtime.execution.sessions import make_session
 from edgespec.runtime.pipeline import Pipeline
 
-WORKLOADS = Path(__file__).parent / "workloads"
+WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
 SETS = ("chat", "rag", "code_edit", "agent", "extraction", "summary", "multiturn")
 CONTEXT = 1024
 

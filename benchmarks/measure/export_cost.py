@@ -2,7 +2,7 @@
 process of its own; with --tree, alternating with another checkout of edgespec (e.g. a `git worktree` of an
 earlier commit), so a change to the exporter can be held against the one before it.
 
-    python benchmarks/export_cost.py --workdir W [--rounds 2] [--tree /path/to/older/checkout]
+    python benchmarks/measure/export_cost.py --workdir W [--rounds 2] [--tree /path/to/older/checkout]
 """
 import argparse
 import hashlib

@@ -1,7 +1,7 @@
 """Which grammar engine constrains decoding here: llguidance, xgrammar and outlines-core, measured on the
 same JSON schema and the same valid document, on the tiny test tokenizer and on the reference model's.
 
-    python benchmarks/grammar_engines.py [BUNDLE] [--schema FILE] [--rounds 3] [--json FILE]
+    python benchmarks/measure/grammar_engines.py [BUNDLE] [--schema FILE] [--rounds 3] [--json FILE]
 
 For each engine and tokenizer: the time to read the tokenizer, to compile the schema, and per token of the
 document (its tokenizer's own tokenization of json.dumps of an instance) the mask's cost and the cost of
@@ -190,7 +190,7 @@ def measure(engine: str, tokenizer_json: str, eos: int, document_ids: list[int],
 
 
 def tiny_tokenizer() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from tiny import make_tokenizer
     with tempfile.TemporaryDirectory() as folder:
         make_tokenizer(Path(folder))

@@ -1,6 +1,6 @@
 """More target answers for an earlier `edgespec distill` run's data folder: continues its chat shards.
 
-    python benchmarks/more_target_answers.py DATA_DIR --minutes 44 [--seed 0] [--prompts 6000]
+    python benchmarks/make_data/more_target_answers.py DATA_DIR --minutes 44 [--seed 0] [--prompts 6000]
 
 The run's prompt list is rebuilt from the same seed and prompt count (it does not depend on the time
 budget), and generation resumes with the first prompt no shard holds yet, exactly as the run's chat

@@ -2,7 +2,7 @@
 forms of the same model measured in one process, alternating; where an extra row's cost goes; and a draft
 model's pass beside it.
 
-    python benchmarks/verify_cost.py [BUNDLE ...] [--past 256] [--rows 1-16] [--rounds 10] [--threads N]
+    python benchmarks/measure/verify_cost.py [BUNDLE ...] [--past 256] [--rows 1-16] [--rounds 10] [--threads N]
         [--profile 1,8] [--unpadded] [--draft] [--json FILE]
 
 Every pass is a chain of `rows` tokens after `past` cached ones with logits for every row, as a verify pass
