@@ -8,10 +8,14 @@ The benchmark prompts in edgespec/data are never used: they are the held-out set
 from __future__ import annotations
 
 import ast
+import json
 import random
 import sysconfig
 import textwrap
+from importlib import resources
 from pathlib import Path
+
+from edgespec.distill.chat_prompts import chat_prompt
 
 TOPICS = (
     "photosynthesis", "the water cycle", "black holes", "compound interest", "the French Revolution",
@@ -149,8 +153,10 @@ def training_prompts(count: int, seed: int, corpus: list[Path]) -> list[str]:
         makers.append(lambda: rng.choice(TEXT_TASKS).format(text=rng.choice(prose)))
     if code:
         makers.append(lambda: rng.choice(CODE_TEXT_TASKS).format(text=rng.choice(code)))
-    weights = [3, 2, 3, 2][:len(makers)]
-    prompts, seen = [], set()
+    makers.insert(2, lambda: chat_prompt(rng))
+    # short chat requests weigh most: they are what the built-in chat prompts ask (history.md §66)
+    weights = [3, 2, 4, 3, 2][:len(makers)]
+    prompts, seen = [], set(held_out_prompts())
     for _ in range(count * 20):
         if len(prompts) == count:
             break
@@ -159,3 +165,10 @@ def training_prompts(count: int, seed: int, corpus: list[Path]) -> list[str]:
             seen.add(prompt)
             prompts.append(prompt)
     return prompts
+
+
+def held_out_prompts() -> set[str]:
+    """The built-in benchmark prompts' messages: held out, so never made as training prompts."""
+    return {message["content"] for line in resources.files("edgespec").joinpath("data/prompts.jsonl")
+                                                           .read_text(encoding="utf-8").splitlines() if line.strip()
+            for message in json.loads(line).get("messages", [])}

@@ -301,6 +301,9 @@ class Phases:
             if not feature_file(self.features_dir, chat_shards[-1]).is_file():
                 raise ExportError("the features phase did not reach the held-out shard: give the run more --minutes")
             shards = [s for s in shards if feature_file(self.features_dir, s).is_file()]
+            if not shards:  # a short run's features may cover the held-out shard alone (history.md §66)
+                raise ExportError("the features phase reached only the held-out shard, so there is nothing to "
+                                  "train on: give the run more --minutes")
         # the last shard of target answers is held out: agreement is measured where the draft will work
         train(self.model, self.tokenizer, shards, chat_shards[-1:], config.out,
               replace(config.training, design=config.design, seed=config.seed), deadline, self.log,

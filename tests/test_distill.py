@@ -325,19 +325,44 @@ def test_training_prompts_are_distinct_at_a_gpus_scale_and_never_the_evaluation_
     """A GPU run asks for tens of thousands of prompts; the composed ones alone must supply them, the same
     ones for the same seed, and none may be a benchmark prompt (those measure held-out agreement)."""
     import json
+    import random
     from pathlib import Path
 
+    from edgespec.distill.chat_prompts import chat_prompt
     from edgespec.distill.prompts import training_prompts
 
     many = training_prompts(25000, 1, [corpus])
     assert len(many) == len(set(many)) == 25000
     assert training_prompts(25000, 1, [corpus]) == many and training_prompts(200, 2, [corpus]) != many[:200]
     root = Path(__file__).resolve().parent.parent
-    held_out = {m["content"] for f in (root / "edgespec" / "data" / "prompts.jsonl",
-                                       root / "benchmarks" / "edit_prompts.jsonl")
+    evaluation = [root / "edgespec" / "data" / "prompts.jsonl", root / "benchmarks" / "edit_prompts.jsonl",
+                  root / "benchmarks" / "quote_prompts.jsonl", *sorted((root / "benchmarks" / "workloads").glob("*.jsonl"))]
+    held_out = {m["content"] for f in evaluation
                 for line in f.read_text().splitlines() if line.strip()
                 for m in json.loads(line).get("messages", [])}
     assert held_out and not held_out & set(many)
+    rng = random.Random(0)
+    chat_made = {chat_prompt(rng) for _ in range(60000)}  # every short chat request the families make
+    assert len(set(many) & chat_made) > 2500  # they take their share, the evaluation prompts left out
+
+
+def test_a_run_whose_features_cover_only_the_held_out_shard_is_refused_before_training(tmp_path):
+    """A run too short for its data: training would draw batches from no sequences at all."""
+    from edgespec.distill.data import feature_file
+    from edgespec.distill.run import DistillConfig, Phases
+    from edgespec.runtime.contract.errors import ExportError
+
+    config = DistillConfig(target="t", out=tmp_path / "run", design="eagle")
+    phases = Phases(config, None, None, [], log=print)
+    (phases.data_dir / "chat").mkdir(parents=True)
+    shards = [phases.data_dir / "chat" / f"shard-{i:05d}.npz" for i in range(3)]
+    for shard in shards:
+        shard.write_bytes(b"")
+    phases.features_dir.mkdir(parents=True, exist_ok=True)
+    feature_file(phases.features_dir, shards[-1]).parent.mkdir(parents=True)
+    feature_file(phases.features_dir, shards[-1]).write_bytes(b"")
+    with pytest.raises(ExportError, match="only the held-out shard"):
+        phases.training(deadline=0.0)
 
 
 def test_a_corpus_folder_leaves_out_the_packages_installed_under_it(tmp_path):
