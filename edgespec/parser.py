@@ -268,6 +268,10 @@ def _add_serve(sub) -> None:
                         "with --memory-budget, as many as fit)")
     p.add_argument("--kept-conversations", type=int, default=4, metavar="N",
                    help="clients whose conversation (its KV caches) is kept for follow-ups (default 4; 0: none)")
+    p.add_argument("--shared-speculation", choices=("batch", "alone"), default="batch",
+                   help="with a slots graph (export --slots): 'batch' (default) prices each greedy step's tree "
+                        "against the whole shared pass, so speculation runs only where it pays beside the "
+                        "others; 'alone' prices it as if the conversation ran alone")
     p.add_argument("--max-body", default="4MiB", metavar="SIZE",
                    help="the largest request body accepted, e.g. 4MiB (default); a larger one gets 413")
     p.add_argument("--model-name", default=None,

@@ -63,6 +63,9 @@ class ServeConfig:
     interleave: int = 4  # generations in flight, taking target passes in turn (with a budget: what fits)
     kept_conversations: int = 4  # clients whose conversation (its KV caches) is kept between requests
     max_body_bytes: int = 4 * 2**20
+    # with shared passes, a greedy step's tree priced against the whole pass ("batch") or as alone
+    # (runtime/decoding/controller.py; history.md §68)
+    shared_speculation: str = "batch"
 
     def __post_init__(self):
         if self.queue < 0:
@@ -77,6 +80,8 @@ class ServeConfig:
             raise InputError(f"--kept-conversations must be >= 0 (got {self.kept_conversations})")
         if self.max_body_bytes < 1024:
             raise InputError(f"--max-body must be at least 1 KiB (got {self.max_body_bytes} bytes)")
+        if self.shared_speculation not in ("batch", "alone"):
+            raise InputError(f"--shared-speculation must be batch or alone (got {self.shared_speculation!r})")
 
 
 class Generations:
@@ -97,6 +102,7 @@ class Generations:
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-read")
         self.conversations = KeptConversations(pipeline, config.kept_conversations, self.in_flight)
         self.shared = shared_passes_of(pipeline)  # None: the generations in flight take turns instead
+        self.batch_priced = config.shared_speculation == "batch"
         self.book = threading.Lock()  # with shared passes: the kept conversations and the mean
         self.longest_token = longest_token(pipeline.codec.tokenizer)
 
@@ -206,7 +212,8 @@ class Generations:
             conversation = self.conversations.take(client) if client is not None else self.conversations.new()
         started = time.perf_counter()
         result = generate_sharing(self.pipeline, self.shared, ids=ids, config=config, session=conversation.session,
-                                  on_text=on_text, should_stop=cancel.is_set)
+                                  on_text=on_text, should_stop=cancel.is_set,
+                                  batch_priced=self.batch_priced)
         with self.book:
             if client is not None:
                 self.conversations.keep(client, conversation)

@@ -21,6 +21,7 @@ import copy
 import threading
 import time
 
+from edgespec.runtime.decoding.controller import Controller, alone
 from edgespec.runtime.decoding.engine import Result
 from edgespec.runtime.execution.model import ModelRunner
 from edgespec.runtime.execution.shared_passes import SharedPasses, open_shared
@@ -85,9 +86,20 @@ def shared_passes_of(pipeline: Pipeline) -> SharedPasses | None:
     return open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, pipeline.target_threads)
 
 
-def generate_sharing(pipeline: Pipeline, shared: SharedPasses, **generate) -> Result:
-    """`pipeline.generate(**generate)` with this generation's target passes shared with the others in flight."""
+def generate_sharing(pipeline: Pipeline, shared: SharedPasses, batch_priced: bool = True, **generate) -> Result:
+    """`pipeline.generate(**generate)` with this generation's target passes shared with the others in flight.
+    `batch_priced`: its step controller prices each greedy step against the whole shared pass (the others
+    aboard as plain steps), not as alone (runtime/decoding/controller.py; history.md §68)."""
+    if generate.get("session") is None:  # its own, so that its controller can be told who shares its passes
+        generate["session"] = pipeline.new_session(generate.pop("speculate", True))
+    drafter = generate["session"].drafter
     with shared.target() as target:
         mine = copy.copy(pipeline)  # the same loaded models and state; only its target passes go elsewhere
         mine.target = target
-        return mine.generate(**generate)
+        if isinstance(drafter, Controller) and batch_priced:
+            drafter.sharing = lambda: shared.members() - 1
+        try:
+            return mine.generate(**generate)
+        finally:
+            if isinstance(drafter, Controller):
+                drafter.sharing = alone

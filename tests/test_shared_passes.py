@@ -1,7 +1,6 @@
 """Conversations sharing target passes (runtime/execution/shared_passes.py over a slots graph): interleaved
 generations of different lengths, plain and speculative, one sampled with a seed and one cancelled midway,
 each exactly what it gets alone; and their passes were in fact shared."""
-import copy
 import threading
 
 import numpy as np
@@ -10,6 +9,7 @@ from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.runtime.execution.shared_passes import open_shared
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.serve_turns import generate_sharing
 
 LONG = GenerationConfig(max_new_tokens=120, stop_at_eos=False)
 SAMPLED = GenerationConfig(max_new_tokens=60, stop_at_eos=False,
@@ -28,10 +28,8 @@ def pipeline(models, tmp_path_factory):
 
 
 def generate_shared(pipeline, shared, ids, config, speculate=True, should_stop=None):
-    with shared.target() as target:
-        mine = copy.copy(pipeline)  # the same loaded models; this conversation's passes go through `target`
-        mine.target = target
-        return mine.generate(ids=ids, config=config, speculate=speculate, should_stop=should_stop)
+    """As serve does (edgespec/serve_turns.py): greedy trees priced against the whole shared pass."""
+    return generate_sharing(pipeline, shared, ids=ids, config=config, speculate=speculate, should_stop=should_stop)
 
 
 def test_the_bundle_records_its_slots_graph(pipeline):

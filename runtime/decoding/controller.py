@@ -18,6 +18,7 @@ request: a pipeline's drafter keeps them across turns); the sources own theirs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,11 @@ from .tree import Tree
 DECAY = 0.98  # each count keeps this share per new observation: acceptance follows the workload
 EXTRA_ROW_PRIOR = 0.25  # a pass's extra row, as a share of a one-row pass, until passes of that size are timed
 EXPLORE_EVERY = 16  # a main drafter left out for plain steps this many steps in a row is asked once more
+
+
+def alone() -> int:
+    """No other conversation shares the next pass."""
+    return 0
 
 
 def bucket(value: int, buckets: int = 4) -> int:
@@ -176,7 +182,15 @@ class Measurements:
 class Controller:
     """A Drafter that chooses, each step, among a plain step, the suffix drafter's chain (of the best
     length), the main drafter's tree, and where the graph has lanes for it the main tree with the suffix
-    chain grafted on."""
+    chain grafted on.
+
+    `sharing()`: how many other conversations' passes the next pass carries (runtime/execution/
+    shared_passes.py sets it while a conversation shares passes). With others aboard, a greedy step is
+    priced as the whole pass's tokens per its seconds, the others taken as plain steps (one row, one token
+    each): a tree's rows then slow every conversation's step, so speculation is chosen only where its
+    extra tokens pay for that (history.md §65, §68). Greedy output does not depend on the tree; a sampled
+    step keeps its pricing alone. A shared pass's seconds (waits for the others included) are not timed
+    into the pass costs."""
 
     def __init__(self, suffix: SuffixDrafter | None, main: Drafter | None, lanes: int, measured: Measurements):
         """`measured`: the caller's, shared by its controllers (Measurements.fresh for a new one)."""
@@ -185,44 +199,52 @@ class Controller:
         self.counts = SourceCounts()
         self.left_out = 0
         self.main_seen = 0  # the committed tokens the main drafter had when it last drafted
-        self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start)
+        self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start, shared)
+        self.sharing: Callable[[], int] = alone
 
     # 1. choose and draft
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
+        shared = self.sharing()
+        others = shared if sampler is None else 0
         proposal = self.suffix.proposal(committed, max_nodes) if self.suffix is not None else None
-        expected, k = self._best_prefix(proposal)
-        options = {"plain": 1.0 / self.measured.costs.seconds(1)}
+        expected, k = self._best_prefix(proposal, others)
+        options = {"plain": self._rate(1.0, 1, others)}
         if k:
-            options["suffix"] = expected / self.measured.costs.seconds(k + 1)
+            options["suffix"] = self._rate(expected, k + 1, others)
         if self.main is not None:
             main_tokens = self.measured.main_tokens.mean()
             main_s = self.measured.main_draft.seconds(main_tokens)  # drafting every step: one step's tokens behind
             size = max(1, round(self.measured.main_size.mean()))
-            options["draft"] = main_tokens / (main_s + self.measured.costs.seconds(size))
+            options["draft"] = self._rate(main_tokens, size, others, main_s)
             if k and self.lanes > 1:
-                options["draft+suffix"] = (main_tokens + expected - 1) / (main_s + self.measured.costs.seconds(size + k))
+                options["draft+suffix"] = self._rate(main_tokens + expected - 1, size + k, others, main_s)
         choice = max(options, key=options.get)
         if self.main is not None and choice == "plain" and self.left_out >= EXPLORE_EVERY:
             choice = "draft"
         self.left_out = 0 if "draft" in choice else self.left_out + 1
         tree, main_nodes = self._draft(choice, proposal, k, committed, max_nodes, sampler, target_features)
-        self._step = (choice, tree, proposal, main_nodes, time.perf_counter())
+        self._step = (choice, tree, proposal, main_nodes, time.perf_counter(), shared > 0)
         return tree
 
-    def _best_prefix(self, proposal: SuffixProposal | None) -> tuple[float, int]:
+    def _rate(self, tokens: float, rows: int, others: int, drafting_s: float = 0.0) -> float:
+        """Tokens per second of a pass of this step's `rows` beside `others` plain steps: the others wait
+        for its drafting too (one conversation computes at a time)."""
+        return (tokens + others) / (drafting_s + self.measured.costs.seconds(rows + others))
+
+    def _best_prefix(self, proposal: SuffixProposal | None, others: int = 0) -> tuple[float, int]:
         """(expected tokens, drafted nodes) of the suffix tree's best prefix by expected tokens per pass
         second: its nodes come most probable first, parents before children, so every prefix is a tree."""
         if proposal is None or proposal.tree.size < 2:
             return 1.0, 0
         topology, length_bucket = proposal.tree.topology, bucket(proposal.match_length)
         reach = np.ones(topology.size)
-        expected, best = 1.0, (1.0 / self.measured.costs.seconds(1), 1.0, 0)
+        expected, best = 1.0, (self._rate(1.0, 1, others), 1.0, 0)
         for node in range(1, topology.size):
             rate = self.measured.suffix_rates.mean((length_bucket, bucket(int(topology.depths[node]))))
             reach[node] = reach[topology.parents[node]] * min(1.0, rate * proposal.parent_probability[node])
             expected += reach[node]
-            value = expected / self.measured.costs.seconds(node + 1)
+            value = self._rate(expected, node + 1, others)
             if value > best[0]:
                 best = (value, expected, node)
         return best[1], best[2]
@@ -247,9 +269,10 @@ class Controller:
             self.main.observe(accepted, tokens, logits)
         if tokens is None or self._step is None:
             return
-        choice, tree, proposal, main_nodes, verify_start = self._step
+        choice, tree, proposal, main_nodes, verify_start, shared = self._step
         self._step = None
-        self.measured.costs.record(tree.size, time.perf_counter() - verify_start)
+        if not shared:
+            self.measured.costs.record(tree.size, time.perf_counter() - verify_start)
         self.counts.add(choice, len(accepted))
         if proposal is not None and proposal.tree.size > 1:
             self._score_suffix(proposal, accepted)
