@@ -96,7 +96,8 @@ def main() -> None:
             reports = {}
             for mode in (modes if i % 2 == 0 else modes[::-1]):
                 bundle = bundles["interleave" if mode == "interleave" else "slots"]
-                server = Server(f"{mode}-{i}", command(mode, bundle, free_port(), args.threads), Path(logs))
+                port = free_port()
+                server = Server(f"{mode}-{i}", command(mode, bundle, port, args.threads), port, Path(logs))
                 try:
                     reports[mode] = measure(server, MODEL, prompts, levels, args.max_tokens, False)
                 finally:
