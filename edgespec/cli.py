@@ -229,7 +229,8 @@ def cmd_serve(args) -> None:
         raise InputError(f"--max-body {args.max_body!r}: give bytes or a size like 4MiB") from err
     config = ServeConfig(model=name, host=args.host, port=args.port, api_keys=tuple(args.api_key), queue=args.queue,
                          interleave=args.interleave, kept_conversations=args.kept_conversations,
-                         max_body_bytes=max_body, shared_speculation=args.shared_speculation)
+                         max_body_bytes=max_body, shared_speculation=args.shared_speculation,
+                         shared_prefill=args.shared_prefill)
     serve(_pipeline(args), config)
 
 

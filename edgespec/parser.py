@@ -272,6 +272,9 @@ def _add_serve(sub) -> None:
                    help="with a slots graph (export --slots): 'batch' (default) prices each greedy step's tree "
                         "against the whole shared pass, so speculation runs only where it pays beside the "
                         "others; 'alone' prices it as if the conversation ran alone")
+    p.add_argument("--shared-prefill", choices=("together", "apart"), default="together",
+                   help="with a slots graph: a new prompt's prefill chunks ride in the shared passes ('together', "
+                        "default) or run back to back alone ('apart', for time to first token)")
     p.add_argument("--max-body", default="4MiB", metavar="SIZE",
                    help="the largest request body accepted, e.g. 4MiB (default); a larger one gets 413")
     p.add_argument("--model-name", default=None,

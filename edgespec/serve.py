@@ -66,6 +66,9 @@ class ServeConfig:
     # with shared passes, a greedy step's tree priced against the whole pass ("batch") or as alone
     # (runtime/decoding/controller.py; history.md §68)
     shared_speculation: str = "batch"
+    # with shared passes, a prompt's prefill chunks in the shared passes ("together") or back to back,
+    # alone ("apart"; runtime/execution/shared_passes.py; history.md §68)
+    shared_prefill: str = "together"
 
     def __post_init__(self):
         if self.queue < 0:
@@ -82,6 +85,8 @@ class ServeConfig:
             raise InputError(f"--max-body must be at least 1 KiB (got {self.max_body_bytes} bytes)")
         if self.shared_speculation not in ("batch", "alone"):
             raise InputError(f"--shared-speculation must be batch or alone (got {self.shared_speculation!r})")
+        if self.shared_prefill not in ("together", "apart"):
+            raise InputError(f"--shared-prefill must be together or apart (got {self.shared_prefill!r})")
 
 
 class Generations:
@@ -101,7 +106,7 @@ class Generations:
         # parsing and tokenising: off the event loop, and never queued behind a generation
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-read")
         self.conversations = KeptConversations(pipeline, config.kept_conversations, self.in_flight)
-        self.shared = shared_passes_of(pipeline)  # None: the generations in flight take turns instead
+        self.shared = shared_passes_of(pipeline, config.shared_prefill == "apart")  # None: the generations in flight take turns instead
         self.batch_priced = config.shared_speculation == "batch"
         self.book = threading.Lock()  # with shared passes: the kept conversations and the mean
         self.longest_token = longest_token(pipeline.codec.tokenizer)

@@ -78,12 +78,13 @@ class Turn:
             self.__enter__()
 
 
-def shared_passes_of(pipeline: Pipeline) -> SharedPasses | None:
+def shared_passes_of(pipeline: Pipeline, prefill_apart: bool = False) -> SharedPasses | None:
     """Shared passes over the bundle's slots graph, where it has one and its target runs as one graph in
-    memory (not streamed in stages, not CoreML); None otherwise."""
+    memory (not streamed in stages, not CoreML); None otherwise. `prefill_apart`: SharedPasses'."""
     if not isinstance(pipeline.target, ModelRunner):
         return None
-    return open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, pipeline.target_threads)
+    return open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, pipeline.target_threads,
+                       prefill_apart=prefill_apart)
 
 
 def generate_sharing(pipeline: Pipeline, shared: SharedPasses, batch_priced: bool = True, **generate) -> Result:

@@ -112,3 +112,32 @@ def test_shared_passes_are_refused_where_the_slots_graph_would_change_bits(pipel
     monkeypatch.setattr(SlotRunner, "run", nudged)
     assert not shared_passes.keeps_bits(pipeline.target, shared.slots)
     assert open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, 1) is None
+
+
+def test_prefill_apart_runs_a_prompt_back_to_back_and_answers_as_alone(pipeline):
+    """With `prefill_apart`, a joining prompt's chunks run at once, alone, while another conversation
+    generates; both answers are their answers alone, and the steps after the prompts still share passes."""
+    shared = open_shared(pipeline.folder, pipeline.manifest.target, pipeline.target, 1, patience_s=0.05,
+                         prefill_apart=True)
+    chunk = pipeline.manifest.prefill_chunk
+    long_ids = pipeline.encode("a b c d e f a b")
+    joining = pipeline.encode(" ".join(f"w{i}" for i in range(chunk)))[: chunk + 5]  # two chunks
+    assert len(joining) == chunk + 5
+    configs = {"long": LONG, "joining": GenerationConfig(max_new_tokens=24, stop_at_eos=False)}
+    results, started = {}, threading.Event()
+
+    def run(name, ids):
+        results[name] = generate_sharing(pipeline, shared, ids=ids, config=configs[name], speculate=True,
+                                         on_text=lambda text: started.set())
+
+    first = threading.Thread(target=run, args=("long", long_ids))
+    first.start()
+    assert started.wait(60)
+    run("joining", joining)
+    assert first.is_alive()  # the prompt joined while the long one generated
+    first.join(timeout=300)
+    for name, ids in (("long", long_ids), ("joining", joining)):
+        assert results[name].token_ids == pipeline.generate(ids=ids, config=configs[name]).token_ids, name
+    chunks = -(-len(long_ids) // chunk) + 2
+    assert shared.apart == chunks
+    assert shared.parts > shared.passes  # the steps rode together

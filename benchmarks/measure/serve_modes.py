@@ -37,7 +37,8 @@ MODEL = "bench"
 
 
 def command(mode: str, bundle: str, port: int, threads: int) -> list[str]:
-    extra = [] if mode == "interleave" else ["--shared-speculation", mode]
+    extra = {"interleave": [], "apart": ["--shared-speculation", "batch", "--shared-prefill", "apart"]}.get(
+        mode, ["--shared-speculation", mode])
     return [sys.executable, "-m", "edgespec.cli", "serve", bundle, "--port", str(port), "--threads", str(threads),
             "--model-name", MODEL, *extra]
 
@@ -82,8 +83,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write every report here")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if not set(modes) <= {"batch", "alone", "interleave"} or args.rounds < 1:
-        raise SystemExit("--modes: batch, alone, interleave; --rounds >= 1")
+    if not set(modes) <= {"batch", "apart", "alone", "interleave"} or args.rounds < 1:
+        raise SystemExit("--modes: batch, apart, alone, interleave; --rounds >= 1")
     levels = [int(c) for c in args.clients.split(",")]
     if levels[0] != 1:
         raise SystemExit("--clients must start with 1: the answers alone are what the others are held to")

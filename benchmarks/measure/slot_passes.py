@@ -11,7 +11,8 @@ of them in one pass of the slots graph (runtime/execution/slots.py). Reports the
 each way, the ratio (aggregate throughput of the shared pass over the passes alone), and the rounds whose
 logits differ in any bit between (a) and (b) (must be 0). With --generate N, the S prompts' greedy answers
 of N tokens, one after another and then all at once through shared passes (runtime/execution/shared_passes.py),
-speculative and plain: aggregate tokens/s each way and answers that differ. history.md §65 has the runs.
+speculative (trees priced against the whole shared pass, then as alone) and plain: aggregate tokens/s each
+way and answers that differ. history.md §65 and §68 have the runs.
 """
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def slots_bundle(slots: int) -> Path:
     return out
 
 
-def generations(pipeline, shared, prompts, tokens: int, speculate: bool) -> dict:
+def generations(pipeline, shared, prompts, tokens: int, speculate: bool, batch_priced: bool = True) -> dict:
     """The prompts' greedy answers of `tokens` tokens, one after another and then all at once through shared
-    passes, speculative or not: aggregate generated tokens/s (prefill included) each way, and whether the
-    answers together equal the answers alone."""
+    passes, speculative or not (speculative: each step's tree priced against the whole shared pass, or as
+    alone, `batch_priced`; history.md §68): aggregate generated tokens/s (prefill included) each way, and
+    whether the answers together equal the answers alone."""
     import threading
 
     from edgespec.runtime.decoding.engine import GenerationConfig
@@ -62,7 +64,7 @@ def generations(pipeline, shared, prompts, tokens: int, speculate: bool) -> dict
 
     def run(i):
         together[i] = generate_sharing(pipeline, shared, ids=prompts[i], config=config, speculate=speculate,
-                                       remember=False)
+                                       batch_priced=batch_priced, remember=False)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     started = time.perf_counter()
@@ -72,7 +74,8 @@ def generations(pipeline, shared, prompts, tokens: int, speculate: bool) -> dict
         t.join()
     together_s = time.perf_counter() - started
     made = sum(len(r.token_ids) for r in alone)
-    return {"speculate": speculate, "tokens": made, "one_after_another_tokens_per_s": round(made / alone_s, 2),
+    return {"speculate": speculate, "batch_priced": batch_priced, "tokens": made,
+            "one_after_another_tokens_per_s": round(made / alone_s, 2),
             "shared_tokens_per_s": round(made / together_s, 2), "ratio": round(alone_s / together_s, 3),
             "answers_differ": sum(a.token_ids != b.token_ids for a, b in zip(alone, together))}
 
@@ -136,8 +139,8 @@ def main() -> None:
         from edgespec.runtime.execution.shared_passes import SharedPasses
 
         shared = SharedPasses(single, slots)
-        report["generations"] = [generations(pipeline, shared, prompts, args.generate, speculate)
-                                 for speculate in (True, False)]
+        report["generations"] = [generations(pipeline, shared, prompts, args.generate, speculate, priced)
+                                 for speculate, priced in ((True, True), (True, False), (False, True))]
         for row in report["generations"]:
             print(json.dumps(row), file=sys.stderr)
     print(json.dumps(report, indent=2))

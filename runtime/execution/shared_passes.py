@@ -8,7 +8,8 @@ those waiting after `patience_s`), runs them in one pass of the slots graph (run
 each with the bits it gets alone, so no answer changes), and hands each its own result. A conversation
 alone runs the single graph's pass, exactly its pass alone. A conversation joins at its next pass and
 leaves when it ends (`with shared.target() as target:`); a pass the slots graph cannot take (a mask over
-the past, a draft's inexact rows, features to read) runs alone, in turn.
+the past, a draft's inexact rows, features to read) runs alone, in turn. With `prefill_apart`, a prompt's
+prefill chunks are not shared either: they run at once, back to back, alone (history.md §68).
 
 Everything else a conversation computes (its drafts, sampling, text) runs under one lock, `_cpu`, which it
 gives up only while it waits for its pass, and the pass runs under it too: on a machine of a few cores,
@@ -51,8 +52,11 @@ class _Request:
 class SharedPasses:
     """The target passes of every conversation that has joined, gathered into passes of `slots`."""
 
-    def __init__(self, runner: ModelRunner, slots: SlotRunner, patience_s: float = PATIENCE_S):
+    def __init__(self, runner: ModelRunner, slots: SlotRunner, patience_s: float = PATIENCE_S,
+                 prefill_apart: bool = False):
         self.runner, self.slots, self.patience_s = runner, slots, patience_s
+        self.prefill_apart = prefill_apart
+        self.apart = 0  # prefill chunks run apart
         self._changed = threading.Condition()
         self._queue: list[_Request] = []
         self._members = 0  # conversations joined
@@ -81,6 +85,12 @@ class SharedPasses:
 
     def forward(self, args: tuple, kwargs: dict) -> Pass:
         """Called holding `_cpu` (from `target`): gives it up while the pass waits and runs, takes it back."""
+        if self.prefill_apart and _prefill_chunk(args):
+            # run now, keeping `_cpu`: a chunk already runs the matmuls at full width, so sharing its pass
+            # saves little, and a prompt shared one chunk a round waits a round of every other
+            # conversation's compute per chunk before its first token (history.md §65, §68)
+            self.apart += 1
+            return self.runner.forward(*args, **kwargs)
         request, batch = _Request(args, kwargs), None
         self._cpu.release()
         try:
@@ -154,6 +164,12 @@ class SharedPasses:
         return request.result
 
 
+def _prefill_chunk(args: tuple) -> bool:
+    """A pass of several tokens that asks for one row's logits: a prompt's chunk (runtime/execution/model.py
+    `prefill`), where a verify pass asks for every node's."""
+    return len(args) == 5 and len(args[1]) > 1 and len(args[4]) == 1
+
+
 class SharedTarget:
     """The target runner as one conversation sees it: its passes go through `SharedPasses`, all else is the
     runner's."""
@@ -169,7 +185,7 @@ class SharedTarget:
 
 
 def open_shared(folder, target, runner: ModelRunner, threads: int | None,
-                patience_s: float = PATIENCE_S) -> SharedPasses | None:
+                patience_s: float = PATIENCE_S, prefill_apart: bool = False) -> SharedPasses | None:
     """Shared passes over the bundle's slots graph (`target`: the manifest's target entry), on the providers
     `runner`'s session runs on; None when the bundle has no slots graph, or when its passes do not give each
     conversation its bits alone on this device (`keeps_bits`)."""
@@ -177,7 +193,7 @@ def open_shared(folder, target, runner: ModelRunner, threads: int | None,
         return None
     session = make_session(folder / target.slots.file, tuple(runner.session.get_providers()), threads)
     slots = SlotRunner(session, runner)
-    return SharedPasses(runner, slots, patience_s) if keeps_bits(runner, slots) else None
+    return SharedPasses(runner, slots, patience_s, prefill_apart) if keeps_bits(runner, slots) else None
 
 
 def keeps_bits(runner: ModelRunner, slots: SlotRunner) -> bool:
