@@ -106,7 +106,8 @@ class Generations:
         # parsing and tokenising: off the event loop, and never queued behind a generation
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-read")
         self.conversations = KeptConversations(pipeline, config.kept_conversations, self.in_flight)
-        self.shared = shared_passes_of(pipeline, config.shared_prefill == "apart")  # None: the generations in flight take turns instead
+        # None: the generations in flight take turns instead
+        self.shared = shared_passes_of(pipeline, config.shared_prefill == "apart")
         self.batch_priced = config.shared_speculation == "batch"
         self.book = threading.Lock()  # with shared passes: the kept conversations and the mean
         self.longest_token = longest_token(pipeline.codec.tokenizer)
