@@ -20,7 +20,9 @@ from edgespec.runtime.decoding.engine import GenerationConfig, Result
 from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.tool_calls import ToolsError, read_tools, response_format_constraint, tool_constraint, written_call
 
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+# "closed": the budget closed a constrained output (complete and valid, but ended by max_tokens): "length"
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop",
+                  "closed": "length"}
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 # fields a client may send with the value that means "not used" (OpenAI's defaults); any other value is refused
 INERT_FIELDS = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, None),

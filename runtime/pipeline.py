@@ -12,7 +12,7 @@ from .contract.drafting import DrafterKind, LookupConfig
 from .contract.errors import BundleError, InputError
 from .contract.manifest import Manifest, open_bundle, read_head_tokens
 from .contract.topology import Topology
-from .decoding.constraints import Grammars
+from .decoding.constraints import Grammars, Guide
 from .decoding.controller import Controller, Measurements
 from .decoding.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, RecyclingDrafter, new_recycling_table
 from .decoding.dynamic_tree import DynamicDrafter
@@ -300,8 +300,7 @@ class Pipeline:
         owned = session is None  # the request's own caches: freed when it ends
         session = self.new_session(speculate) if owned else self._checked_session(session, speculate)
         drafter = session.drafter
-        guide = None if config.constraint is None else \
-            self.grammars.start(config.constraint, forced_chains=not isinstance(drafter, NoDrafter))
+        guide = None if config.constraint is None else self._guide(config, drafter)
         overlap = Overlap() if self.overlaps(drafter) and guide is None else None
         counted = drafter.counts.copy() if isinstance(drafter, Controller) else None
         try:
@@ -320,6 +319,13 @@ class Pipeline:
             if owned:
                 del session, drafter
             self.trim_heap()
+
+    def _guide(self, config: GenerationConfig, drafter: Drafter) -> Guide:
+        """The constraint's parser state; closing within the budget refuses a budget no output fits."""
+        if config.close_within_budget:
+            self.grammars.within(config.constraint, config.max_new_tokens)
+        return self.grammars.start(config.constraint, forced_chains=not isinstance(drafter, NoDrafter),
+                                   budget=config.max_new_tokens if config.close_within_budget else None)
 
     def forget_outputs(self) -> None:
         """Empties the store of earlier outputs (a benchmark's round starts without them)."""

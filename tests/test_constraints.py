@@ -39,14 +39,15 @@ def first_tokens(pipeline, speculate: bool, trials: int, prompt: str, constraint
     counts = Counter()
     for seed in range(trials):
         sampled = GenerationConfig(max_new_tokens=3, stop_at_eos=False, constraint=constraint,
-                                   sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed))
+                                   sampling=SamplingConfig(temperature=1.0, top_k=3, seed=seed),
+                                   close_within_budget=False)  # the first tokens of the masked distribution
         counts[tuple(pipeline.generate(prompt, config=sampled, speculate=speculate).token_ids)] += 1
     return counts
 
 
 def assert_matches(kind: str, result) -> None:
-    """A finished output matches its constraint; a cut one (max_new_tokens) is at least a prefix of a match."""
-    if result.stop_reason != "eos":
+    """A finished output (or one the budget closed) matches its constraint; a cut one is a prefix of a match."""
+    if result.stop_reason not in ("eos", "closed"):
         assert result.stop_reason == "max_new_tokens"
         return
     text = result.text
@@ -85,7 +86,9 @@ def test_the_constrained_output_is_the_argmax_of_the_masked_logits(bundle_factor
     """Plain constrained greedy decoding, checked token by token against the target's own logits."""
     pipeline = Pipeline(bundle_factory(draft="ngram", tree="chain:6"))
     prompt = "The quick brown fox"
-    result = pipeline.generate(prompt, config=config(SPECS["json_schema"], max_new_tokens=24), speculate=False)
+    masks_only = GenerationConfig(max_new_tokens=24, stop_at_eos=False, constraint=SPECS["json_schema"],
+                                  close_within_budget=False)  # closing: tests/test_closing.py
+    result = pipeline.generate(prompt, config=masks_only, speculate=False)
     free = pipeline.generate(prompt, config=config(None, max_new_tokens=24), speculate=False)
     assert result.token_ids != free.token_ids  # a random tiny model does not write this JSON by itself
     guide = pipeline.grammars.start(SPECS["json_schema"])
@@ -257,8 +260,8 @@ def test_a_forced_chain_the_target_spells_otherwise_rewinds_the_drafter(draft, t
     pipeline = Pipeline(bundle_factory(draft=draft, tree=tree, suffix=suffix))
     start = pipeline.grammars.start
 
-    def loose(spec, forced_chains=True):
-        guide = start(spec, forced_chains)
+    def loose(spec, forced_chains=True, budget=None):
+        guide = start(spec, forced_chains, budget)
         guide.forced = lambda limit: [int(np.flatnonzero(guide.mask())[0])] if forced_chains and limit > 0 else []
         return guide
 

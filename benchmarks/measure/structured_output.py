@@ -16,7 +16,8 @@ without a schema of at least 2 KB (the prompt's schema with more properties), al
 `--show` prints each constrained output. `--bounds ITEMS,CHARS` (an experiment, history.md §63): every array
 of the prompt's schema without a `maxItems` gets ITEMS, every free string (no enum, format or maxLength)
 CHARS as its `maxLength`, and every number `multipleOf: 0.01`, in the schema the prompt shows and in the
-constraint alike; validity is then judged against the bounded schema.
+constraint alike; validity is then judged against the bounded schema. Constrained outputs close within
+`--max-new-tokens` (runtime/decoding/closing.py): `stop` "closed" where the budget ended one (history.md §67).
 """
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     ttft = {"none": [], "2KB": []}
     for _ in range(args.ttft_rounds):
         for label, constraint in (("none", None), ("2KB", ConstraintSpec.json_schema(big, strict=True))):
-            config = GenerationConfig(max_new_tokens=2, constraint=constraint)
+            config = GenerationConfig(max_new_tokens=2, constraint=constraint, close_within_budget=False)
             ttft[label].append(pipeline.generate(messages=item["messages"], config=config, speculate=False,
                                                  remember=False).stats.first_token_s)
     ttft_ms = {label: round(1000 * statistics.median(v), 1) for label, v in ttft.items()}
@@ -176,7 +177,8 @@ def main(argv=None) -> int:
         "unconstrained_valid": sum(r["unconstrained_parses"][1] for r in rows),
         "constrained_parse": sum(r["constrained_parses"][0] for r in rows),
         "constrained_valid": sum(r["constrained_parses"][1] for r in rows),
-        "finished": sum(r["stop"] == "eos" for r in rows), "identical": all(r["identical"] for r in rows),
+        "finished": sum(r["stop"] == "eos" for r in rows), "closed": sum(r["stop"] == "closed" for r in rows),
+        "identical": all(r["identical"] for r in rows),
         "plain_tokens_per_s": round(plain_rate, 2), "speculative_tokens_per_s": round(fast_rate, 2),
         "speedup": round(fast_rate / plain_rate, 3),
         "tokens_per_pass": round(sum(r["tokens_per_pass"] * r["passes"] for r in rows) / passes, 3),

@@ -27,6 +27,7 @@ import llguidance
 import numpy as np
 
 from ..contract.errors import ConstraintError, InputError
+from .closing import INFINITE, Closer
 from .shortest import shortest_tokens
 from .tree import Tree
 
@@ -127,11 +128,13 @@ class Grammars:
         self.eos = tuple(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos))
         self._vocab_bytes: frozenset[bytes] | None = None
+        self._closer: Closer | None = None
 
-    def start(self, spec: ConstraintSpec, forced_chains: bool = True) -> "Guide":
+    def start(self, spec: ConstraintSpec, forced_chains: bool = True, budget: int | None = None) -> "Guide":
         """The parser state before the first new token; a spec the engine cannot compile is a ConstraintError.
         `forced_chains`: steps verify the grammar's forced tokens as a chain (speculation); plain decoding
-        takes one token a pass whatever the grammar forces."""
+        takes one token a pass whatever the grammar forces. `budget`: the most new tokens the output may have,
+        within which it closes (runtime/decoding/closing.py); None: masks only, an output may end cut."""
         grammar = spec.engine_grammar()
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error and not error.startswith("WARNING"):
@@ -139,7 +142,9 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"{spec.describe()} cannot be compiled for constrained decoding: {matcher.get_error()}")
-        return Guide(matcher, self.vocab_size, forced_chains)
+        if budget is not None and self._closer is None:  # every token's bytes, read once per vocabulary
+            self._closer = Closer(self.tokenizer, self.vocab_size, self.eos)
+        return Guide(matcher, self.vocab_size, forced_chains, None if budget is None else self._closer, budget)
 
     def shortest(self, spec: ConstraintSpec, above: int | None = None) -> int:
         """The fewest new tokens a complete output of `spec` has (runtime/decoding/shortest.py; `above`: only
@@ -149,7 +154,8 @@ class Grammars:
             self._longest = max(map(len, self._vocab_bytes))
         return shortest_tokens(spec, self.tokenizer, self._vocab_bytes, self._longest, above)
 
-    def within(self, spec: ConstraintSpec, max_new_tokens: int, name: str = "max_new_tokens") -> None:
+    def within(self, spec: ConstraintSpec, max_new_tokens: int, name: str = "max_new_tokens",
+               closing: bool = True) -> None:
         """Refuses (InputError) a budget in which no output of `spec` can complete: a run would only end
         at the budget with a cut document. `name`: the budget's name in the caller's terms. The server asks
         this of every constrained request; `Pipeline.generate` does not, since a prefix under a short budget
@@ -158,29 +164,75 @@ class Grammars:
         if needed > max_new_tokens:
             raise InputError(f"no output matching {spec.describe()} is shorter than {needed} tokens, and {name} is "
                              f"{max_new_tokens}: raise {name} to {needed} or more, or loosen the constraint")
+        closes = self.start(spec, budget=max_new_tokens).closing_distance() if closing else 0
+        if closes > max_new_tokens:  # `closing`: the budget closes the output, which takes this many from the start
+            raise InputError(f"an output matching {spec.describe()} closes within no fewer than {closes} tokens (the "
+                             f"shortest has {needed}), and {name} is {max_new_tokens}: raise {name} to {closes} or "
+                             "more, or loosen the constraint")
 
 
 class Guide:
     """One generation's parser state (at the committed tokens between steps), and what it supplied."""
 
-    def __init__(self, matcher, vocab_size: int, forced_chains: bool):
+    def __init__(self, matcher, vocab_size: int, forced_chains: bool, closer: Closer | None = None,
+                 budget: int | None = None):
         self.matcher, self.vocab_size, self.forced_chains = matcher, vocab_size, forced_chains
+        self.closer, self.budget = closer, budget
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self.supplied = 0  # tokens committed from the grammar's forced chains (accepted without a drafter)
+        self.closed = False  # closing alone chose a committed token (the output's finish is then "length")
+        self._path: list[int] = []  # the tokens the matcher is at: committed, then a tree walk's path
+        self._distances: dict[tuple[int, ...], tuple[int, int | None]] = {}
+        self._complete: set[int] = set()  # committed token counts after which the output is a complete match
 
     def mask(self) -> np.ndarray:
-        """[V] bool: the tokens the grammar admits next from the matcher's state."""
+        """[V] bool: the tokens admitted next from the matcher's state (closing counts the tokens left from
+        the path the matcher is at)."""
         self._check()
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
         if not allowed.any():
             raise ConstraintError("the grammar admits no token here and cannot end: check that it can complete")
+        if self.closer is not None:
+            allowed = self.closer.restrict(allowed, self.budget - len(self._path), self._distance)
         return allowed
 
     def forced(self, limit: int) -> list[int]:
-        """Up to `limit` tokens the grammar admits deterministically from the committed state."""
+        """Up to `limit` tokens the grammar admits deterministically from the committed state: its forced
+        tokens, or where the budget leaves only the closing completion, that completion."""
         self._check()
-        return list(self.matcher.compute_ff_tokens()[:limit]) if limit > 0 and self.forced_chains else []
+        if limit <= 0 or not self.forced_chains:
+            return []
+        forced = list(self.matcher.compute_ff_tokens()[:limit])
+        if forced or self.closer is None or self.budget - len(self._path) > self._distance(None)[0]:
+            return forced
+        while len(forced) < limit:  # closing: each token the completion's next, the distance one less
+            d, first = self._distance(None)
+            if d == 0 or first is None or not self.matcher.consume_token(first):
+                break
+            forced.append(first)
+            self._path.append(first)
+        if forced:
+            self.matcher.rollback(len(forced))
+            del self._path[len(self._path) - len(forced):]
+        return forced
+
+    def closing_distance(self) -> int:
+        """The tokens the closing completion takes from the committed state (runtime/decoding/closing.py)."""
+        return self._distance(None)[0]
+
+    def _distance(self, token: int | None) -> tuple[int, int | None]:
+        """The closing distance at the matcher's state, or after `token` from it; cached by path."""
+        key = tuple(self._path) if token is None else (*self._path, token)
+        if key not in self._distances:
+            if token is None:
+                self._distances[key] = self.closer.distance(self.matcher)
+            elif not self.matcher.consume_token(token):
+                self._distances[key] = (INFINITE, None)
+            else:
+                self._distances[key] = self.closer.distance(self.matcher)
+                self.matcher.rollback(1)
+        return self._distances[key]
 
     def admit(self, tree: Tree, sampling: bool) -> tuple[Tree, np.ndarray]:
         """The tree without what the grammar refuses (see the module docstring for what sampling keeps), and
@@ -199,7 +251,9 @@ class Guide:
                 elif masks[node][token]:
                     if not matcher.consume_token(token):
                         raise ConstraintError(f"the grammar refused a token it admitted: {matcher.get_error()}")
+                    self._path.append(token)
                     visit(child)
+                    self._path.pop()
                     matcher.rollback(1)
                 elif sampling and tree.q_draft is not None and (tree.drawn is None or bool(tree.drawn[child])):
                     keep.append(child)  # a refused draw: a leaf the walk rejects, its rejection shaping the residual
@@ -214,8 +268,24 @@ class Guide:
         for token in tokens:
             if self.matcher.is_stopped():
                 return
+            if self.closer is not None and self._closing_chose(int(token)):
+                self.closed = True
+            self._path.append(int(token))
             if not self.matcher.consume_token(int(token)):
                 raise ConstraintError(f"the grammar refused a committed token: {self.matcher.get_error()}")
+            if self.closer is not None and self.matcher.is_accepting():
+                self._complete.add(len(self._path))
+
+    def complete_after(self, count: int) -> bool:
+        """Whether the first `count` committed tokens are a complete match (closing: an output that reached
+        its budget there ended complete, its EOS past the budget)."""
+        return count in self._complete
+
+    def _closing_chose(self, token: int) -> bool:
+        """Whether the budget alone chose this committed token: closing admitted only it, and it is not the
+        end the grammar reached anyway."""
+        d, first = self._distance(None)
+        return self.budget - len(self._path) <= d and d > 0 and token == first
 
     def _check(self) -> None:
         if self.matcher.is_error():

@@ -44,6 +44,9 @@ class GenerationConfig:
     # what the output must match (JSON schema, JSON object, pattern, choice, grammar): the target's logits are
     # masked at every node; the grammar's end is the output's end (its EOS stops it, whatever stop_at_eos says)
     constraint: ConstraintSpec | None = None
+    # a constrained output ends complete within max_new_tokens, the budget closing it where it must (stop
+    # reason "closed"; runtime/decoding/closing.py); False: masks only, a cut prefix at the budget
+    close_within_budget: bool = True
 
     def __post_init__(self):
         for name in ("max_new_tokens", "attention_sinks"):
@@ -110,7 +113,8 @@ class Result:
     token_ids: list[int]
     text: str
     stats: Stats
-    stop_reason: str  # "eos", "stop_string", "max_new_tokens", "cancelled"; "context_full" on an error's partial
+    stop_reason: str  # "eos", "stop_string", "max_new_tokens", "cancelled", "closed" (the budget ended a constrained
+    # output: complete, its end chosen by closing); "context_full" on an error's partial
 
 
 @dataclass
@@ -277,6 +281,9 @@ def generate(target: Runner, codec: TextCodec, session: Session, context_ids: li
             stats.target_passes += 1
             stats.accepted_drafts += accepted
     text = sink.finish()
+    if guide is not None and (reason == "eos" and guide.closed or
+                              reason == "max_new_tokens" and guide.complete_after(len(emitted))):
+        reason = "closed"
     if reason == "stop_string":
         emitted = emitted[: sink.tokens_before_stop()]
     stats.new_tokens = len(emitted)
