@@ -268,10 +268,10 @@ def _add_serve(sub) -> None:
                         "with --memory-budget, as many as fit)")
     p.add_argument("--kept-conversations", type=int, default=4, metavar="N",
                    help="clients whose conversation (its KV caches) is kept for follow-ups (default 4; 0: none)")
-    p.add_argument("--shared-speculation", choices=("batch", "alone"), default="batch",
-                   help="with a slots graph (export --slots): 'batch' (default) prices each greedy step's tree "
-                        "against the whole shared pass, so speculation runs only where it pays beside the "
-                        "others; 'alone' prices it as if the conversation ran alone")
+    p.add_argument("--shared-speculation", choices=("alone", "batch"), default="alone",
+                   help="with a slots graph (export --slots): 'alone' (default) prices each step's tree as if "
+                        "its conversation ran alone; 'batch' prices a greedy step's tree against the whole "
+                        "shared pass (measured slower on 2 cores: benchmarks/history.md §68)")
     p.add_argument("--shared-prefill", choices=("together", "apart"), default="together",
                    help="with a slots graph: a new prompt's prefill chunks ride in the shared passes ('together', "
                         "default) or run back to back alone ('apart', for time to first token)")

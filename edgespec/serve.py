@@ -63,9 +63,9 @@ class ServeConfig:
     interleave: int = 4  # generations in flight, taking target passes in turn (with a budget: what fits)
     kept_conversations: int = 4  # clients whose conversation (its KV caches) is kept between requests
     max_body_bytes: int = 4 * 2**20
-    # with shared passes, a greedy step's tree priced against the whole pass ("batch") or as alone
-    # (runtime/decoding/controller.py; history.md §68)
-    shared_speculation: str = "batch"
+    # with shared passes, a greedy step's tree priced as alone (the default: pricing it against the whole
+    # pass, "batch", lost on 2 cores, history.md §68) or against the whole pass
+    shared_speculation: str = "alone"
     # with shared passes, a prompt's prefill chunks in the shared passes ("together") or back to back,
     # alone ("apart"; runtime/execution/shared_passes.py; history.md §68)
     shared_prefill: str = "together"

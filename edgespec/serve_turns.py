@@ -87,7 +87,7 @@ def shared_passes_of(pipeline: Pipeline, prefill_apart: bool = False) -> SharedP
                        prefill_apart=prefill_apart)
 
 
-def generate_sharing(pipeline: Pipeline, shared: SharedPasses, batch_priced: bool = True, **generate) -> Result:
+def generate_sharing(pipeline: Pipeline, shared: SharedPasses, batch_priced: bool = False, **generate) -> Result:
     """`pipeline.generate(**generate)` with this generation's target passes shared with the others in flight.
     `batch_priced`: its step controller prices each greedy step against the whole shared pass (the others
     aboard as plain steps), not as alone (runtime/decoding/controller.py; history.md §68)."""

@@ -28,8 +28,10 @@ def pipeline(models, tmp_path_factory):
 
 
 def generate_shared(pipeline, shared, ids, config, speculate=True, should_stop=None):
-    """As serve does (edgespec/serve_turns.py): greedy trees priced against the whole shared pass."""
-    return generate_sharing(pipeline, shared, ids=ids, config=config, speculate=speculate, should_stop=should_stop)
+    """As serve does (edgespec/serve_turns.py), greedy trees priced against the whole shared pass (serve's
+    --shared-speculation batch): the choices move more, the answers must not."""
+    return generate_sharing(pipeline, shared, batch_priced=True, ids=ids, config=config, speculate=speculate,
+                            should_stop=should_stop)
 
 
 def test_the_bundle_records_its_slots_graph(pipeline):
