@@ -1,13 +1,14 @@
 """`edgespec serve`'s ways of running several clients, measured alternately in one run (issue 42, history.md §68).
 
-    python benchmarks/measure/serve_modes.py [--modes batch,alone,interleave] [--rounds 2]
+    python benchmarks/measure/serve_modes.py [--modes batch,apart,alone,interleave] [--rounds 2]
         [--clients 1,4,16] [--max-tokens 64] [--requests 16] [--json FILE]
 
 Modes: `batch` and `alone` serve the default recipe exported with a slots graph of `--slots` conversations
 (benchmarks/measure/slot_passes.py), the generations in flight sharing their target passes, each greedy
 step's tree priced against the whole shared pass (`--shared-speculation batch`) or as if alone (`alone`,
-§65's server); `interleave` serves the default bundle, the generations taking passes in turn (§62). Each
-round starts every mode's server once (the order reversed every other round, so that a drift of the
+§65's server, serve's default); `apart` as `alone` with a prompt's prefill chunks back to back, alone
+(`--shared-prefill apart`); `interleave` serves the default bundle, the generations taking passes in turn
+(§62). Each round starts every mode's server once (the order reversed every other round, so that a drift of the
 machine's load falls on each mode alike) and runs serve_load.py's levels against it: the same prompts,
 streamed, greedy, Retry-After honoured, the one-client level's answers the ones every other level must
 repeat. On a machine others share, only ratios within a round count: it prints, per round, each mode's
@@ -37,7 +38,7 @@ MODEL = "bench"
 
 
 def command(mode: str, bundle: str, port: int, threads: int) -> list[str]:
-    extra = {"interleave": [], "apart": ["--shared-speculation", "batch", "--shared-prefill", "apart"]}.get(
+    extra = {"interleave": [], "apart": ["--shared-speculation", "alone", "--shared-prefill", "apart"]}.get(
         mode, ["--shared-speculation", mode])
     return [sys.executable, "-m", "edgespec.cli", "serve", bundle, "--port", str(port), "--threads", str(threads),
             "--model-name", MODEL, *extra]
