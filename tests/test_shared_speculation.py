@@ -3,9 +3,13 @@
 where its rows slow the others' steps more than its tokens give; a sampled step keeps its choice alone;
 and a shared pass's seconds (waits for the others included) do not enter the pass costs."""
 import numpy as np
+import pytest
+from edgespec.parser import build_parser
+from edgespec.runtime.contract.errors import InputError
 from edgespec.runtime.decoding.controller import Controller, Measurements, PassCosts
 from edgespec.runtime.decoding.sampling import Sampler, SamplingConfig
 from edgespec.runtime.decoding.tree import Tree
+from edgespec.serve import ServeConfig
 
 CHAIN = 4  # the main drafter's tree: a chain of this many nodes, the root included
 
@@ -64,3 +68,11 @@ def test_a_shared_pass_is_not_timed_into_the_pass_costs():
     tree = c.propose([1, 2, 3, 9], 16, None)
     c.observe(list(tree.tokens[1:]) + [9], tree.tokens, np.zeros((tree.size, 16), dtype=np.float32))
     assert CHAIN in c.measured.costs.seen  # alone, the pass is timed (its first of a shape only seen)
+
+
+def test_serve_prices_as_alone_unless_told_and_refuses_other_words():
+    assert build_parser().parse_args(["serve"]).shared_speculation == "alone"  # batch lost on 2 cores (§68)
+    assert build_parser().parse_args(["serve", "--shared-speculation", "batch"]).shared_speculation == "batch"
+    assert ServeConfig(model="m").shared_speculation == "alone"
+    with pytest.raises(InputError, match="--shared-speculation"):
+        ServeConfig(model="m", shared_speculation="fast")
