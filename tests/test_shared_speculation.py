@@ -4,11 +4,12 @@ where its rows slow the others' steps more than its tokens give; a sampled step 
 and a shared pass's seconds (waits for the others included) do not enter the pass costs."""
 import numpy as np
 import pytest
-from edgespec.parser import build_parser
 from edgespec.runtime.contract.errors import InputError
 from edgespec.runtime.decoding.controller import Controller, Measurements, PassCosts
 from edgespec.runtime.decoding.sampling import Sampler, SamplingConfig
 from edgespec.runtime.decoding.tree import Tree
+
+from edgespec.parser import build_parser
 from edgespec.serve import ServeConfig
 
 CHAIN = 4  # the main drafter's tree: a chain of this many nodes, the root included
