@@ -176,6 +176,8 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     config = _generation_config(args)
     pipeline = _pipeline(args)
+    if config.constraint is not None and config.close_within_budget:  # up front, not at the first turn
+        pipeline.grammars.within(config.constraint, config.max_new_tokens)
     session = pipeline.new_session(not args.no_speculate)
     messages = []
     print("edgespec chat — an empty line or Ctrl-D ends it.", file=sys.stderr)

@@ -111,3 +111,20 @@ def test_a_budget_no_output_fits_is_refused_up_front(bundle_factory):
     prefix = pipeline.generate("x", config=GenerationConfig(max_new_tokens=shortest - 1, constraint=spec,
                                                             close_within_budget=False))
     assert prefix.stop_reason == "max_new_tokens"  # without closing, a prefix is what a caller asked for
+
+
+def test_generate_and_chat_refuse_a_budget_no_output_fits(bundle_factory, tmp_path, capsys):
+    from edgespec.cli import main
+
+    bundle = str(bundle_factory(draft="ngram", tree="chain:6"))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(LIST))
+    shortest = Pipeline(bundle).grammars.shortest(SPECS["json_schema"])
+    for command in (["generate", bundle, "--prompt", "x"], ["chat", bundle]):
+        capsys.readouterr()
+        assert main([*command, "--json-schema", str(schema), "--max-new-tokens", str(shortest - 1)]) == 2
+        error = capsys.readouterr().err
+        assert f"shorter than {shortest} tokens" in error and f"max_new_tokens is {shortest - 1}" in error
+    assert main(["generate", bundle, "--prompt", "x", "--regex", "[a-z]{9}", "--max-new-tokens", "2"]) == 2
+    error = capsys.readouterr().err  # a pattern has no document bound: the closing completion's length is asked
+    assert "closes within no fewer than 9 tokens" in error and "max_new_tokens is 2" in error
