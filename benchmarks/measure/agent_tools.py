@@ -67,7 +67,8 @@ def answer(pipeline: Pipeline, messages: list[dict], tools: list[dict], choice, 
     ids = pipeline.encode(messages=shown, tools=template_tools)
     config = GenerationConfig(max_new_tokens=max_tokens, constraint=completion.constraint)
     result = pipeline.generate(ids=ids, config=config, speculate=speculate, remember=False)
-    return result, (read_call(result.text) if result.stop_reason == "eos" else None)
+    # a complete answer: the model's own end, or one the budget closed (history.md §67), as the server reads it
+    return result, (read_call(result.text) if result.stop_reason in ("eos", "closed") else None)
 
 
 def validates(call: dict, schemas: dict) -> bool:
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
         some = [r for r in rows if r["mode"] == mode]
         summary[mode] = {"requests": len(some), "answers_that_call": sum(r["call"] for r in some),
                          "calls": sum(r["calls"] for r in some), "valid_calls": sum(r["valid"] for r in some),
-                         "cut": sum(r["stop"] != "eos" for r in some),
+                         "cut": sum(r["stop"] not in ("eos", "closed") for r in some),
+                         "closed": sum(r["stop"] == "closed" for r in some),
                          "named_tool_called": sum(r["tool"] == r["named"] for r in some) if mode == "named" else None}
     print(json.dumps(summary, indent=1))
     if args.json:
