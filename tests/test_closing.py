@@ -11,6 +11,7 @@ from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.sampling import SamplingConfig
 from edgespec.runtime.pipeline import Pipeline
+from test_constraints import GRAMMAR, PROMPTS
 from test_sampling_engine import TRIALS, assert_same_distribution
 
 # an array without bounds: a random tiny model fills it until the budget, so only closing ends it
@@ -20,12 +21,10 @@ LIST = {"type": "object", "properties": {"title": {"type": "string"},
                                              "required": ["name", "qty"], "additionalProperties": False}},
                                          "done": {"type": "boolean"}},
         "required": ["title", "items", "done"], "additionalProperties": False}
-GRAMMAR = 'start: "add(" NUM ", " NUM ")"\nNUM: /[0-9]{1,3}/\n'
 SPECS = {"json_schema": ConstraintSpec.json_schema(LIST), "json_object": ConstraintSpec.json_object(),
          "regex": ConstraintSpec.regex(r"(quick|lazy) [a-z]{2,40}\."),
          "choice": ConstraintSpec.choice(["The quick brown fox", "the lazy dog", "def add(a, b)"]),
          "grammar": ConstraintSpec.grammar(GRAMMAR)}
-PROMPTS = ["The quick brown fox", "{\"name\": \"edge", "a b c d e f a b c"]
 
 
 def valid(kind: str, text: str) -> bool:
