@@ -272,9 +272,10 @@ def _add_serve(sub) -> None:
                    help="with a slots graph (export --slots): 'alone' (default) prices each step's tree as if "
                         "its conversation ran alone; 'batch' prices a greedy step's tree against the whole "
                         "shared pass (measured slower on 2 cores: benchmarks/history.md §68)")
-    p.add_argument("--shared-prefill", choices=("together", "apart"), default="together",
-                   help="with a slots graph: a new prompt's prefill chunks ride in the shared passes ('together', "
-                        "default) or run back to back alone ('apart', for time to first token)")
+    p.add_argument("--shared-prefill", choices=("apart", "together"), default="apart",
+                   help="with a slots graph: a new prompt's prefill chunks run back to back alone ('apart', "
+                        "default: first tokens sooner, benchmarks/history.md §68) or ride in the shared passes "
+                        "('together')")
     p.add_argument("--max-body", default="4MiB", metavar="SIZE",
                    help="the largest request body accepted, e.g. 4MiB (default); a larger one gets 413")
     p.add_argument("--model-name", default=None,

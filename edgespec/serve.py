@@ -66,9 +66,9 @@ class ServeConfig:
     # with shared passes, a greedy step's tree priced as alone (the default: pricing it against the whole
     # pass, "batch", lost on 2 cores, history.md §68) or against the whole pass
     shared_speculation: str = "alone"
-    # with shared passes, a prompt's prefill chunks in the shared passes ("together") or back to back,
-    # alone ("apart"; runtime/execution/shared_passes.py; history.md §68)
-    shared_prefill: str = "together"
+    # with shared passes, a prompt's prefill chunks back to back, alone ("apart": first tokens sooner) or
+    # in the shared passes ("together"; runtime/execution/shared_passes.py; history.md §68)
+    shared_prefill: str = "apart"
 
     def __post_init__(self):
         if self.queue < 0:
