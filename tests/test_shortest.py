@@ -70,8 +70,11 @@ def test_a_budget_no_output_can_complete_in_is_refused_up_front(bundle_factory):
     with pytest.raises(InputError, match=f"shorter than {bound} tokens, and max_new_tokens is {bound - 1}"):
         pipeline.grammars.within(spec, bound - 1)
     pipeline.grammars.within(spec, bound)
-    # a short budget in Pipeline.generate is a prefix, as before: the caller asks `within` where it must complete
-    cut = pipeline.generate("x", config=GenerationConfig(max_new_tokens=bound - 1, constraint=spec))
+    # Pipeline.generate refuses it too while the budget closes outputs; with masks only, a short budget is a prefix
+    with pytest.raises(InputError, match=f"shorter than {bound} tokens"):
+        pipeline.generate("x", config=GenerationConfig(max_new_tokens=bound - 1, constraint=spec))
+    cut = pipeline.generate("x", config=GenerationConfig(max_new_tokens=bound - 1, constraint=spec,
+                                                         close_within_budget=False))
     assert cut.stop_reason == "max_new_tokens" and len(cut.token_ids) == bound - 1
     # a choice: its shortest option, spelled in the fewest tokens
     choice = ConstraintSpec.choice(["a much longer option than the other", "yes"])

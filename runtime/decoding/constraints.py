@@ -157,15 +157,17 @@ class Grammars:
     def within(self, spec: ConstraintSpec, max_new_tokens: int, name: str = "max_new_tokens",
                closing: bool = True) -> None:
         """Refuses (InputError) a budget in which no output of `spec` can complete: a run would only end
-        at the budget with a cut document. `name`: the budget's name in the caller's terms. The server asks
-        this of every constrained request; `Pipeline.generate` does not, since a prefix under a short budget
-        is what a caller may want (the first tokens of a constrained distribution)."""
+        at the budget with a cut document. `name`: the budget's name in the caller's terms. The server, the CLI
+        and `Pipeline.generate` ask it of every constrained request that closes within its budget; with masks
+        only (`close_within_budget=False`) a short budget is a prefix the caller may want."""
         needed = self.shortest(spec, above=max_new_tokens)
         if needed > max_new_tokens:
             raise InputError(f"no output matching {spec.describe()} is shorter than {needed} tokens, and {name} is "
                              f"{max_new_tokens}: raise {name} to {needed} or more, or loosen the constraint")
         closes = self.start(spec, budget=max_new_tokens).closing_distance() if closing else 0
-        if closes > max_new_tokens:  # `closing`: the budget closes the output, which takes this many from the start
+        # INFINITE: the closing rule finds no completion from the start (e.g. a `minimum` its `0` misses), so
+        # closing never acts on this output and is no reason to refuse; masks alone decide it, as without closing
+        if max_new_tokens < closes < INFINITE:  # the budget closes the output, taking this many from the start
             raise InputError(f"an output matching {spec.describe()} closes within no fewer than {closes} tokens (the "
                              f"shortest has {needed}), and {name} is {max_new_tokens}: raise {name} to {closes} or "
                              "more, or loosen the constraint")
