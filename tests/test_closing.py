@@ -5,8 +5,10 @@ import json
 import re
 from collections import Counter
 
+import numpy as np
 import pytest
 from edgespec.runtime.contract.errors import InputError
+from edgespec.runtime.decoding.closing import INFINITE, Completions
 from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.sampling import SamplingConfig
@@ -95,6 +97,38 @@ def test_closed_sampling_has_the_plain_distribution(draft, tree, kind, bundle_fa
     plain, fast = outcomes(False), outcomes(True)
     assert len(plain) > 1
     assert_same_distribution(plain, fast)
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_a_paths_completion_is_the_same_in_any_order_and_completes(kind, bundle_factory):
+    """Closing's completions (runtime/decoding/closing.py Completions) reuse their parents'; each must be a function
+    of its path alone (asked deepest first, every ancestor computed on the way, as asked root first) and must
+    reach an accepting state from its path."""
+    pipeline, rng = Pipeline(bundle_factory()), np.random.default_rng(len(kind))
+    for _ in range(4):
+        guide = pipeline.grammars.start(SPECS[kind], budget=60)
+        matcher, closer, path = guide.matcher, guide.closer, []
+        while len(path) < 40 and not matcher.is_accepting():  # a random walk of admitted tokens
+            allowed = closer.allowed(matcher)
+            allowed[list(closer.eos)] = False
+            path.append(int(rng.choice(np.flatnonzero(allowed))))
+            assert matcher.consume_token(path[-1])
+        deepest_first = Completions(closer, matcher, 60)
+        at_end = deepest_first.at(path)
+        root_first = Completions(closer, matcher, 60)
+        matcher.rollback(len(path))
+        seen = []
+        for depth in range(len(path) + 1):
+            seen.append(root_first.at(path[:depth]))
+            assert seen[-1] == deepest_first.completion(path[:depth])[:2], (kind, depth)
+            d, _, tokens = root_first.completion(path[:depth])
+            if d <= 60 - depth:  # a completion within the tokens left: it completes from here
+                assert matcher.try_consume_tokens(list(tokens)) == len(tokens) and matcher.is_accepting()
+                matcher.rollback(len(tokens))
+            if depth < len(path):
+                assert matcher.consume_token(path[depth])
+        assert seen[-1] == at_end
+        assert any(d < INFINITE for d, _ in seen)
 
 
 def test_a_budget_no_output_fits_is_refused_up_front(bundle_factory):

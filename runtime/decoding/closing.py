@@ -2,9 +2,10 @@
 
 A small model's masked argmax can repeat array items or digits forever, every token a valid prefix, and end
 at the budget with a cut document (history.md §63). Closing bounds the document by the budget instead of by
-the schema: at every parser state the `Closer` builds one completion by a fixed rule (the grammar's forced
-tokens, else the first of a few closing bytes it admits, else the lowest token it admits) and counts it: the
-state's closing distance d, an upper bound on the tokens a complete output still needs. With r tokens left
+the schema: every state on the output's path has one completion (`Completions`: its parent's, one token on,
+where that still completes; otherwise built by a fixed rule, the grammar's forced tokens, else the first of a
+few closing bytes it admits, else the lowest token it admits), and its length is the state's closing
+distance d, an upper bound on the tokens a complete output still needs (history.md §69). With r tokens left
 (this one included):
 
 - r <= d: only the closing completion's next token is admitted; from there d falls by one a token, so the
@@ -15,8 +16,8 @@ state's closing distance d, an upper bound on the tokens a complete output still
   closing token (word bytes inside free text do not open structure);
 - r > d + WATCH: the grammar's mask unchanged.
 
-The rule reads only the parser state and the tokens left, both known per tree node, so a node's mask is the
-same in a speculative step as in the plain step that reaches it: exactness holds as for the grammar's mask.
+The rule reads only the path to a state and the tokens left, both known per tree node, so a node's mask is
+the same in a speculative step as in the plain step that reaches it: exactness holds as for the grammar's mask.
 A token that adds more than WATCH to the closing distance from free-text position can still leave a cut
 output (finish "length"); the README says so.
 """
@@ -50,28 +51,29 @@ class Closer:
         matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
 
-    def distance(self, matcher, limit: int = CHAIN_LIMIT) -> tuple[int, int | None]:
-        """(d, the closing completion's next token) from the matcher's state, which it leaves as it was;
-        (INFINITE, None) where the rule does not end within `limit` tokens. At an accepting state d is 0 and
-        the next token is an EOS."""
-        consumed, first = 0, None
+    def distance(self, matcher, limit: int = CHAIN_LIMIT) -> tuple[int, int | None, tuple[int, ...]]:
+        """(d, the closing completion's next token, the completion) from the matcher's state, which it leaves
+        as it was; (INFINITE, None, ()) where the rule does not end within `limit` tokens. At an accepting
+        state d is 0, the completion empty and the next token an EOS."""
+        completion: list[int] = []
         try:
             while not matcher.is_accepting():
-                if consumed >= limit or matcher.is_error() or matcher.is_stopped():
-                    return INFINITE, None
+                if len(completion) >= limit or matcher.is_error() or matcher.is_stopped():
+                    return INFINITE, None, ()
                 # the forced tokens at once: computing them is the chain's main cost
                 tokens = [int(t) for t in matcher.compute_ff_tokens()] or [self._closing_token(matcher)]
                 if tokens[0] is None or not matcher.consume_tokens(tokens):
-                    return INFINITE, None
-                consumed += len(tokens)
-                first = tokens[0] if first is None else first
-            if first is None:
-                allowed = self.allowed(matcher)
-                first = next((e for e in self.eos if e < self.vocab_size and allowed[e]), None)
-            return consumed, first
+                    return INFINITE, None, ()
+                completion += tokens
+            return len(completion), completion[0] if completion else self.end(matcher), tuple(completion)
         finally:
-            if consumed:
-                matcher.rollback(consumed)
+            if completion:
+                matcher.rollback(len(completion))
+
+    def end(self, matcher) -> int | None:
+        """The first EOS the matcher's (accepting) state admits."""
+        allowed = self.allowed(matcher)
+        return next((e for e in self.eos if e < self.vocab_size and allowed[e]), None)
 
     def _closing_token(self, matcher) -> int | None:
         for token in self.closers:
@@ -82,10 +84,10 @@ class Closer:
         admitted = np.flatnonzero(allowed)
         return int(admitted[0]) if admitted.size else None
 
-    def restrict(self, allowed: np.ndarray, left: int, distance_of) -> np.ndarray:
-        """`allowed` as closing leaves it with `left` tokens left (this one included); `distance_of(token)`:
-        the closing distance after `token` (cached by the caller)."""
-        d, first = distance_of(None)
+    def restrict(self, allowed: np.ndarray, left: int, at: tuple[int, int | None], fits) -> np.ndarray:
+        """`allowed` as closing leaves it with `left` tokens left (this one included), `at` the state's (d,
+        next token); `fits(token)`: whether the closing distance after `token` is at most `left - 1`."""
+        d, first = at
         if left > d + WATCH or first is None:
             return allowed
         closing = np.zeros_like(allowed)
@@ -96,6 +98,75 @@ class Closer:
         if admitted.size > FEW:
             return closing | (allowed & self.wordy)
         for token in admitted:
-            if int(token) in self.eos or distance_of(int(token))[0] <= left - 1:
+            if int(token) in self.eos or fits(int(token)):
                 closing[token] = True
         return closing
+
+
+class Completions:
+    """One generation's closing completions by path (the tokens the matcher is at), each a function of its
+    path alone, whatever order tree walks and steps ask for them in (exactness). A path is its parent and
+    one token; its completion is, by the first rule that holds:
+
+    - the parent's completion after its first token, where that token is the one taken (no work: inside the
+      closing region every token is such a step);
+    - the parent's completion, where it still completes from here (most tokens open nothing: checking costs
+      one batch of the parser, a fraction of building a completion);
+    - the rule's own walk from here, given up past the tokens left (no completion fits then: masks alone act).
+    Only the last committed state's parent and later are kept."""
+
+    def __init__(self, closer: Closer, matcher, budget: int):
+        self.closer, self.matcher, self.budget = closer, matcher, budget
+        self._known: dict[tuple[int, ...], tuple[int, int | None, tuple[int, ...]]] = {}
+
+    def at(self, path: list[int]) -> tuple[int, int | None]:
+        """(d, next token) at `path`, where the matcher is."""
+        d, first, _ = self.completion(path)
+        return d, first
+
+    def fits(self, path: list[int], token: int) -> bool:
+        """Whether the completion after `token` takes at most the tokens left after it."""
+        if not self.matcher.consume_token(token):
+            return False
+        try:
+            return self.completion([*path, token])[0] <= self.budget - len(path) - 1
+        finally:
+            self.matcher.rollback(1)
+
+    def completion(self, path: list[int]) -> tuple[int, int | None, tuple[int, ...]]:
+        """(d, next token, the completion) at `path`, where the matcher is (and is left)."""
+        key = tuple(path)
+        if key not in self._known:  # from the deepest path known (the root at worst), each path in turn
+            depth = len(key)
+            while depth > 0 and key[:depth] not in self._known:
+                depth -= 1
+            if depth < len(key):
+                self.matcher.rollback(len(key) - depth)
+            if key[:depth] not in self._known:  # the root
+                self._known[key[:depth]] = self.closer.distance(self.matcher, limit=self.budget)
+            for step in range(depth + 1, len(key) + 1):
+                self.matcher.consume_token(key[step - 1])
+                self._known[key[:step]] = self._after(self._known[key[: step - 1]], key[step - 1], step)
+        return self._known[key]
+
+    def forget_before(self, committed: int) -> None:
+        """Drops the paths shorter than the committed state's parent: no later path reaches them."""
+        for key in [key for key in self._known if len(key) < committed - 1]:
+            del self._known[key]
+
+    def _after(self, parent: tuple[int, int | None, tuple[int, ...]], token: int, depth: int):
+        """The completion where the matcher is, one `token` after `parent`'s state, `depth` tokens in."""
+        if parent[2][:1] == (token,):
+            tail = parent[2][1:]
+            return parent[0] - 1, tail[0] if tail else self.closer.end(self.matcher), tail
+        if parent[1] is not None and self._completes(parent[2]):
+            return parent if parent[2] else (0, self.closer.end(self.matcher), ())
+        return self.closer.distance(self.matcher, limit=self.budget - depth)
+
+    def _completes(self, tokens: tuple[int, ...]) -> bool:
+        consumed = self.matcher.try_consume_tokens(list(tokens))
+        try:
+            return consumed == len(tokens) and self.matcher.is_accepting()
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)

@@ -27,7 +27,7 @@ import llguidance
 import numpy as np
 
 from ..contract.errors import ConstraintError, InputError
-from .closing import INFINITE, Closer
+from .closing import INFINITE, Closer, Completions
 from .shortest import shortest_tokens
 from .tree import Tree
 
@@ -184,7 +184,7 @@ class Guide:
         self.supplied = 0  # tokens committed from the grammar's forced chains (accepted without a drafter)
         self.closed = False  # closing alone chose a committed token (the output's finish is then "length")
         self._path: list[int] = []  # the tokens the matcher is at: committed, then a tree walk's path
-        self._distances: dict[tuple[int, ...], tuple[int, int | None]] = {}
+        self._completions = None if closer is None else Completions(closer, matcher, budget)
         self._complete: set[int] = set()  # committed token counts after which the output is a complete match
 
     def mask(self) -> np.ndarray:
@@ -196,7 +196,8 @@ class Guide:
         if not allowed.any():
             raise ConstraintError("the grammar admits no token here and cannot end: check that it can complete")
         if self.closer is not None:
-            allowed = self.closer.restrict(allowed, self.budget - len(self._path), self._distance)
+            allowed = self.closer.restrict(allowed, self.budget - len(self._path), self._completions.at(self._path),
+                                           lambda token: self._completions.fits(self._path, token))
         return allowed
 
     def forced(self, limit: int) -> list[int]:
@@ -206,10 +207,10 @@ class Guide:
         if limit <= 0 or not self.forced_chains:
             return []
         forced = list(self.matcher.compute_ff_tokens()[:limit])
-        if forced or self.closer is None or self.budget - len(self._path) > self._distance(None)[0]:
+        if forced or self.closer is None or self.budget - len(self._path) > self._completions.at(self._path)[0]:
             return forced
         while len(forced) < limit:  # closing: each token the completion's next, the distance one less
-            d, first = self._distance(None)
+            d, first = self._completions.at(self._path)
             if d == 0 or first is None or not self.matcher.consume_token(first):
                 break
             forced.append(first)
@@ -220,21 +221,9 @@ class Guide:
         return forced
 
     def closing_distance(self) -> int:
-        """The tokens the closing completion takes from the committed state (runtime/decoding/closing.py)."""
-        return self._distance(None)[0]
-
-    def _distance(self, token: int | None) -> tuple[int, int | None]:
-        """The closing distance at the matcher's state, or after `token` from it; cached by path."""
-        key = tuple(self._path) if token is None else (*self._path, token)
-        if key not in self._distances:
-            if token is None:
-                self._distances[key] = self.closer.distance(self.matcher)
-            elif not self.matcher.consume_token(token):
-                self._distances[key] = (INFINITE, None)
-            else:
-                self._distances[key] = self.closer.distance(self.matcher)
-                self.matcher.rollback(1)
-        return self._distances[key]
+        """The tokens the closing completion takes from the committed state (runtime/decoding/closing.py),
+        however many: INFINITE only where the rule finds no completion."""
+        return self.closer.distance(self.matcher)[0]
 
     def admit(self, tree: Tree, sampling: bool) -> tuple[Tree, np.ndarray]:
         """The tree without what the grammar refuses (see the module docstring for what sampling keeps), and
@@ -277,6 +266,8 @@ class Guide:
                 raise ConstraintError(f"the grammar refused a committed token: {self.matcher.get_error()}")
             if self.closer is not None and self.matcher.is_accepting():
                 self._complete.add(len(self._path))
+        if self._completions is not None:
+            self._completions.forget_before(len(self._path))
 
     def complete_after(self, count: int) -> bool:
         """Whether the first `count` committed tokens are a complete match (closing: an output that reached
@@ -286,7 +277,7 @@ class Guide:
     def _closing_chose(self, token: int) -> bool:
         """Whether the budget alone chose this committed token: closing admitted only it, and it is not the
         end the grammar reached anyway."""
-        d, first = self._distance(None)
+        d, first = self._completions.at(self._path)
         return self.budget - len(self._path) <= d and d > 0 and token == first
 
     def _check(self) -> None:
