@@ -2,7 +2,8 @@
 
     python benchmarks/measure/memory_budget.py BUNDLE [--fractions 1.0,0.75,0.5,0.25] [--context 2048]
         [--workloads chat=benchmarks/workloads/chat.jsonl,edit=benchmarks/edit_prompts.jsonl] [--first 3]
-        [--page-cache kept,evicted] [--max-new-tokens 64] [--plot benchmarks/memory_budget.svg] [--json-out ROWS.json]
+        [--page-cache kept,evicted] [--max-new-tokens 64] [--rounds 1] [--plot benchmarks/memory_budget.svg]
+        [--json-out ROWS.json]
     python benchmarks/measure/memory_budget.py --replot ROWS.json [ROWS.json ...] --plot benchmarks/memory_budget.svg
 
 Each budget is the plan's fixed part (runtime, draft, scratch, KV for `--context` tokens, the floor the
@@ -13,6 +14,10 @@ and runs once per workload (`--first` prompts of each file) and per page-cache p
 released stages in the OS page cache, "evicted" passes --evict-page-cache (a streamed stage is read from
 storage again on every pass). A streaming point's first run measures the stage costs the plan uses and
 caches them per policy; run the script twice where a plan made with assumed costs must be excluded.
+With --rounds R every point runs R times, the points taken in turn each round, so that a budgeted point and
+the unconstrained one of the same workload run minutes apart, not a sweep apart: each row then holds the
+median of its rounds and `plain_of_resident`, the median of its plain tokens/s over the same round's
+unconstrained plain tokens/s (the ratio a loaded, shared machine can still measure).
 Needs matplotlib for the plot (pip install 'edgespec[bench]').
 
 --limit-memory (Linux, root, cgroup v1 memory controller) runs each budgeted point inside a memory cgroup
@@ -22,6 +27,7 @@ are dropped from the page cache.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +47,7 @@ parser.add_argument("--workloads", default="chat=benchmarks/workloads/chat.jsonl
 parser.add_argument("--first", type=int, default=None, help="only the first N prompts of each workload")
 parser.add_argument("--page-cache", default="kept,evicted", help="policies to run each budget under: kept, evicted")
 parser.add_argument("--max-new-tokens", type=int, default=64)
+parser.add_argument("--rounds", type=int, default=1, help="run every point this many times, in turn (medians)")
 parser.add_argument("--threads", type=int, default=None)
 parser.add_argument("--plot", default=None)
 parser.add_argument("--json-out", default=None, help="also write the rows to this file")
@@ -106,6 +113,52 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path)
 
 
+def run_point(folder: Path, prompts: str, budget: int | None, policy: str) -> dict:
+    """One `edgespec bench` process at `budget` (None: unconstrained): its report's figures, or its refusal."""
+    command = [sys.executable, "-m", "edgespec.cli", "bench", str(folder), "--json", "--prompts", prompts,
+               "--max-new-tokens", str(args.max_new_tokens)] \
+        + (["--threads", str(args.threads)] if args.threads else []) \
+        + (["--memory-budget", str(budget), "--context", str(args.context)] if budget else []) \
+        + (["--evict-page-cache"] if budget and policy == "evicted" else [])
+    if budget and args.limit_memory:
+        command = limited(command, budget, folder)
+    done = subprocess.run(command, capture_output=True, text=True)
+    point = {"budget_mib": None if budget is None else round(budget / 2**20, 1)}
+    if done.returncode != 0:
+        return {**point, "refused": done.stderr.strip().splitlines()[-1]}
+    report = json.loads(done.stdout)
+    return {**point, "peak_rss_mib": report["peak_rss_mb"], "plain": report["plain"]["tokens_per_s"],
+            "speculative": report["speculative"]["tokens_per_s"], "speedup": report["speedup"],
+            "per_pass": report["speculative"]["mean_accepted_per_pass"], "identical": report["identical_greedy"]}
+
+
+def show(name: str, label: str, policy: str, r: dict) -> None:
+    if "refused" in r:
+        print(f"{name} {label} {policy}: {r['refused']}", flush=True)
+        return
+    over = "" if r["budget_mib"] is None else f" ({r['peak_rss_mib'] / r['budget_mib']:.0%} of budget)"
+    print(f"{name:>5} weights {label:>5} {policy:>7}  budget {str(r['budget_mib']):>6} MiB  peak RSS "
+          f"{r['peak_rss_mib']:6.1f} MiB{over}  plain {r['plain']:6.1f}  speculative {r['speculative']:6.1f} "
+          f"tokens/s ({r['speedup']:.2f}x, {r['per_pass']:.2f} per pass, identical {r['identical']})", flush=True)
+
+
+def summary(name: str, label: str, policy: str, runs: dict) -> dict:
+    """A point's row: the median of its rounds (the highest peak RSS), plain against the same round's
+    unconstrained plain."""
+    done = [r for r in runs[(name, label, policy)] if "refused" not in r]
+    row = {"workload": name, "fraction": label, "page_cache": policy, "rounds": len(runs[(name, label, policy)])}
+    if not done:
+        return {**row, **runs[(name, label, policy)][-1]}
+    resident = runs[(name, "none", "kept")]
+    ratios = [r["plain"] / alone["plain"] for r, alone in zip(runs[(name, label, policy)], resident)
+              if "plain" in r and "plain" in alone]
+    return {**row, "budget_mib": done[0]["budget_mib"], "peak_rss_mib": max(r["peak_rss_mib"] for r in done),
+            **{key: round(statistics.median(r[key] for r in done), 3)
+               for key in ("plain", "speculative", "speedup", "per_pass")},
+            "identical": all(r["identical"] for r in done),
+            "plain_of_resident": round(statistics.median(ratios), 3) if ratios else None}
+
+
 def measure() -> list[dict]:
     folder = Path(args.bundle)
     manifest = open_bundle(folder)
@@ -121,44 +174,17 @@ def measure() -> list[dict]:
           f"(KV for {args.context} tokens)", flush=True)
     workloads = dict(item.split("=", 1) for item in args.workloads.split(","))
     policies = args.page_cache.split(",")
-    rows = []
+    runs: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for name, path in workloads.items():
-            prompts = prompts_file(path, Path(scratch))
-            for label in ["none"] + args.fractions.split(","):
+        points = [(name, prompts_file(path, Path(scratch)), label, policy)
+                  for name, path in workloads.items() for label in ["none"] + args.fractions.split(",")
+                  for policy in (["kept"] if label == "none" else policies)]
+        for _ in range(args.rounds):
+            for name, prompts, label, policy in points:
                 budget = None if label == "none" else int(fixed + float(label) * full.target_weights)
-                for policy in (["kept"] if budget is None else policies):
-                    command = [sys.executable, "-m", "edgespec.cli", "bench", str(folder), "--json",
-                               "--prompts", prompts, "--max-new-tokens", str(args.max_new_tokens)] \
-                        + (["--threads", str(args.threads)] if args.threads else []) \
-                        + (["--memory-budget", str(budget), "--context", str(args.context)] if budget else []) \
-                        + (["--evict-page-cache"] if budget and policy == "evicted" else [])
-                    if budget and args.limit_memory:
-                        command = limited(command, budget, folder)
-                    done = subprocess.run(command, capture_output=True, text=True)
-                    if done.returncode != 0:
-                        print(f"{name} {label} {policy}: {done.stderr.strip().splitlines()[-1]}", flush=True)
-                        rows.append({"workload": name, "fraction": label, "page_cache": policy, "refused":
-                                     done.stderr.strip().splitlines()[-1],
-                                     "budget_mib": None if budget is None else round(budget / 2**20, 1)})
-                        continue
-                    report = json.loads(done.stdout)
-                    rows.append({"workload": name, "fraction": label, "page_cache": policy,
-                                 "budget_mib": None if budget is None else round(budget / 2**20, 1),
-                                 "peak_rss_mib": report["peak_rss_mb"], "plain": report["plain"]["tokens_per_s"],
-                                 "speculative": report["speculative"]["tokens_per_s"], "speedup": report["speedup"],
-                                 "per_pass": report["speculative"]["mean_accepted_per_pass"],
-                                 "identical": report["identical_greedy"]})
-                    r = rows[-1]
-                    over = "" if budget is None else f" ({r['peak_rss_mib'] / r['budget_mib']:.0%} of budget)"
-                    print(f"{name:>5} weights {label:>5} {policy:>7}  budget {str(r['budget_mib']):>6} MiB  peak RSS "
-                          f"{r['peak_rss_mib']:6.1f} MiB{over}  plain {r['plain']:6.1f}  speculative "
-                          f"{r['speculative']:6.1f} tokens/s ({r['speedup']:.2f}x, {r['per_pass']:.2f} per pass, "
-                          f"identical {r['identical']})", flush=True)
-    print(json.dumps(rows))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=1) + "\n")
-    return rows
+                runs.setdefault((name, label, policy), []).append(run_point(folder, prompts, budget, policy))
+                show(name, label, policy, runs[(name, label, policy)][-1])
+    return [summary(name, label, policy, runs) for name, label, policy in runs]
 
 
 rows = measure() if args.replot is None else [row for path in args.replot for row in json.loads(Path(path).read_text())]
