@@ -136,7 +136,9 @@ class Completions:
     def completion(self, path: list[int]) -> tuple[int, int | None, tuple[int, ...]]:
         """(d, next token, the completion) at `path`, where the matcher is (and is left)."""
         key = tuple(path)
-        if key not in self._known:  # from the deepest path known (the root at worst), each path in turn
+        if key and key not in self._known and key[:-1] in self._known:  # the common case: the parent is known
+            self._known[key] = self._after(self._known[key[:-1]], key[-1], len(key))
+        elif key not in self._known:  # from the deepest path known (the root at worst), each path in turn
             depth = len(key)
             while depth > 0 and key[:depth] not in self._known:
                 depth -= 1
