@@ -271,7 +271,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--shared-speculation", choices=("alone", "batch"), default="alone",
                    help="with a slots graph (export --slots): 'alone' (default) prices each step's tree as if "
                         "its conversation ran alone; 'batch' prices a greedy step's tree against the whole "
-                        "shared pass (measured slower on 2 cores: benchmarks/history.md §68)")
+                        "shared pass, at the slots passes' timed seconds (not the default: benchmarks/history.md §68, §70)")
     p.add_argument("--shared-prefill", choices=("apart", "together"), default="apart",
                    help="with a slots graph: a new prompt's prefill chunks run back to back alone ('apart', "
                         "default: first tokens sooner, benchmarks/history.md §68) or ride in the shared passes "

@@ -90,7 +90,8 @@ def shared_passes_of(pipeline: Pipeline, prefill_apart: bool = False) -> SharedP
 def generate_sharing(pipeline: Pipeline, shared: SharedPasses, batch_priced: bool = False, **generate) -> Result:
     """`pipeline.generate(**generate)` with this generation's target passes shared with the others in flight.
     `batch_priced`: its step controller prices each greedy step against the whole shared pass (the others
-    aboard as plain steps), not as alone (runtime/decoding/controller.py; history.md §68)."""
+    aboard as plain steps), not as alone, at the slots passes' own timed seconds once there are some
+    (runtime/decoding/controller.py; history.md §68, §70)."""
     if generate.get("session") is None:  # its own, so that its controller can be told who shares its passes
         generate["session"] = pipeline.new_session(generate.pop("speculate", True))
     drafter = generate["session"].drafter
@@ -99,6 +100,7 @@ def generate_sharing(pipeline: Pipeline, shared: SharedPasses, batch_priced: boo
         mine.target = target
         if isinstance(drafter, Controller) and batch_priced:
             drafter.sharing = lambda: shared.members() - 1
+            shared.timed = drafter.measured.record_shared  # the pipeline's, shared by its controllers
         try:
             return mine.generate(**generate)
         finally:

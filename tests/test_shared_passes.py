@@ -143,3 +143,27 @@ def test_prefill_apart_runs_a_prompt_back_to_back_and_answers_as_alone(pipeline)
     chunks = -(-len(long_ids) // chunk) + 2
     assert shared.apart == chunks
     assert shared.parts > shared.passes  # the steps rode together
+
+
+def test_steps_priced_by_the_timed_slots_passes_answer_as_alone(models, tmp_path):
+    """A bundle whose steps the controller chooses (suffix drafting beside the draft): with batch pricing,
+    the slots passes are timed into its shared costs (§70), the choices move on them, the answers do not."""
+    from edgespec.exporters.export import ExportConfig, export
+
+    export(ExportConfig(model=str(models["target"]), draft=str(models["draft"]), out=tmp_path / "b", suffix=True,
+                        context=256, slots=3, cache_dir=tmp_path / "cache"))
+    suffixed = Pipeline(tmp_path / "b", threads=1)
+    shared = open_shared(suffixed.folder, suffixed.manifest.target, suffixed.target, 1, patience_s=0.05)
+    prompts = ["a b c d e f a b", "the quick brown fox", "def add(a, b):"]
+    config = GenerationConfig(max_new_tokens=48, stop_at_eos=False)
+    results = {}
+    threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, generate_shared(
+        suffixed, shared, suffixed.encode(p), config))) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    timed = suffixed.step_measurements.shared_costs
+    assert timed and min(timed) >= 2 and any(costs.seconds_by_rows for costs in timed.values())
+    for p in prompts:
+        assert results[p].token_ids == suffixed.generate(p, config=config, remember=False).token_ids, p

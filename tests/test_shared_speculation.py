@@ -1,7 +1,8 @@
 """The step controller beside other conversations in a shared pass (runtime/decoding/controller.py,
 `sharing`): a greedy step's tree is priced against the whole pass, so a tree that pays alone is left out
 where its rows slow the others' steps more than its tokens give; a sampled step keeps its choice alone;
-and a shared pass's seconds (waits for the others included) do not enter the pass costs."""
+a shared pass's seconds (waits for the others included) do not enter the pass costs; and once the slots
+passes themselves are timed, a shared step is priced by their seconds, not the single graph's line."""
 import numpy as np
 import pytest
 from edgespec.runtime.contract.errors import InputError
@@ -49,6 +50,22 @@ def test_a_tree_that_pays_alone_is_left_out_beside_three_others():
     c.rewind(3)
     c.sharing = lambda: 1
     assert c.propose([1, 2, 3], 16, None).size == CHAIN  # one other: (2.5 + 1) / 16 ms beats 2 / 10 ms
+
+
+def test_timed_slots_passes_price_a_shared_step_once_there_are_some():
+    c = controller()
+    c.sharing = lambda: 3
+    c.measured.record_shared(3, 3, 0.015)  # three conversations' passes: not the four of this step
+    c.measured.record_shared(3, 3, 0.015)  # (the first pass of a shape is not timed)
+    assert c.propose([1, 2, 3], 16, None).size == 1  # so still the single graph's line: a plain step
+    c.rewind(3)
+    for rows, seconds in ((4, 0.020), (4, 0.020), (7, 0.022), (7, 0.022)):  # 4 conversations, rows nearly free
+        c.measured.record_shared(4, rows, seconds)
+    # beside three others: (2.5 + 3) / 22 ms against 4 / 20 ms, the tree wins where the single line said plain
+    assert c.propose([1, 2, 3], 16, None).size == CHAIN
+    c.rewind(3)
+    c.sharing = lambda: 0
+    assert c.propose([1, 2, 3], 16, None).size == CHAIN  # alone: the single graph's line, as before
 
 
 def test_a_sampled_step_keeps_its_choice_alone():

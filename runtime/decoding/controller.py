@@ -170,6 +170,12 @@ class Measurements:
     main_tokens: DecayedMean
     main_size: DecayedMean
     main_draft: DraftCost = field(default_factory=DraftCost)
+    # shared passes of the slots graph by the conversations aboard: their seconds by rows, as the slots
+    # passes themselves ran (SharedPasses.timed): a slots pass's base is not the single graph's (§68, §70)
+    shared_costs: dict[int, PassCosts] = field(default_factory=dict)
+
+    def record_shared(self, conversations: int, rows: int, seconds: float) -> None:
+        self.shared_costs.setdefault(conversations, PassCosts()).record(rows, seconds)
 
     @classmethod
     def fresh(cls, main_size: int) -> "Measurements":
@@ -230,7 +236,11 @@ class Controller:
     def _rate(self, tokens: float, rows: int, others: int, drafting_s: float = 0.0) -> float:
         """Tokens per second of a pass of this step's `rows` beside `others` plain steps: the others wait
         for its drafting too (one conversation computes at a time)."""
-        return (tokens + others) / (drafting_s + self.measured.costs.seconds(rows + others))
+        costs = self.measured.costs
+        if others:  # the slots passes' own seconds for this many conversations, once timed (§70)
+            shared = self.measured.shared_costs.get(others + 1)
+            costs = shared if shared is not None and shared.seconds_by_rows else costs
+        return (tokens + others) / (drafting_s + costs.seconds(rows + others))
 
     def _best_prefix(self, proposal: SuffixProposal | None, others: int = 0) -> tuple[float, int]:
         """(expected tokens, drafted nodes) of the suffix tree's best prefix by expected tokens per pass

@@ -19,6 +19,8 @@ the cores from each other (history.md §62, §65), as interleaved generations ne
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -62,6 +64,8 @@ class SharedPasses:
         self._members = 0  # conversations joined
         self._running = False
         self._cpu = threading.Lock()  # held by the conversation computing, or by the pass running
+        # told (conversations, rows, seconds) of every slots pass, where a caller prices steps by them (§70)
+        self.timed: Callable[[int, int, float], None] | None = None
         self.passes = 0  # passes run, and conversation passes they held: their ratio is the mean batch
         self.parts = 0
 
@@ -154,7 +158,13 @@ class SharedPasses:
                 placed.append(r)
             except EdgespecError as err:  # this conversation's pass is refused, not the others'
                 r.error = err
-        for r, out in zip(placed, self.slots.run(parts) if parts else []):
+        if not parts:
+            return
+        started = time.perf_counter()
+        outs = self.slots.run(parts)
+        if self.timed is not None:
+            self.timed(len(parts), sum(p.layout.rows for p in parts), time.perf_counter() - started)
+        for r, out in zip(placed, outs):
             r.result = out
 
     @staticmethod
