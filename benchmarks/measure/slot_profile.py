@@ -24,21 +24,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from slot_passes import WORKLOADS, slots_bundle
+from verify_cost import profiled_session
 
 KINDS = ("single_1row", "single_4rows", "slots_1of4", "slots_4of4")
-
-
-def profiled_session(path: Path, threads: int, prefix: str) -> ort.InferenceSession:
-    """A session as runtime/execution/sessions.make_session opens it on the CPU, with the profiler on."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    options.add_session_config_entry("session.force_spinning_stop", "1")
-    options.enable_profiling = True
-    options.profile_file_prefix = prefix
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def by_op(trace: list, runs: int) -> dict:
