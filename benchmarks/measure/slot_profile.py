@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from slot_passes import WORKLOADS, slots_bundle
 from verify_cost import profiled_session
 
