@@ -32,24 +32,29 @@ CHAIN_LIMIT = 4096  # a completion rule that has not ended by then: no known com
 INFINITE = 1 << 30
 
 
+def admitted(matcher, bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[V] bool: the tokens the matcher's state admits, computed into `bits` (the caller's reused buffer of
+    (V + 31) // 32 int32)."""
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab_size].view(bool)
+
+
 class Closer:
     """Closing distances and masks for one vocabulary."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: tuple[int, ...]):
-        self.vocab_size, self.eos = vocab_size, tuple(eos)
+        self.vocab_size = vocab_size
+        self.eos = tuple(e for e in eos if e < vocab_size)  # an id past the vocabulary is never admitted
         spelled = [tokenizer.decode_bytes([i]) for i in range(vocab_size)]
         single = {data: i for i, data in reversed(list(enumerate(spelled))) if len(data) == 1}
         self.closers = [single[c] for c in CLOSERS if c in single]
         word = set(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ") | set(range(0x80, 0x100))
         self.wordy = np.array([bool(data) and all(b in word for b in data) for data in spelled], dtype=bool)
-        for e in self.eos:
-            if e < vocab_size:
-                self.wordy[e] = False
+        self.wordy[list(self.eos)] = False
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
 
     def allowed(self, matcher) -> np.ndarray:
-        matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
+        return admitted(matcher, self._bits, self.vocab_size)
 
     def distance(self, matcher, limit: int = CHAIN_LIMIT) -> tuple[int, int | None, tuple[int, ...]]:
         """(d, the closing completion's next token, the completion) from the matcher's state, which it leaves
@@ -73,14 +78,14 @@ class Closer:
     def end(self, matcher) -> int | None:
         """The first EOS the matcher's (accepting) state admits."""
         allowed = self.allowed(matcher)
-        return next((e for e in self.eos if e < self.vocab_size and allowed[e]), None)
+        return next((e for e in self.eos if allowed[e]), None)
 
     def _closing_token(self, matcher) -> int | None:
         for token in self.closers:
             if matcher.validate_tokens([token]) == 1:
                 return token
         allowed = self.allowed(matcher)
-        allowed[[e for e in self.eos if e < self.vocab_size]] = False
+        allowed[list(self.eos)] = False
         admitted = np.flatnonzero(allowed)
         return int(admitted[0]) if admitted.size else None
 

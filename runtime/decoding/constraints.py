@@ -27,7 +27,7 @@ import llguidance
 import numpy as np
 
 from ..contract.errors import ConstraintError, InputError
-from .closing import INFINITE, Closer, Completions
+from .closing import INFINITE, Closer, Completions, admitted
 from .shortest import shortest_tokens
 from .tree import Tree
 
@@ -191,8 +191,7 @@ class Guide:
         """[V] bool: the tokens admitted next from the matcher's state (closing counts the tokens left from
         the path the matcher is at)."""
         self._check()
-        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
+        allowed = admitted(self.matcher, self._bits, self.vocab_size)
         if not allowed.any():
             raise ConstraintError("the grammar admits no token here and cannot end: check that it can complete")
         if self.closer is not None:
