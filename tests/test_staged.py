@@ -48,12 +48,12 @@ def _budget_for(folder, prepared=None):
             + window_bytes(stages, ()))
 
 
-def _single_graph(folder, prepack: bool):
+def _single_graph(folder, prepack: bool, threads: int = 1):
     from edgespec.runtime.execution.model import ModelRunner
     from edgespec.runtime.execution.sessions import make_session
 
     manifest = open_bundle(folder)
-    return ModelRunner(make_session(folder / manifest.target.graph.file, ("CPUExecutionProvider",), 1,
+    return ModelRunner(make_session(folder / manifest.target.graph.file, ("CPUExecutionProvider",), threads,
                                     prepack=prepack), manifest.target.facts)
 
 
@@ -121,6 +121,22 @@ def test_packed_stages_compute_the_packed_single_graphs_bits_at_every_budget(sta
     for budget in (_budget_for(staged_bundle, prepared), _roomy_budget(staged_bundle, prepared)):
         pipeline = Pipeline(staged_bundle, threads=1, memory_budget=budget, prepared_dir=prepared)
         _assert_same_pass(expected, _first_pass(pipeline.target))
+    _assert_speculation_exact(pipeline)
+
+
+@needs_prepacked
+def test_streamed_stages_leave_the_loader_a_core_and_keep_the_bits(staged_bundle, prepared):
+    """With two threads, a streamed stage computes on one while the loader maps the next stage in; pinned
+    stages keep both. A pass is still the two-thread single graph's, bit for bit."""
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(staged_bundle, threads=2, memory_budget=_roomy_budget(staged_bundle, prepared),
+                        prepared_dir=prepared)
+    window = pipeline.target.window
+    threads = [s.session.get_session_options().intra_op_num_threads for s in window.stages]
+    assert window.pinned and len(window.pinned) < window.count
+    assert threads == [2 if i in window.pinned else 1 for i in range(window.count)]
+    _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=True, threads=2)), _first_pass(pipeline.target))
     _assert_speculation_exact(pipeline)
 
 
