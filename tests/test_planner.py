@@ -154,3 +154,24 @@ def test_plan_prints_the_trade_and_context_is_a_floor_for_plan_and_pipeline(stag
     pipeline.target.window.close()
     with pytest.raises(BudgetError, match="--context"):
         Pipeline(staged, threads=1, memory_budget=budget, context=files.context + 1)
+
+
+def test_the_kv_room_a_short_conversation_leaves_pins_more_stages_and_is_given_back(staged):
+    manifest = open_bundle(staged)
+    others, per_token, full = _parts(staged)
+    unit = full * per_token // 8  # stages sized against the caches: the whole context's KV holds eight
+    stages = [unit // 2, unit, unit, unit, unit, 5 * unit // 2]
+    budget = others + full * per_token + window_bytes(stages, (5,))
+    plan = plan_memory(manifest, staged, budget, context=full, stage_bytes=stages, costs=_costs())
+    assert plan.streams and plan.context == full and plan.pinned_stages == (5,)
+    beside_the_caches = plan.total - plan.target_weights - plan.target_kv + plan.mapped_embedding
+    counts = []
+    for kv in range(0, plan.target_kv + per_token, max(1, plan.target_kv // 50)):
+        pinned = plan.pinned_while(kv, _costs())
+        assert beside_the_caches + window_bytes(stages, pinned) + min(kv, plan.target_kv) <= budget  # never over
+        counts.append(len(pinned))
+    assert counts[0] > len(plan.pinned_stages)  # an empty cache lends its room
+    assert plan.pinned_while(plan.target_kv, _costs()) == plan.pinned_stages  # a full one has taken it back
+    assert counts == sorted(counts, reverse=True)
+    resident = plan_memory(manifest, staged, None, stage_bytes=stages)
+    assert resident.pinned_while(0, _costs()) == resident.pinned_stages

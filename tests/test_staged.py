@@ -140,6 +140,43 @@ def test_streamed_stages_leave_the_loader_a_core_and_keep_the_bits(staged_bundle
     _assert_speculation_exact(pipeline)
 
 
+@needs_prepacked
+def test_stages_pinned_while_the_caches_are_short_are_given_back_as_they_grow(staged_bundle, prepared):
+    """Under a budget the window pins what the caches' unused room holds (the plan's `pinned_while`); when
+    that shrinks, the stages no longer pinned are released before the pass and stream again. Output is the
+    same either way."""
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, prepared),
+                        prepared_dir=prepared)
+    runner, window = pipeline.target, pipeline.target.window
+    assert runner.pinning is not None and len(runner.pinning(0)) >= len(pipeline.memory.pinned_stages)
+    runner.pinning = None
+    expected = pipeline.generate(prompt="The quick brown fox", config=CONFIG, speculate=False).token_ids
+    released, seen = [], []
+
+    def recording(i, release):
+        def wrapped():
+            released.append(i)
+            release()
+        return wrapped
+
+    for i, stage in enumerate(window.stages):
+        stage.release = recording(i, stage.release)
+
+    def pinning(target_kv: int) -> tuple[int, ...]:
+        seen.append(target_kv)
+        if len(seen) == 4:
+            assert released == []  # while every stage was pinned, none was given back
+        return tuple(range(window.count)) if len(seen) <= 3 else ()
+
+    runner.pinning = pinning
+    assert pipeline.generate(prompt="The quick brown fox", config=CONFIG, speculate=False).token_ids == expected
+    assert len(seen) > 4 and seen == sorted(seen) and seen[0] > 0  # the caches' bytes, growing
+    assert window.pinned == set() and len(window.sessions) <= window.slots and released
+    _assert_speculation_exact(pipeline)
+
+
 def test_without_packed_mapping_streamed_stages_read_unpacked_weights(staged_bundle, prepared, monkeypatch):
     """Where mapped pages cannot be released (no /proc/self/maps), streamed float stages read the bundle's
     weights in place, unpacked: the unpacked single graph's bits; pinned stages are loaded and packed."""

@@ -81,6 +81,16 @@ class MemoryPlan:
     def streamed_bytes_per_pass(self) -> int:
         return sum(s for i, s in enumerate(self.stage_bytes) if i not in self.pinned_stages)
 
+    def pinned_while(self, target_kv: int, costs: StreamCosts) -> tuple[int, ...]:
+        """The stages that stay resident while the target's caches hold `target_kv` bytes: the plan keeps
+        KV room for its whole context, and until a conversation fills it, the room not used yet pins more
+        stages, given back as the caches grow into it (history.md §74). At the whole context, the plan's."""
+        if not self.streams or self.budget is None or target_kv >= self.target_kv:
+            return self.pinned_stages
+        others = self.total - self.target_weights - self.target_kv  # runtime, draft, scratch, draft KV, store
+        room = self.budget - others - self.mapped_embedding - target_kv
+        return choose_pinned(list(self.stage_bytes), room, costs, self.stream_slots)
+
     @property
     def target_kv(self) -> int:
         return self.context * self.target_kv_per_token

@@ -99,18 +99,30 @@ class KVCache:
     def room(self) -> int:
         return self.capacity - self.length
 
+    def _grown_rows(self, rows: int) -> int | None:
+        """The buffer's rows (slack included) once it holds `rows`, or None where it needs no growing."""
+        held = self.data.shape[4] - self.slack
+        if rows <= held or held >= self.capacity:  # the whole context held: the slack takes the rest
+            return None
+        return min(self.capacity, max(rows, 2 * held)) + self.slack
+
+    def held_bytes(self, rows: int = 0) -> int:
+        """Bytes this cache holds, and at most while it grows to hold `rows` rows: the old buffer and the
+        new one both, until the copy is done."""
+        grown = self._grown_rows(rows)
+        extra = 0 if grown is None else self.data.nbytes // self.data.shape[4] * grown
+        return self.data.nbytes + extra + (0 if self.features is None else self.features.nbytes)
+
     def reserve(self, rows: int) -> None:
         """Makes the buffer hold `rows` rows (a pass writes up to `slack` past the capacity): doubles it,
         keeping the valid rows of every lane, and forgets the bindings of the old one."""
-        held = self.data.shape[4] - self.slack
-        if rows <= held:
-            return
         if rows > self.capacity + self.slack:
             raise ContextOverflowError(f"the KV cache holds {self.capacity} tokens; {rows} were needed")
-        if held >= self.capacity:  # the whole context is held: the slack takes the rest (no copy per pass)
+        grown_rows = self._grown_rows(rows)
+        if grown_rows is None:
             return
         shape = list(self.data.shape)
-        shape[4] = min(self.capacity, max(rows, 2 * held)) + self.slack
+        shape[4] = grown_rows
         grown = np.zeros(shape, np.float32)
         grown[:, :, :, :, : self.length] = self.data[:, :, :, :, : self.length]
         self.data, self._bindings = grown, {}

@@ -12,6 +12,7 @@ The caller owns the plan (runtime/execution/budget.py) and passes it in; this mo
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 
 from ..contract.manifest import GraphSpec, Manifest
@@ -117,21 +118,23 @@ def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers
                    costs_dir: Path, evicted: bool) -> tuple[StagedRunner, MemoryPlan, StreamCosts]:
     """The staged target for `plan`, this device's stage costs, and the plan they price: on a first load
     the plan was made with costs assumed from bytes, so it is made again with the measured ones and the
-    target rebuilt where they pin other stages (later loads read the cached costs and keep their plan)."""
+    target rebuilt where they pin other stages (later loads read the cached costs and keep their plan).
+    The target pins more stages while its caches leave the plan's KV room unused (`MemoryPlan.pinned_while`)."""
     runner = build_staged_target(manifest, folder, plan.pinned_stages, plan.context, providers, threads,
                                  prepared_dir, evicted, plan.stream_slots)
     costs = measured_costs(runner, manifest, costs_dir, evicted)
-    if plan.costs_measured or plan.budget is None:
-        return runner, plan, costs
-    priced = plan_memory(manifest, folder, plan.budget, plan.min_context, resident_stage_bytes(manifest, prepared_dir),
-                         costs)
-    if (priced.pinned_stages, priced.context, priced.stream_slots) == (plan.pinned_stages, plan.context,
-                                                                       plan.stream_slots):
-        return runner, priced, costs
-    runner.window.close()
-    del runner  # its pinned stages' pages go before the new split maps its own: the budget holds one
-    return build_staged_target(manifest, folder, priced.pinned_stages, priced.context, providers, threads,
-                               prepared_dir, evicted, priced.stream_slots), priced, costs
+    if not plan.costs_measured and plan.budget is not None:
+        priced = plan_memory(manifest, folder, plan.budget, plan.min_context,
+                             resident_stage_bytes(manifest, prepared_dir), costs)
+        if (priced.pinned_stages, priced.context, priced.stream_slots) != (plan.pinned_stages, plan.context,
+                                                                           plan.stream_slots):
+            runner.window.close()
+            del runner  # its pinned stages' pages go before the new split maps its own: the budget holds one
+            runner = build_staged_target(manifest, folder, priced.pinned_stages, priced.context, providers, threads,
+                                         prepared_dir, evicted, priced.stream_slots)
+        plan = priced
+    runner.pinning = partial(plan.pinned_while, costs=costs)
+    return runner, plan, costs
 
 
 def measured_costs(runner: StagedRunner, manifest: Manifest, costs_dir: Path, evicted: bool) -> StreamCosts:

@@ -4,7 +4,9 @@
 visits the stages in the same order, so least-recently-used would miss every time; instead, while one
 stage computes, the next is fetched by a background thread, and the streamed stage behind is released.
 With one slot (a budget with no room for two) a streamed stage is fetched when its turn comes, after
-the one before is released. When every stage is pinned, each is fetched once.
+the one before is released. When every stage is pinned, each is fetched once. Which stages are pinned
+may change between passes (`repin`): under a budget, the KV room a short conversation does not use yet
+keeps more of them resident (runtime/execution/budget.py `MemoryPlan.pinned_while`).
 
 A stage is either
 - `prepacked.PrepackedStage` (Linux): its session maps onnxruntime's packed copy of the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Protocol
@@ -91,7 +94,7 @@ class MappedStage:
 
 class StageWindow:
     def __init__(self, stages: list[Stage], pinned, slots: int = 2):
-        self.stages, self.count, self.pinned = stages, len(stages), set(pinned)
+        self.stages, self.count, self.pinned, self.slots = stages, len(stages), set(pinned), slots
         self.resident = min(self.count, len(self.pinned) + slots)
         self.sessions: dict[int, ort.InferenceSession] = {}
         self.pending: dict[int, Future] = {}
@@ -104,6 +107,18 @@ class StageWindow:
             self.sessions[i] = future.result() if future is not None else self.stages[i].fetch()
         self._prefetch((i + 1) % self.count, running=i)
         return self.sessions[i]
+
+    def repin(self, pinned) -> None:
+        """Keeps `pinned` resident from their next fetch on; a stage pinned before and not now is released
+        at once, before the caches grow into its room (runtime/execution/budget.py `pinned_while`)."""
+        pinned = set(pinned)
+        if pinned == self.pinned:
+            return
+        for i in sorted(self.pinned - pinned):
+            if self.sessions.pop(i, None) is not None:
+                self.stages[i].release()
+        self.pinned = pinned
+        self.resident = min(self.count, len(pinned) + self.slots)
 
     def _release_streamed(self, keep: int, running: int | None = None) -> None:
         """Makes room for stage `keep`: streamed stages other than it, the one about to run and the one
@@ -165,6 +180,10 @@ class StagedRunner:
         self.graph_min_rows = MIN_ROWS
         self.min_rows = MIN_ROWS  # what a one-token step runs: set by the device's check (runtime/decoding/exactness.py)
         self.run_seconds = 0.0  # time inside onnxruntime (and waiting for stages), all passes so far
+        # the stages to keep resident while the target's caches hold so many bytes (the plan's
+        # `pinned_while`, set by runtime/execution/stage_build.py), and the caches that count
+        self.pinning: Callable[[int], tuple[int, ...]] | None = None
+        self.caches: weakref.WeakSet[KVCache] = weakref.WeakSet()
 
     static = None  # stages are written with dynamic shapes only
     pass_limit = None
@@ -178,7 +197,9 @@ class StagedRunner:
         return "unpacked" if any(isinstance(stage, MappedStage) for stage in self.window.stages) else "packed"
 
     def new_cache(self, capacity: int, feature_size: int = 0) -> KVCache:
-        return KVCache(self.facts, capacity, feature_size, lanes=self.lanes)
+        cache = KVCache(self.facts, capacity, feature_size, lanes=self.lanes)
+        self.caches.add(cache)
+        return cache
 
     def measure_costs(self) -> StreamCosts:
         """Each stage's fetch and one-token run on this device (runtime/execution/stream_costs.py), before any pass."""
@@ -206,6 +227,10 @@ class StagedRunner:
             raise InputError("a staged target reads no features; only a draft does")
         if not exact_rows or past_mask is not None:  # a stage written since history.md §54 takes no attention bias
             raise InputError("a staged target runs exact passes without a mask over the past")
+        if self.pinning is not None:  # before the pass: growing the cache must find its room given back
+            self.caches.add(cache)
+            grows_to = cache.length + max(len(tokens), 2)  # at least the rows the pass layout reserves
+            self.window.repin(self.pinning(sum(c.held_bytes(grows_to if c is cache else 0) for c in self.caches)))
         layout = pass_feed(cache, self.signature, tokens, positions, tree_mask, logit_rows, past_mask, exact_rows,
                            self.min_rows)
         feed, rows = dict(layout.feed), layout.feed["input_ids"].shape[1]
