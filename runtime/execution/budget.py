@@ -28,6 +28,9 @@ from ..contract.manifest import Manifest
 from .staged import MappedEmbedding
 from .stream_costs import StreamCosts
 
+# Of the budget, the share the caches' unused room never lends to stages (MemoryPlan.pinned_while): lending
+# it all ran peak RSS up to the budget and past it, the estimated parts running over (history.md §74).
+LENDING_MARGIN = 0.05
 # The process before any weight: Python, numpy, onnxruntime and tokenizers imported (57 MiB resident on
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
 RUNTIME_BASE_BYTES = 90 * 2**20
@@ -84,11 +87,13 @@ class MemoryPlan:
     def pinned_while(self, target_kv: int, costs: StreamCosts) -> tuple[int, ...]:
         """The stages that stay resident while the target's caches hold `target_kv` bytes: the plan keeps
         KV room for its whole context, and until a conversation fills it, the room not used yet pins more
-        stages, given back as the caches grow into it (history.md §74). At the whole context, the plan's."""
-        if not self.streams or self.budget is None or target_kv >= self.target_kv:
+        stages, given back as the caches grow into it (history.md §74). LENDING_MARGIN of the budget is
+        not lent: the plan's runtime and scratch are estimates. At the whole context, the plan's pins."""
+        lent = self.target_kv - max(target_kv, 0) - int(LENDING_MARGIN * (self.budget or 0))
+        if not self.streams or self.budget is None or lent <= 0:
             return self.pinned_stages
         others = self.total - self.target_weights - self.target_kv  # runtime, draft, scratch, draft KV, store
-        room = self.budget - others - self.mapped_embedding - target_kv
+        room = self.budget - others - self.mapped_embedding - self.target_kv + lent
         return choose_pinned(list(self.stage_bytes), room, costs, self.stream_slots)
 
     @property
