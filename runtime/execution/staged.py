@@ -105,8 +105,16 @@ class StageWindow:
             future = self.pending.pop(i, None)
             self._release_streamed(keep=i)
             self.sessions[i] = future.result() if future is not None else self.stages[i].fetch()
-        self._prefetch((i + 1) % self.count, running=i)
+        self._prefetch(self._next_streamed(i), running=i)
         return self.sessions[i]
+
+    def _next_streamed(self, i: int) -> int:
+        """The stage after `i` past the pinned ones: fetched while they compute too, the loader gets their
+        time as well as stage i's (history.md §74)."""
+        j = (i + 1) % self.count
+        while j in self.pinned and j in self.sessions and j != i:
+            j = (j + 1) % self.count
+        return j
 
     def repin(self, pinned) -> None:
         """Keeps `pinned` resident from their next fetch on; a stage pinned before and not now is released
