@@ -280,6 +280,8 @@ def test_plan_streams_below_the_weights_and_refuses_below_the_smallest_window(st
     plan = plan_memory(manifest, staged_bundle, budget)
     assert plan.streams and plan.total <= budget
     assert "stages" in plan.describe() and plan.stream_slots == 2
+    assert "KV room it does not use pins more stages" in plan.describe()
+    assert "pins more stages" not in plan_memory(manifest, staged_bundle, None).describe()  # resident: none to pin
     # no room for two slots: one, each streamed stage fetched when its turn comes (what it frees may pin one)
     one = plan_memory(manifest, staged_bundle, budget - 1)
     assert one.streams and one.stream_slots == 1 and one.total <= budget - 1

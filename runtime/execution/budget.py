@@ -126,6 +126,9 @@ class MemoryPlan:
                  f"  total          {mib(self.total):>12}",
                  f"context that fits: {self.context} tokens ({self.tree_slots} of them reserved for tree nodes; "
                  f"at least {self.min_context} asked)"]
+        if self.streams:
+            lines.append(f"until a conversation fills its context, the KV room it does not use pins more stages "
+                         f"({LENDING_MARGIN:.0%} of the budget kept free)")
         if self.pass_seconds is not None:
             lines.append(f"expected plain decoding: {1 / self.pass_seconds:.1f} tokens/s ("
                          + ("measured stage costs on this device)" if self.costs_measured else
