@@ -57,6 +57,19 @@ def test_the_buffer_grows_by_doubling_keeping_every_lanes_rows_up_to_the_capacit
     assert cache.data is held
 
 
+def test_held_bytes_count_the_old_and_the_grown_buffer_while_a_pass_grows_it():
+    cache = KVCache(FACTS, capacity=12, feature_size=3, initial_rows=2)
+    per_row = cache.data.nbytes // cache.data.shape[4]
+    features = cache.features.nbytes
+    assert cache.held_bytes() == cache.data.nbytes + features == (2 + KV_SLACK) * per_row + features
+    assert cache.held_bytes(2) == cache.held_bytes()  # fits: nothing grows
+    assert cache.held_bytes(3) == (2 + KV_SLACK) * per_row + (4 + KV_SLACK) * per_row + features  # both, mid-copy
+    cache.reserve(3)
+    assert cache.held_bytes() == (4 + KV_SLACK) * per_row + features  # the old buffer is gone
+    cache.reserve(12)
+    assert cache.held_bytes(12 + KV_SLACK) == cache.held_bytes() == (12 + KV_SLACK) * per_row + features
+
+
 def test_a_static_buffer_is_whole_from_the_start_and_never_copied():
     cache = KVCache(FACTS, capacity=10, initial_rows=10, slack=4)
     held = cache.data
