@@ -125,17 +125,16 @@ def test_packed_stages_compute_the_packed_single_graphs_bits_at_every_budget(sta
 
 
 @needs_prepacked
-def test_streamed_stages_leave_the_loader_a_core_and_keep_the_bits(staged_bundle, prepared):
-    """With two threads, a streamed stage computes on one while the loader maps the next stage in; pinned
-    stages keep both. A pass is still the two-thread single graph's, bit for bit."""
+def test_with_two_threads_streamed_stages_keep_the_two_thread_single_graphs_bits(staged_bundle, prepared):
+    """Every stage, streamed or pinned, runs on the target's threads: a pass of a two-thread pipeline under
+    a budget is the two-thread single graph's, bit for bit."""
     from edgespec.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(staged_bundle, threads=2, memory_budget=_roomy_budget(staged_bundle, prepared),
                         prepared_dir=prepared)
     window = pipeline.target.window
-    threads = [s.session.get_session_options().intra_op_num_threads for s in window.stages]
     assert window.pinned and len(window.pinned) < window.count
-    assert threads == [2 if i in window.pinned else 1 for i in range(window.count)]
+    assert [s.session.get_session_options().intra_op_num_threads for s in window.stages] == [2] * window.count
     _assert_same_pass(_first_pass(_single_graph(staged_bundle, prepack=True, threads=2)), _first_pass(pipeline.target))
     _assert_speculation_exact(pipeline)
 

@@ -60,17 +60,11 @@ def build_staged_target(manifest: Manifest, folder: Path, pinned, embedding_rows
     table = manifest.target.stages[0].embedding_table
     embedding = None if table is None else MappedEmbedding(folder, table, embedding_rows)
     packed = packed_graphs(manifest, folder, prepared_dir)
-    stages = [_stage(folder, spec, providers, threads if i in pinned else streamed_threads(threads, slots), i in pinned,
-                     packed.get(i), evict_page_cache)
+    # every stage on every thread, streamed ones too: pinned or not changes between passes (the caches lend
+    # their room), and a verify pass of many rows needs them (one thread fewer for streamed stages: history.md §74)
+    stages = [_stage(folder, spec, providers, threads, i in pinned, packed.get(i), evict_page_cache)
               for i, spec in enumerate(window_specs(manifest))]
     return StagedRunner(StageWindow(stages, pinned, slots), manifest.target.facts, manifest.target.lanes, embedding)
-
-
-def streamed_threads(threads: int, slots: int) -> int:
-    """A streamed stage's threads: with two slots or more it computes while the loader thread brings the
-    next stage in (mapping pages is CPU work), so it leaves the loader a core: with every core computing,
-    the loader's share slowed each stage more than one thread fewer does (history.md §74)."""
-    return max(1, threads - 1) if slots >= 2 else threads
 
 
 def _stage(folder: Path, spec: GraphSpec, providers, threads: int, pinned: bool, packed: Path | None,
