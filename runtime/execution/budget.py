@@ -89,8 +89,10 @@ class MemoryPlan:
         KV room for its whole context, and until a conversation fills it, the room not used yet pins more
         stages, given back as the caches grow into it (history.md §74). LENDING_MARGIN of the budget is
         not lent: the plan's runtime and scratch are estimates. At the whole context, the plan's pins."""
-        lent = self.target_kv - max(target_kv, 0) - int(LENDING_MARGIN * (self.budget or 0))
-        if not self.streams or self.budget is None or lent <= 0:
+        if not self.streams or self.budget is None:
+            return self.pinned_stages
+        lent = self.target_kv - target_kv - int(LENDING_MARGIN * self.budget)
+        if lent <= 0:
             return self.pinned_stages
         others = self.total - self.target_weights - self.target_kv  # runtime, draft, scratch, draft KV, store
         room = self.budget - others - self.mapped_embedding - self.target_kv + lent

@@ -12,7 +12,7 @@ The caller owns the plan (runtime/execution/budget.py) and passes it in; this mo
 from __future__ import annotations
 
 import hashlib
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 from ..contract.manifest import GraphSpec, Manifest
@@ -60,8 +60,8 @@ def build_staged_target(manifest: Manifest, folder: Path, pinned, embedding_rows
     table = manifest.target.stages[0].embedding_table
     embedding = None if table is None else MappedEmbedding(folder, table, embedding_rows)
     packed = packed_graphs(manifest, folder, prepared_dir)
-    # every stage on every thread, streamed ones too: pinned or not changes between passes (the caches lend
-    # their room), and a verify pass of many rows needs them (one thread fewer for streamed stages: history.md §74)
+    # every stage on every thread, streamed ones too: which are pinned changes between passes (the caches
+    # lend their room), and a lent stage verifies trees of many rows (history.md §74)
     stages = [_stage(folder, spec, providers, threads, i in pinned, packed.get(i), evict_page_cache)
               for i, spec in enumerate(window_specs(manifest))]
     return StagedRunner(StageWindow(stages, pinned, slots), manifest.target.facts, manifest.target.lanes, embedding)
@@ -127,7 +127,8 @@ def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers
             runner = build_staged_target(manifest, folder, priced.pinned_stages, priced.context, providers, threads,
                                          prepared_dir, evicted, priced.stream_slots)
         plan = priced
-    runner.pinning = partial(plan.pinned_while, costs=costs)
+    # asked before every pass; the caches' bytes change only as they grow
+    runner.pinning = lru_cache(maxsize=16)(partial(plan.pinned_while, costs=costs))
     return runner, plan, costs
 
 
