@@ -97,7 +97,7 @@ def test_a_drafts_cost_is_read_at_one_steps_catch_up():
     cost = DraftCost()
     assert cost.seconds(1.5) == 0.0  # never timed: hopeful
     cost.record(300, 0.040)  # the prompt, caught up on at its first call
-    assert cost.seconds(1.5) == pytest.approx(0.040)
+    assert cost.seconds(1.5) == pytest.approx(0.040 * 1.5 / 300)  # no slope yet: not a prompt's seconds a step
     for behind, seconds in ((2, 0.0012), (1, 0.0010), (12, 0.0030), (3, 0.0014), (1, 0.0011)):
         cost.record(behind, seconds)
     assert 0.0009 < cost.seconds(1.5) < 0.0013  # not the catch-ups' seconds
@@ -162,6 +162,15 @@ def test_the_controller_takes_a_quote_and_drops_a_draft_that_does_not_pay():
     assert main.calls == calls
     step(controller, [5, 6, 7], [3, 4])
     assert main.calls == calls + 1  # asked again now and then
+
+
+def test_a_draft_whose_first_call_caught_up_on_the_prompt_is_asked_again():
+    main = FixedDrafter([3])
+    controller = Controller(None, main, lanes=1, measured=Measurements.fresh(2))
+    controller.measured.costs = FixedCosts(0.010, 0.002)
+    controller.measured.main_draft.record(300, 0.040)  # its first call: the whole prompt, four plain passes' time
+    assert step(controller, [5, 6, 7], [3, 4]).size == 2  # a step's catch-up is priced at a step's tokens
+    assert main.calls == 1
 
 
 def test_a_plain_step_wins_where_extra_rows_cost_too_much():

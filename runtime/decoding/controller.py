@@ -91,7 +91,10 @@ def theil_sen(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 class DraftCost:
     """Seconds the main drafter takes a step, from its recent calls: a draft model first catches up on the
     tokens committed since it last ran (more after steps that left it out), so the seconds are fitted
-    against those tokens and read at what one step commits when it drafts every step."""
+    against those tokens and read at what one step commits when it drafts every step. Its first call
+    catches up on the whole prompt: read at one step's tokens as it stands, that would price every step
+    as a prompt and leave the drafter out until EXPLORE_EVERY steps later, so until a second count is
+    timed the seconds scale with the tokens (history.md §76)."""
 
     def __init__(self, keep: int = 16):
         self.keep, self.calls = keep, []  # (tokens it caught up on, seconds)
@@ -103,8 +106,8 @@ class DraftCost:
         if not self.calls:
             return 0.0
         x, y = np.array(self.calls, dtype=float).T
-        if len(set(x)) < 2:
-            return float(y.min())
+        if len(set(x)) < 2:  # no slope yet: through the origin, hopeful as a fresh start is (Measurements.fresh)
+            return float(y[0] * behind / x[0]) if x[0] > 0 else float(y.min())
         intercept, slope = theil_sen(x, y)
         return max(0.0, intercept + slope * behind)
 
