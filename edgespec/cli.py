@@ -313,7 +313,9 @@ def cmd_plan(args) -> None:
     budget = None if args.memory_budget is None else parse_size(args.memory_budget)
     manifest = open_bundle(folder)
     # what this device measured of the stages (their packed sizes, their costs), as a run would plan with
-    measures = device_measures(manifest, default_prepared_dir(), cache_dir(), args.evict_page_cache)
+    check_threads(args.threads)
+    threads = args.threads or manifest.profile.threads or default_threads()  # as a run on this bundle takes
+    measures = device_measures(manifest, default_prepared_dir(), cache_dir(), args.evict_page_cache, threads)
     splits = trade_offs(manifest, folder, budget, args.context, *measures) if budget is not None else \
         [plan_memory(manifest, folder, None, args.context, *measures)]
     plan = splits[0]

@@ -247,7 +247,7 @@ def _add_distill(sub) -> None:
 
 def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="how a memory budget is split for a bundle, and the context that fits")
-    p.add_argument("bundle", help="bundle folder, or 'default'")
+    _bundle_arg(p)  # --threads: the stages' costs a run on that many threads measured
     _budget_arg(p)
     p.add_argument("--json", action="store_true")
 

@@ -83,14 +83,14 @@ class Pipeline:
         self.folder = Path(folder)
         self.prepared_dir = Path(prepared_dir) if prepared_dir else default_prepared_dir()
         self.manifest: Manifest = open_bundle(self.folder, profile)
-        self.memory = plan_on_this_device(self.manifest, self.folder,
-                                          None if memory_budget is None else parse_size(memory_budget), context,
-                                          self.prepared_dir, cache_dir(), evict_page_cache)
         check_threads(threads)
         self.threads = threads or self.manifest.profile.threads or default_threads()
         profile = self.manifest.profile  # what the bundle was exported for: the providers per role
         self.placement = placement
         self.target_threads = placement.target_threads if placement else self.threads
+        self.memory = plan_on_this_device(self.manifest, self.folder,
+                                          None if memory_budget is None else parse_size(memory_budget), context,
+                                          self.prepared_dir, cache_dir(), evict_page_cache, self.target_threads)
         self.strict = strict
         m = self.manifest
         self.codec = TextCodec(self.folder, m.tokenizer)

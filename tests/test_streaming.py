@@ -1,5 +1,7 @@
 """Streaming every weight form the bundles use: sessions made once, packed pages fetched and given back,
 the single graph's bits at every budget, speculation exact under a budget."""
+import json
+
 import numpy as np
 import pytest
 from edgespec.runtime.contract.manifest import open_bundle
@@ -164,6 +166,12 @@ def test_the_first_load_measures_stage_costs_and_the_tree_is_sized_to_the_stream
     again = Pipeline(folder, threads=1, memory_budget=budget, prepared_dir=prepared)
     assert again.stream_costs == first.stream_costs  # cached per device and bundle: not measured twice
     assert again.memory.pinned_stages == first.memory.pinned_stages
+    costs_file = next((tmp_path / "stream-costs").rglob("*.json"))
+    costs_file.write_text(json.dumps({"run_seconds": [9.0] * len(window_specs(manifest)),
+                                      "fetch_seconds": [9.0] * len(window_specs(manifest))}))
+    other = Pipeline(folder, threads=2, memory_budget=budget, prepared_dir=prepared)
+    assert other.stream_costs.run_seconds[0] < 9.0  # timed on other threads: measured again, not read
+    other.target.window.close()
     # the export measured the draft's agreement: the tree is tune's program over the streamed pass
     assert manifest.quality["draft_agreement"]
     from edgespec.runtime.decoding.streamed_tree import tree_under_budget

@@ -88,24 +88,25 @@ def bundle_key(manifest: Manifest) -> str:
                           .encode()).hexdigest()
 
 
-def device_measures(manifest: Manifest, prepared_dir: Path, costs_dir: Path,
-                    evicted: bool) -> tuple[list[int] | None, StreamCosts | None]:
+def device_measures(manifest: Manifest, prepared_dir: Path, costs_dir: Path, evicted: bool,
+                    threads: int) -> tuple[list[int] | None, StreamCosts | None]:
     """What this device has measured of the bundle's stages, writing nothing: what each packed copy maps
-    (None until prepared) and the stages' costs (None until a run measured them)."""
+    (None until prepared) and the stages' costs on `threads` (None until a run measured them)."""
     if not manifest.target.stages:
         return None, None
     return (resident_stage_bytes(manifest, prepared_dir),
-            stream_costs.load(costs_dir, bundle_key(manifest), evicted, len(window_specs(manifest))))
+            stream_costs.load(costs_dir, bundle_key(manifest), evicted, threads, len(window_specs(manifest))))
 
 
 def plan_on_this_device(manifest: Manifest, folder: Path, budget: int | None, context: int | None,
-                        prepared_dir: Path, costs_dir: Path, evicted: bool) -> MemoryPlan:
+                        prepared_dir: Path, costs_dir: Path, evicted: bool, threads: int) -> MemoryPlan:
     """The plan with what this device measured: each stage's packed size (prepared first where a budget
     may make the target stream) and, where a run has measured them, the stages' costs."""
     if budget is None or not manifest.target.stages:
         return plan_memory(manifest, folder, budget, context)
     packed_graphs(manifest, folder, prepared_dir)
-    return plan_memory(manifest, folder, budget, context, *device_measures(manifest, prepared_dir, costs_dir, evicted))
+    return plan_memory(manifest, folder, budget, context,
+                       *device_measures(manifest, prepared_dir, costs_dir, evicted, threads))
 
 
 def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers, threads: int, prepared_dir: Path,
@@ -116,7 +117,7 @@ def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers
     The target pins more stages while its caches leave the plan's KV room unused (`MemoryPlan.pinned_while`)."""
     runner = build_staged_target(manifest, folder, plan.pinned_stages, plan.context, providers, threads,
                                  prepared_dir, evicted, plan.stream_slots)
-    costs = measured_costs(runner, manifest, costs_dir, evicted)
+    costs = measured_costs(runner, manifest, costs_dir, evicted, threads)
     if not plan.costs_measured and plan.budget is not None:
         priced = plan_memory(manifest, folder, plan.budget, plan.min_context,
                              resident_stage_bytes(manifest, prepared_dir), costs)
@@ -132,11 +133,13 @@ def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers
     return runner, plan, costs
 
 
-def measured_costs(runner: StagedRunner, manifest: Manifest, costs_dir: Path, evicted: bool) -> StreamCosts:
-    """This device's stage costs for the bundle: cached, or measured now (before the runner's first pass)."""
+def measured_costs(runner: StagedRunner, manifest: Manifest, costs_dir: Path, evicted: bool,
+                   threads: int) -> StreamCosts:
+    """This device's stage costs for the bundle on the runner's `threads`: cached, or measured now (before
+    the runner's first pass)."""
     key, count = bundle_key(manifest), runner.window.count
-    costs = stream_costs.load(costs_dir, key, evicted, count)
+    costs = stream_costs.load(costs_dir, key, evicted, threads, count)
     if costs is None:
         costs = runner.measure_costs()
-        stream_costs.save(costs_dir, key, evicted, costs)
+        stream_costs.save(costs_dir, key, evicted, threads, costs)
     return costs

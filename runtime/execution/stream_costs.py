@@ -4,8 +4,8 @@ A pass runs the window's stages in order; a streamed stage is fetched on the loa
 one before it computes (runtime/execution/staged.py), but on a small CPU the fetch takes the cores and memory
 bandwidth the run needs, so a pass is priced at every run plus every streamed fetch, with no credit
 for the overlap (history.md §59 measured the wait for a prefetched stage at about its whole fetch).
-`StreamCosts` holds each stage's run and fetch seconds, measured once per device, bundle and
-page-cache policy (`measure`) and cached; before that, `assumed` prices both by bytes at rates measured
+`StreamCosts` holds each stage's run and fetch seconds, measured once per device, bundle, thread count
+and page-cache policy (`measure`) and cached; before that, `assumed` prices both by bytes at rates measured
 on the reference target (history.md §59), which orders the splits the same way.
 
 State: a StreamCosts is a frozen value; the cache file is the only thing written, by `save`.
@@ -59,21 +59,24 @@ class StreamCosts:
         return cls(run, fetch, True)
 
 
-def cache_path(root: Path, bundle_checksum: str, evicted: bool) -> Path:
-    return Path(root) / "stream-costs" / machine_key() / f"{bundle_checksum[:32]}{'-evicted' if evicted else ''}.json"
+def cache_path(root: Path, bundle_checksum: str, evicted: bool, threads: int) -> Path:
+    """A stage's run is timed on the threads its session has, so costs timed on others do not price it."""
+    name = f"{bundle_checksum[:32]}-t{threads}{'-evicted' if evicted else ''}.json"
+    return Path(root) / "stream-costs" / machine_key() / name
 
 
-def load(root: Path, bundle_checksum: str, evicted: bool, stages: int) -> StreamCosts | None:
-    """This device's measured costs for the bundle, None where not measured (or for another stage count)."""
-    path = cache_path(root, bundle_checksum, evicted)
+def load(root: Path, bundle_checksum: str, evicted: bool, threads: int, stages: int) -> StreamCosts | None:
+    """This device's measured costs for the bundle on `threads`, None where not measured (or for another
+    stage count)."""
+    path = cache_path(root, bundle_checksum, evicted, threads)
     if not path.is_file():
         return None
     costs = StreamCosts.from_dict(json.loads(path.read_text()))
     return costs if len(costs.run_seconds) == stages else None
 
 
-def save(root: Path, bundle_checksum: str, evicted: bool, costs: StreamCosts) -> None:
-    path = cache_path(root, bundle_checksum, evicted)
+def save(root: Path, bundle_checksum: str, evicted: bool, threads: int, costs: StreamCosts) -> None:
+    path = cache_path(root, bundle_checksum, evicted, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(costs.to_dict()))
 
