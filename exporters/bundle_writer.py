@@ -58,8 +58,8 @@ def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, pol
                                           grids=grids)
         stage_specs.append(replace(
             _graph_spec(name, stage, stage_applied, policy), layers=(layers.start, layers.stop),
-            # a float stage: the runtime maps its weights; a float table it can index itself, so only the
-            # rows it reads become resident
+            # a float stage: the runtime maps its weights; a table it can index itself (float or 4-bit),
+            # so only the rows it reads become resident
             tensors=external_tensors(stage),
             embedding_table=external_table(stage, "embed_tokens") if embed else None))
     return ModelEntry(facts=builder.facts, graph=_graph_spec(role, model, applied, policy), source=source,

@@ -9,17 +9,48 @@ ALIGN = 4096
 INLINE_LIMIT = 1024  # bytes: smaller tensors (shape constants, scalars) stay inside the graph
 
 
+FLOATS = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
+NIBBLES = {onnx.TensorProto.UINT4: "uint4", onnx.TensorProto.INT4: "int4"}
+GATHER_QUANTIZED = "GatherBlockQuantized"
+
+
 def external_table(model: onnx.ModelProto, name: str) -> dict | None:
-    """Where an externalized float table lies in its weights file (for a reader that maps it itself),
-    or None when it is not stored as a plain float32/float16 array."""
-    for tensor in model.graph.initializer:
-        if tensor.name in (name, f"{name}.fp16") and tensor.data_location == onnx.TensorProto.EXTERNAL:
-            dtype = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}.get(tensor.data_type)
-            info = {e.key: e.value for e in tensor.external_data}
-            if dtype:
-                return {"file": info["location"], "offset": int(info["offset"]), "shape": list(tensor.dims),
-                        "dtype": dtype}
+    """Where an externalized table lies in its weights file, for a reader that maps it and indexes it
+    itself (runtime/execution/embedding.py): a plain float32/float16 array, or GatherBlockQuantized's
+    4-bit levels with their scales and zero points, gathered by row and quantized along the row. None
+    for any other form: the runtime then runs the graph."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for tensor_name in (name, f"{name}.fp16"):
+        tensor = inits.get(tensor_name)
+        if tensor is not None and tensor.data_type in FLOATS and _where(tensor):
+            return {**_where(tensor), "shape": list(tensor.dims), "dtype": FLOATS[tensor.data_type]}
+    for node in model.graph.node:
+        if node.op_type != GATHER_QUANTIZED or not node.input[0].startswith(name):
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        levels, scales = inits.get(node.input[0]), inits.get(node.input[2])
+        zero = inits.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+        block = int(attrs.get("block_size", 128))
+        # fp16 scales: the operator computes in half precision, the reader in float32
+        if (levels is None or scales is None or levels.data_type not in NIBBLES or scales.data_type != onnx.TensorProto.FLOAT
+                or len(levels.dims) != 2 or attrs.get("gather_axis", 0) != 0 or attrs.get("quantize_axis", 1) != 1
+                or attrs.get("bits", 4) != 4 or levels.dims[1] % block or (zero is not None and zero.data_type
+                                                                            != levels.data_type)):
+            return None
+        parts = [levels, scales] + ([zero] if zero is not None else [])
+        if not all(_where(t) for t in parts) or len({_where(t)["file"] for t in parts}) != 1:
+            return None
+        return {**_where(levels), "shape": list(levels.dims), "dtype": NIBBLES[levels.data_type],
+                "block_size": block, "scales": {"offset": _where(scales)["offset"], "dtype": "float32"},
+                **({"zero_points": {"offset": _where(zero)["offset"]}} if zero is not None else {})}
     return None
+
+
+def _where(tensor: onnx.TensorProto) -> dict | None:
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    return {"file": info["location"], "offset": int(info["offset"])}
 
 
 def external_tensors(model: onnx.ModelProto) -> list[dict] | None:
@@ -38,10 +69,13 @@ def external_tensors(model: onnx.ModelProto) -> list[dict] | None:
 
 
 def externalize(model: onnx.ModelProto, path: Path) -> None:
-    """Writes every initializer of at least INLINE_LIMIT bytes to `path` and points the graph at it."""
+    """Writes every initializer of at least INLINE_LIMIT bytes to `path` and points the graph at it; a
+    quantized table's parts whatever their size, so that a runtime can map the table whole."""
+    tables = {name for node in model.graph.node if node.op_type == GATHER_QUANTIZED
+              for i, name in enumerate(node.input) if i != 1}
     with open(path, "wb") as out:
         for tensor in model.graph.initializer:
-            if not tensor.HasField("raw_data") or len(tensor.raw_data) < INLINE_LIMIT:
+            if not tensor.HasField("raw_data") or (len(tensor.raw_data) < INLINE_LIMIT and tensor.name not in tables):
                 continue
             offset = out.tell()
             pad = (-offset) % ALIGN

@@ -2,7 +2,9 @@
 import pytest
 from edgespec.runtime.contract.errors import BudgetError
 from edgespec.runtime.contract.manifest import open_bundle
-from edgespec.runtime.execution.budget import MIN_CONTEXT, choose_pinned, plan_memory, trade_offs, window_bytes
+from edgespec.runtime.execution.budget import (MIN_CONTEXT, choose_pinned, embedding_rows, plan_memory, trade_offs,
+                                              window_bytes)
+from edgespec.runtime.execution.embedding import MappedEmbedding
 from edgespec.runtime.execution.stream_costs import StreamCosts
 
 MB = 10**6
@@ -19,7 +21,7 @@ def staged(models, tmp_path_factory):
                                quant="int4"))
 
 
-# fake stages as a device would measure them: embedding, four layer groups, a large head
+# fake stages as a device would measure them: a small one, four layer groups, a large head
 STAGES = [2 * MB, 4 * MB, 4 * MB, 4 * MB, 4 * MB, 10 * MB]
 
 
@@ -32,6 +34,13 @@ def _parts(folder):
     full = plan_memory(open_bundle(folder), folder, None, stage_bytes=STAGES)
     return full.total - full.target_weights - full.target_kv - full.draft_kv, \
         full.target_kv_per_token + full.draft_kv_per_token, full.context
+
+
+def _mapped(folder):
+    """What a streaming plan keeps of the mapped embedding table (runtime/execution/embedding.py)."""
+    manifest = open_bundle(folder)
+    table = manifest.target.stages[0].embedding_table
+    return MappedEmbedding.resident_bound(table, embedding_rows(manifest)) if table else 0
 
 
 def test_a_pass_costs_every_run_and_each_streamed_fetch():
@@ -70,7 +79,7 @@ def test_the_context_asked_for_is_a_floor_and_speed_comes_first(staged):
 def test_trade_offs_give_context_back_stage_by_stage(staged):
     manifest = open_bundle(staged)
     others, per_token, full = _parts(staged)
-    budget = others + MIN_CONTEXT * per_token + window_bytes(STAGES, (1, 2, 5))
+    budget = others + MIN_CONTEXT * per_token + _mapped(staged) + window_bytes(STAGES, (1, 2, 5))
     splits = trade_offs(manifest, staged, budget, stage_bytes=STAGES, costs=_costs())
     assert splits[0] == plan_memory(manifest, staged, budget, stage_bytes=STAGES, costs=_costs())
     assert len(splits[0].pinned_stages) == 3 and splits[-1].pinned_stages == ()
@@ -163,7 +172,7 @@ def test_the_kv_room_a_short_conversation_leaves_pins_more_stages_and_is_given_b
     others, per_token, full = _parts(staged)
     unit = full * per_token // 8  # stages sized against the caches: the whole context's KV holds eight
     stages = [unit // 2, unit, unit, unit, unit, 5 * unit // 2]
-    budget = others + full * per_token + window_bytes(stages, (5,))
+    budget = others + full * per_token + _mapped(staged) + window_bytes(stages, (5,))
     plan = plan_memory(manifest, staged, budget, context=full, stage_bytes=stages, costs=_costs())
     assert plan.streams and plan.context == full and plan.pinned_stages == (5,)
     beside_the_caches = plan.total - plan.target_weights - plan.target_kv + plan.mapped_embedding

@@ -10,11 +10,12 @@ from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.exactness import check_exact_rows
 from edgespec.runtime.execution import prepacked
-from edgespec.runtime.execution.budget import MIN_CONTEXT, plan_memory, window_bytes
+from edgespec.runtime.execution.budget import MIN_CONTEXT, embedding_rows, plan_memory, window_bytes
+from edgespec.runtime.execution.embedding import MappedEmbedding
 from edgespec.runtime.execution.kvcache import KVCache
 from edgespec.runtime.execution.model import pass_feed, run_bound
 from edgespec.runtime.execution.stage_build import packed_graphs, resident_stage_bytes
-from edgespec.runtime.execution.staged import LoadedStage, MappedEmbedding, StageWindow
+from edgespec.runtime.execution.staged import LoadedStage, StageWindow
 
 CONFIG = GenerationConfig(max_new_tokens=30)
 
@@ -38,7 +39,7 @@ def _budget_for(folder, prepared=None):
     manifest = open_bundle(folder)
     full = plan_memory(manifest, folder, None)
     table = manifest.target.stages[0].embedding_table  # mapped, not loaded: stage 0 is not in the window
-    mapped = MappedEmbedding.resident_bound(table, manifest.target.facts.max_context) if table else 0
+    mapped = MappedEmbedding.resident_bound(table, embedding_rows(manifest)) if table else 0
     stages = [sum((folder / n).stat().st_size for n in (s.file, *s.weights)) for s in manifest.target.stages[1:]]
     if prepared is not None and prepacked.available():
         packed_graphs(manifest, folder, prepared)

@@ -7,10 +7,10 @@ import pytest
 from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.execution import prepacked
-from edgespec.runtime.execution.budget import plan_memory
+from edgespec.runtime.execution.budget import embedding_rows, plan_memory
+from edgespec.runtime.execution.embedding import MappedEmbedding
 from edgespec.runtime.execution.kvcache import KVCache
 from edgespec.runtime.execution.stage_build import build_staged_target, resident_stage_bytes, window_specs
-from edgespec.runtime.execution.staged import MappedEmbedding
 
 pytestmark = pytest.mark.skipif(not prepacked.available(), reason="releases mapped pages through /proc/self/maps")
 FORMS = {"int4-offsets": dict(quant="int4", symmetric=False), "int4-symmetric": dict(quant="int4"),
@@ -43,8 +43,8 @@ def prepared(tmp_path_factory):
 
 def _runner(folder, prepared, pinned=()):
     manifest = open_bundle(folder)
-    return build_staged_target(manifest, folder, pinned, manifest.target.facts.max_context, ("CPUExecutionProvider",),
-                               1, prepared, evict_page_cache=False)
+    return build_staged_target(manifest, folder, pinned, ("CPUExecutionProvider",), 1, prepared,
+                               evict_page_cache=False)
 
 
 def _streaming_budget(folder, prepared, context=128):
@@ -55,7 +55,7 @@ def _streaming_budget(folder, prepared, context=128):
     measured = resident_stage_bytes(manifest, prepared)
     full = plan_memory(manifest, folder, None, stage_bytes=measured)
     table = manifest.target.stages[0].embedding_table
-    mapped = 0 if table is None else MappedEmbedding.resident_bound(table, full.context)
+    mapped = 0 if table is None else MappedEmbedding.resident_bound(table, embedding_rows(manifest))
     return full.total - full.target_weights - full.target_kv - full.draft_kv + context * (
         full.target_kv_per_token + full.draft_kv_per_token) + sum(sorted(measured)[-2:]) + mapped, full
 
@@ -83,6 +83,9 @@ def test_every_stage_streams_from_its_packed_copy_with_the_single_graphs_bits(st
     folder = staged(form)
     runner = _runner(folder, prepared)
     assert all(isinstance(s, prepacked.PrepackedStage) for s in runner.window.stages)
+    # the embedding table is indexed in its mapped file, never a stage: fetching it whole for a pass's
+    # few rows cost as much as a layer group's fetch (history.md §76)
+    assert runner.embedding is not None and runner.window.count == len(open_bundle(folder).target.stages) - 1
     sessions = [s.session for s in runner.window.stages]
     expected = _two_passes(_single_graph(folder))
     for _ in range(2):  # streamed twice over: the same sessions, and the same bits

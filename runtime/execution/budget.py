@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from math import prod as np_prod
 from pathlib import Path
 
 from ..contract.errors import BudgetError
 from ..contract.manifest import Manifest
-from .staged import MappedEmbedding
+from .embedding import MappedEmbedding
 from .stream_costs import StreamCosts
 
 # Of the budget, the share the caches' unused room never lends to stages (MemoryPlan.pinned_while): lending
@@ -35,6 +34,7 @@ LENDING_MARGIN = 0.05
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
 RUNTIME_BASE_BYTES = 90 * 2**20
 MIN_CONTEXT = 128  # tokens: below this a chat turn does not fit
+EMBEDDING_ROWS = 128  # rows a mapped embedding table reads before its pages are dropped (embedding_rows)
 # Each root-to-leaf path of a verified tree runs in a lane of the target's cache, and each lane holds a
 # copy of the committed rows (runtime/execution/kvcache.py); the graph computes every lane's attention on every
 # pass. A tree with more paths than the graph's lanes is cut (Tree.within_paths).
@@ -157,6 +157,14 @@ def scratch_bytes(manifest: Manifest) -> int:
     return 4 * (2 * per_layer + rows * f.vocab_size * 2)
 
 
+def embedding_rows(manifest: Manifest) -> int:
+    """Rows a mapped embedding table reads between drops of its pages (runtime/execution/embedding.py):
+    EMBEDDING_ROWS, or one pass's rows where a pass takes more. Its resident bound grows with them, and a
+    drop costs only the pages read, so they are few."""
+    nodes, _, _ = largest_tree(manifest)
+    return min(manifest.target.facts.max_context, max(EMBEDDING_ROWS, manifest.prefill_chunk, nodes + 1))
+
+
 def lanes_for(paths: int) -> int:
     """The lanes a target cache keeps for trees of up to `paths` root-to-leaf paths."""
     return max(1, min(paths, MAX_LANES))
@@ -232,14 +240,14 @@ class _Split:
         self.common = dict(runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights, scratch=scratch,
                            target_kv_per_token=target_kv_token, draft_kv_per_token=draft_kv_token,
                            tree_slots=largest_tree(manifest)[0], suffix_store=suffix_store, min_context=self.floor)
-        # a float embedding table is mapped and indexed instead of loaded: it costs the rows read, bounded
+        # an embedding table is mapped and indexed instead of loaded: it costs the rows read, bounded
         table = target.stages[0].embedding_table if target.stages else None
-        self.mapped = 0 if table is None else MappedEmbedding.resident_bound(table, self.full)
+        self.mapped = 0 if table is None else MappedEmbedding.resident_bound(table, embedding_rows(manifest))
         loaded = target.stages[1:] if table else target.stages
         self.stages = list(stage_bytes) if stage_bytes else [_files_bytes(folder, [s.file, *s.weights]) for s in loaded]
         # the single graph packs its weights as the stages do: where the stages' packed size is measured,
-        # it is the resident target's too (with a float table, which the single graph holds whole)
-        table_bytes = 0 if table is None else int(np_prod(table["shape"])) * (4 if table["dtype"] == "float32" else 2)
+        # it is the resident target's too (with the table, which the single graph holds whole)
+        table_bytes = 0 if table is None else MappedEmbedding.table_bytes(table)
         self.resident = max(weights, sum(stage_bytes) + table_bytes) if stage_bytes else weights
 
     def plan(self, budget: int | None, context: int) -> MemoryPlan:

@@ -6,6 +6,8 @@ mapped pages can be released (Linux): each stage's session is made once, a fetch
 a release drops them, so a streamed stage costs its bytes and no session load (history.md §59: a
 quantized stage loaded as a session per fetch cost about eleven times its bytes). Elsewhere streamed
 float stages read the bundle's weights in place (MappedStage) and quantized ones are loaded per fetch.
+The embedding table is never a stage where the manifest describes it: its rows are read from the
+mapped file (runtime/execution/embedding.py).
 
 The caller owns the plan (runtime/execution/budget.py) and passes it in; this module keeps nothing.
 """
@@ -17,15 +19,16 @@ from pathlib import Path
 
 from ..contract.manifest import GraphSpec, Manifest
 from . import prepacked, stream_costs
-from .budget import MemoryPlan, plan_memory
+from .budget import MemoryPlan, embedding_rows, plan_memory
 from .sessions import make_session
-from .staged import LoadedStage, MappedEmbedding, MappedStage, Stage, StagedRunner, StageWindow
+from .embedding import MappedEmbedding
+from .staged import LoadedStage, MappedStage, Stage, StagedRunner, StageWindow
 from .stream_costs import StreamCosts
 
 
 def window_specs(manifest: Manifest) -> list[GraphSpec]:
-    """The target's stages that run as sessions through the window: all but a float embedding table,
-    which is mapped and indexed instead."""
+    """The target's stages that run as sessions through the window: all but an embedding table the
+    manifest describes, which is mapped and indexed instead (runtime/execution/embedding.py)."""
     stages = manifest.target.stages
     return stages[1:] if stages[0].embedding_table is not None else stages
 
@@ -51,14 +54,13 @@ def resident_stage_bytes(manifest: Manifest, prepared_dir: Path) -> list[int] | 
     return None if any(b is None for b in found) else found
 
 
-def build_staged_target(manifest: Manifest, folder: Path, pinned, embedding_rows: int, providers, threads: int,
+def build_staged_target(manifest: Manifest, folder: Path, pinned, providers, threads: int,
                         prepared_dir: Path, evict_page_cache: bool, slots: int = 2) -> StagedRunner:
     """The staged target with `pinned` (indices into window_specs) resident and the rest streaming through
-    `slots` slots. `embedding_rows`: a mapped float embedding table drops its pages after this many rows
-    read (the context)."""
+    `slots` slots."""
     folder, pinned = Path(folder), set(pinned)
     table = manifest.target.stages[0].embedding_table
-    embedding = None if table is None else MappedEmbedding(folder, table, embedding_rows)
+    embedding = None if table is None else MappedEmbedding(folder, table, embedding_rows(manifest))
     packed = packed_graphs(manifest, folder, prepared_dir)
     # every stage on every thread, streamed ones too: which are pinned changes between passes (the caches
     # lend their room), and a lent stage verifies trees of many rows (history.md §74)
@@ -115,7 +117,7 @@ def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers
     the plan was made with costs assumed from bytes, so it is made again with the measured ones and the
     target rebuilt where they pin other stages (later loads read the cached costs and keep their plan).
     The target pins more stages while its caches leave the plan's KV room unused (`MemoryPlan.pinned_while`)."""
-    runner = build_staged_target(manifest, folder, plan.pinned_stages, plan.context, providers, threads,
+    runner = build_staged_target(manifest, folder, plan.pinned_stages, providers, threads,
                                  prepared_dir, evicted, plan.stream_slots)
     costs = measured_costs(runner, manifest, costs_dir, evicted, threads)
     if not plan.costs_measured and plan.budget is not None:
@@ -125,7 +127,7 @@ def build_measured(manifest: Manifest, folder: Path, plan: MemoryPlan, providers
                                                                            plan.stream_slots):
             runner.window.close()
             del runner  # its pinned stages' pages go before the new split maps its own: the budget holds one
-            runner = build_staged_target(manifest, folder, priced.pinned_stages, priced.context, providers, threads,
+            runner = build_staged_target(manifest, folder, priced.pinned_stages, providers, threads,
                                          prepared_dir, evicted, priced.stream_slots)
         plan = priced
     # asked before every pass; the caches' bytes change only as they grow

@@ -43,6 +43,7 @@ from ..contract.facts import ModelFacts
 from ..contract.graph import FEATURES_OUT, MIN_ROWS, GraphSignature
 from ..contract.manifest import GraphSpec
 from . import stream_costs
+from .embedding import MappedEmbedding
 from .kvcache import KVCache
 from .model import Pass, pass_feed, run_bound
 from .sessions import make_session
@@ -148,34 +149,6 @@ class StageWindow:
 
     def close(self) -> None:
         self.loader.shutdown(wait=True)
-
-
-class MappedEmbedding:
-    """The embedding stage done by indexing the table in its weights file, memory-mapped: only the rows
-    read become resident, and they are dropped again (MADV_DONTNEED) every `reset_every` rows read, so
-    the table never holds more than resident_bound() bytes however long the conversation."""
-
-    def __init__(self, folder: Path, table: dict, reset_every: int):
-        self.shape, self.dtype = tuple(table["shape"]), np.dtype(table["dtype"])
-        with open(Path(folder) / table["file"], "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.table = np.frombuffer(self.map, self.dtype, count=int(np.prod(self.shape)),
-                                   offset=table["offset"]).reshape(self.shape)
-        self.reset_every, self.rows_read = reset_every, 0
-
-    @staticmethod
-    def resident_bound(table: dict, reset_every: int) -> int:
-        row = int(np.prod(table["shape"][1:])) * np.dtype(table["dtype"]).itemsize
-        pages_per_row = -(-row // mmap.PAGESIZE) + 1
-        return min(int(np.prod(table["shape"])) * np.dtype(table["dtype"]).itemsize,
-                   reset_every * pages_per_row * mmap.PAGESIZE)
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        if self.rows_read + ids.size > self.reset_every:
-            self.map.madvise(mmap.MADV_DONTNEED)
-            self.rows_read = 0
-        self.rows_read += ids.size
-        return self.table[ids].astype(np.float32)  # [1, N, H]
 
 
 class StagedRunner:
