@@ -34,7 +34,7 @@ LENDING_MARGIN = 0.05
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
 RUNTIME_BASE_BYTES = 90 * 2**20
 MIN_CONTEXT = 128  # tokens: below this a chat turn does not fit
-EMBEDDING_ROWS = 128  # rows a mapped embedding table reads before its pages are dropped (embedding_rows)
+EMBEDDING_ROWS = 64  # rows a mapped embedding table reads before its pages are dropped (embedding_rows)
 # Each root-to-leaf path of a verified tree runs in a lane of the target's cache, and each lane holds a
 # copy of the committed rows (runtime/execution/kvcache.py); the graph computes every lane's attention on every
 # pass. A tree with more paths than the graph's lanes is cut (Tree.within_paths).
