@@ -25,25 +25,31 @@ def external_table(model: onnx.ModelProto, name: str) -> dict | None:
         if tensor is not None and tensor.data_type in FLOATS and _where(tensor):
             return {**_where(tensor), "shape": list(tensor.dims), "dtype": FLOATS[tensor.data_type]}
     for node in model.graph.node:
-        if node.op_type != GATHER_QUANTIZED or not node.input[0].startswith(name):
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        levels, scales = inits.get(node.input[0]), inits.get(node.input[2])
-        zero = inits.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
-        block = int(attrs.get("block_size", 128))
-        # fp16 scales: the operator computes in half precision, the reader in float32
-        if (levels is None or scales is None or levels.data_type not in NIBBLES or scales.data_type != onnx.TensorProto.FLOAT
-                or len(levels.dims) != 2 or attrs.get("gather_axis", 0) != 0 or attrs.get("quantize_axis", 1) != 1
-                or attrs.get("bits", 4) != 4 or levels.dims[1] % block or (zero is not None and zero.data_type
-                                                                            != levels.data_type)):
-            return None
-        parts = [levels, scales] + ([zero] if zero is not None else [])
-        if not all(_where(t) for t in parts) or len({_where(t)["file"] for t in parts}) != 1:
-            return None
-        return {**_where(levels), "shape": list(levels.dims), "dtype": NIBBLES[levels.data_type],
-                "block_size": block, "scales": {"offset": _where(scales)["offset"], "dtype": "float32"},
-                **({"zero_points": {"offset": _where(zero)["offset"]}} if zero is not None else {})}
+        if node.op_type == GATHER_QUANTIZED and node.input[0].startswith(name):
+            return _quantized_table(node, inits)
     return None
+
+
+def _quantized_table(node: onnx.NodeProto, inits: dict) -> dict | None:
+    """GatherBlockQuantized's table where the reader computes its rows as the operator does: 4-bit levels
+    gathered by row, blocks along the row, float32 scales (fp16 ones make the operator compute in half
+    precision), zero points of the levels' type, every part in one weights file."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    levels, scales = inits.get(node.input[0]), inits.get(node.input[2])
+    zero = inits.get(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+    block = int(attrs.get("block_size", 128))
+    if levels is None or scales is None or levels.data_type not in NIBBLES or len(levels.dims) != 2:
+        return None
+    if (attrs.get("gather_axis", 0), attrs.get("quantize_axis", 1), attrs.get("bits", 4)) != (0, 1, 4) \
+            or levels.dims[1] % block or scales.data_type != onnx.TensorProto.FLOAT \
+            or (zero is not None and zero.data_type != levels.data_type):
+        return None
+    parts = [levels, scales] + ([zero] if zero is not None else [])
+    if not all(_where(t) for t in parts) or len({_where(t)["file"] for t in parts}) != 1:
+        return None
+    return {**_where(levels), "shape": list(levels.dims), "dtype": NIBBLES[levels.data_type], "block_size": block,
+            "scales": {"offset": _where(scales)["offset"], "dtype": "float32"},
+            **({"zero_points": {"offset": _where(zero)["offset"]}} if zero is not None else {})}
 
 
 def _where(tensor: onnx.TensorProto) -> dict | None:
