@@ -68,8 +68,7 @@ def external_tensors(model: onnx.ModelProto) -> list[dict] | None:
             continue
         if tensor.data_type != onnx.TensorProto.FLOAT:
             return None
-        info = {e.key: e.value for e in tensor.external_data}
-        table.append({"name": tensor.name, "offset": int(info["offset"]), "shape": list(tensor.dims),
+        table.append({"name": tensor.name, "offset": _where(tensor)["offset"], "shape": list(tensor.dims),
                       "dtype": "float32"})
     return table or None
 
