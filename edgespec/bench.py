@@ -1,4 +1,5 @@
-"""`edgespec bench`: plain and speculative decoding of one bundle, same prompts, same threads, one run."""
+"""`edgespec bench`: plain and speculative decoding of one bundle, same prompts, same threads, one run (or
+plain decoding alone)."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,14 @@ def load_prompts(path: Path | None) -> list[dict]:
     if not prompts:
         raise InputError(f"{path}: no prompts")
     return prompts
+
+
+def one_prompt(text: str, chat: bool) -> dict:
+    """`--prompt TEXT` as a prompts-file item: a user message where the bundle has a chat template (`chat`), as
+    `generate --prompt --chat` sends it, else plain text."""
+    if not text.strip():
+        raise InputError("--prompt is empty: give the text to decode from")
+    return {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
 
 
 def prompt_kwargs(item: dict) -> dict:
@@ -84,12 +93,13 @@ def _speedup(plain: dict, speculative: dict) -> float:
 
 def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), rounds: int = 1, constraint: ConstraintSpec | None = None,
-              schema_in_prompt: bool = False) -> dict:
+              schema_in_prompt: bool = False, plain_only: bool = False) -> dict:
     """Greedy by default; with sampling, both modes sample (same seeds) and acceptance is reported.
     `rounds` > 1 runs the prompts that many times: the totals cover every round, and each round's own
     speedup is reported beside them, so the spread of this machine's noise shows next to the figure.
     `constraint`: every output must match it; `schema_in_prompt`: each output must match the JSON schema
-    its prompt states (strict); both report the tokens per pass the grammar supplied."""
+    its prompt states (strict); both report the tokens per pass the grammar supplied. `plain_only`: plain
+    decoding alone (no speculative runs, no speedup: the report's "speculative" and "speedup" are None)."""
     if rounds < 1:
         raise InputError(f"rounds must be at least 1 (got {rounds})")
     configs = [GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, constraint=(
@@ -98,7 +108,7 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
     pipeline.generate("Hello", config=GenerationConfig(max_new_tokens=8), remember=False)  # first-run allocations
     if any(c.constraint is not None for c in configs):
         _ = pipeline.grammars  # the tokenizer as the grammar engine reads it: once per pipeline, not per request
-    runs = {"plain": [], "speculative": []}
+    runs = {"plain": []} if plain_only else {"plain": [], "speculative": []}
     engine_s = {mode: 0.0 for mode in runs}  # inside onnxruntime, target and draft
     runners = [r for r in (pipeline.target, pipeline.draft) if r is not None]
     by_round = []
@@ -118,18 +128,20 @@ def run_bench(pipeline: Pipeline, prompts: list[dict], max_new_tokens: int,
                 engine_s[mode] += sum(r.run_seconds for r in runners) - before
                 this_round[mode].append(result.stats)
                 outputs[mode] = result.token_ids
-            identical &= outputs["plain"] == outputs["speculative"]
+            identical &= plain_only or outputs["plain"] == outputs["speculative"]
         for mode, stats in this_round.items():
             runs[mode] += stats
-        by_round.append(_speedup(*(_summary(this_round[mode]) for mode in runs)))
+        if not plain_only:
+            by_round.append(_speedup(*(_summary(this_round[mode]) for mode in runs)))
     report = {mode: _summary(stats) for mode, stats in runs.items()}
     for mode, stats in runs.items():  # what a generation spends outside onnxruntime: Python, numpy, tokenizer
         total = sum(s.prefill_s + s.decode_s for s in stats)
         report[mode]["python_share"] = round(max(0.0, 1 - engine_s[mode] / total), 4) if total else 0.0
     report.update(
-        speedup=_speedup(report["plain"], report["speculative"]),
-        rounds=rounds, speedup_by_round=by_round,
-        identical_greedy=identical if sampling.greedy else None,
+        speculative=report.get("speculative"),
+        speedup=None if plain_only else _speedup(report["plain"], report["speculative"]),
+        rounds=rounds, speedup_by_round=by_round, plain_only=plain_only,
+        identical_greedy=identical if sampling.greedy and not plain_only else None,
         temperature=sampling.temperature,
         constraint="schema in each prompt" if schema_in_prompt else constraint.kind if constraint else None,
         prompts=len(prompts), max_new_tokens=max_new_tokens, threads=pipeline.threads,
@@ -164,6 +176,12 @@ def print_report(report: dict, out=None) -> None:
           f"{100 * p['python_share']:.1f}% outside onnxruntime"
           + (f"   one-token steps of {report['step_rows']} rows (docs/exactness.md)" if report.get("step_rows", 1) > 1
              else ""), file=out)
+    if s is None:  # --plain-only
+        if p.get("grammar_tokens_per_pass") is not None:
+            print(f"constrained ({report['constraint']}): the grammar supplied {p['grammar_tokens_per_pass']:.2f} "
+                  "tokens per target pass", file=out)
+        print(f"plain decoding only   peak RSS {report['peak_rss_mb']:.0f} MB", file=out)
+        return
     print(f"speculative  {s['tokens_per_s']:8.2f} tokens/s   TTFT {s['time_to_first_token_s'] * 1000:7.1f} ms   "
           f"{100 * s['python_share']:.1f}% outside onnxruntime   {s['mean_accepted_per_pass']:.2f} tokens per target pass",
           file=out)

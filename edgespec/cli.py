@@ -7,7 +7,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from edgespec.bench import load_prompts, print_report, run_bench
+from edgespec.bench import load_prompts, one_prompt, print_report, run_bench
 from edgespec.calibrate import CALIBRATION_PROMPTS, auto_placement, calibrate, placeable
 from edgespec.coreml_backend import coreml_predictor, coreml_refusal, preferred_kv
 from edgespec.defaults import resolve_bundle
@@ -49,7 +49,7 @@ def _pipeline(args):
                     placement=_placement(folder, getattr(args, "placement", "profile"), args.threads, profile),
                     profile=profile, context=getattr(args, "context", None), backend=backend,
                     predictor=coreml_predictor if reason is None else None,
-                    coreml_kv=preferred_kv() if reason is None else None)
+                    coreml_kv=preferred_kv() if reason is None else None, spin=getattr(args, "spin", "auto"))
 
 
 def _placement(folder: Path, mode: str, threads: int | None, profile: str | None) -> Placement | None:
@@ -204,15 +204,20 @@ def cmd_chat(args) -> None:
 def cmd_bench(args) -> None:
     if args.max_new_tokens < 1:
         raise InputError("--max-new-tokens must be at least 1")
-    prompts = load_prompts(Path(args.prompts) if args.prompts else None)
+    prompts = None if args.prompt is not None else load_prompts(Path(args.prompts) if args.prompts else None)
+    if args.prompt is not None:
+        one_prompt(args.prompt, chat=False)  # an empty one refused before minutes of loading
     if args.rounds < 1:
         raise InputError("--rounds must be at least 1")
     sampling = _sampling_config(args)
     constraint = _constraint(args)
     if constraint is not None and args.schema_in_prompt:
         raise InputError("--schema-in-prompt takes each prompt's schema: give no other constraint with it")
-    report = run_bench(_pipeline(args), prompts, args.max_new_tokens, sampling, args.rounds, constraint,
-                       args.schema_in_prompt)
+    pipeline = _pipeline(args)
+    if prompts is None:  # a chat message where the bundle has a chat template, as generate --chat sends it
+        prompts = [one_prompt(args.prompt, pipeline.codec.has_chat_template)]
+    report = run_bench(pipeline, prompts, args.max_new_tokens, sampling, args.rounds, constraint,
+                       args.schema_in_prompt, plain_only=args.plain_only)
     if args.json:
         print(json.dumps(report))
     else:

@@ -22,6 +22,13 @@ def _bundle_arg(p, optional=False):
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
+def _spin_arg(p):
+    p.add_argument("--spin", default="auto", choices=("auto", "on", "off"),
+                   help="whether onnxruntime's threads spin between a pass's operators: off on a CPU other "
+                        "processes keep busy; on; auto (default: the target and the draft spin, the draft not "
+                        "beside a streamed target). docs/profiles.md")
+
+
 def _budget_arg(p):
     p.add_argument("--memory-budget", default=None,
                    help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
@@ -155,6 +162,7 @@ def _add_generate(sub) -> None:
     _generation_args(p)
     _backend_arg(p)
     _placement_arg(p)
+    _spin_arg(p)
     _budget_arg(p)
 
 
@@ -164,13 +172,20 @@ def _add_chat(sub) -> None:
     _generation_args(p, max_new=256)
     _backend_arg(p)
     _placement_arg(p)
+    _spin_arg(p)
     _budget_arg(p)
 
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="plain vs speculative decoding in one run")
     _bundle_arg(p)
-    p.add_argument("--prompts", help="JSONL file: one object per line with 'messages' or 'prompt'")
+    asked = p.add_mutually_exclusive_group()
+    asked.add_argument("--prompts", help="JSONL file: one object per line with 'messages' or 'prompt'")
+    asked.add_argument("--prompt", metavar="TEXT",
+                       help="one prompt instead of the prompts file: a user message where the bundle has a chat "
+                            "template (as generate --prompt --chat), else plain text")
+    p.add_argument("--plain-only", action="store_true",
+                   help="plain decoding alone: no speculative runs, no speedup")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1,
                    help="run the prompts this many times; each round's speedup is printed beside the total's")
@@ -182,6 +197,7 @@ def _add_bench(sub) -> None:
                         "benchmarks/workloads/extraction.jsonl")
     _backend_arg(p)
     _placement_arg(p)
+    _spin_arg(p)
     _budget_arg(p)
 
 
@@ -284,6 +300,7 @@ def _add_serve(sub) -> None:
                    help="at most this much memory for weights, KV caches and scratch (e.g. 300MB, 1.5GiB)")
     _backend_arg(p)
     _placement_arg(p)
+    _spin_arg(p)
 
 
 def _add_doctor(sub) -> None:

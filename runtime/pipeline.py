@@ -32,7 +32,7 @@ from .execution.model import ModelRunner
 from .execution.paths import cache_dir
 from .execution.placement import Placement
 from .execution.runner import Cache
-from .execution.sessions import make_session
+from .execution.sessions import check_spin, make_session, spins
 from .execution.stage_build import build_measured, plan_on_this_device, window_specs
 
 BACKENDS = ("auto", "onnx", "coreml")
@@ -61,7 +61,8 @@ class Pipeline:
     def __init__(self, folder, threads: int | None = None, memory_budget: int | str | None = None,
                  prepared_dir: Path | None = None, evict_page_cache: bool = False, strict: bool = False,
                  placement: Placement | None = None, profile: str | None = None, context: int | None = None,
-                 backend: str = "auto", predictor: Predictor | None = None, coreml_kv: str | None = None):
+                 backend: str = "auto", predictor: Predictor | None = None, coreml_kv: str | None = None,
+                 spin: str = "auto"):
         """`memory_budget` (bytes, or a size like "300MB"): weights, both KV caches and scratch must fit in
         it; the caches hold the context that fits (`memory.context`), refused below the minimum.
         `prepared_dir`: where stages' packed weights are kept for this machine (default: the
@@ -77,7 +78,12 @@ class Pipeline:
         speed first, the context gets what is left beyond this floor. `backend`: "onnx" runs the ONNX graphs,
         "coreml" the bundle's CoreML packages through `predictor` (runtime/execution/coreml.py's contract:
         edgespec/coreml_backend.py on macOS), with KV as `coreml_kv` (default: the packages' first form); "auto"
-        takes CoreML for a bundle of the apple profile with CoreML packages when a predictor is given."""
+        takes CoreML for a bundle of the apple profile with CoreML packages when a predictor is given. `spin`:
+        whether the sessions' threads spin between a run's operators: "on", "off" (a CPU other processes keep
+        busy), "auto" (default: the target's and the draft's do, the draft's not beside a streamed target); a
+        streamed target's stages never spin (docs/profiles.md)."""
+        check_spin(spin)
+        self.spin = spin
         self.evict_page_cache = evict_page_cache
         self.trim_heap = heap_trimmer()  # after each request: what it freed goes back to the system
         self.folder = Path(folder)
@@ -109,7 +115,8 @@ class Pipeline:
                 evict_page_cache)
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify,
-                                                   self.target_threads, role="the target", strict=strict),
+                                                   self.target_threads, spin=spins(spin), role="the target",
+                                                   strict=strict),
                                       m.target.facts)
         # the tree drafters fill: the manifest's, or one sized to a streamed pass where stages stream; a caller
         # (tune) may try another
@@ -134,7 +141,8 @@ class Pipeline:
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file,
                                                   (placement.draft_provider(),) if placement else profile.draft,
                                                   placement.draft_threads if placement else self.threads,
-                                                  spin=not self.memory.streams, role="the draft",
+                                                  spin=spins(spin, beside_loader=self.memory.streams),
+                                                  role="the draft",
                                                   strict=strict),
                                      m.draft.facts, read_head_tokens(self.folder, m.draft))
         for runner in (self.target, self.draft):
@@ -370,5 +378,5 @@ def check_threads(threads) -> None:
         raise InputError(f"threads must be between 1 and {MAX_THREADS} (got {threads!r})")
 
 
-def load(folder, threads: int | None = None, memory_budget: int | str | None = None) -> Pipeline:
-    return Pipeline(folder, threads, memory_budget)
+def load(folder, threads: int | None = None, memory_budget: int | str | None = None, spin: str = "auto") -> Pipeline:
+    return Pipeline(folder, threads, memory_budget, spin=spin)

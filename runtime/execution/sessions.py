@@ -6,13 +6,35 @@ from pathlib import Path
 import onnxruntime as ort
 from edgespec.targets.profiles import CPU
 
-from ..contract.errors import BundleError
+from ..contract.errors import BundleError, InputError
 from .providers import fall_back, provider_label, usable_providers
 
 # what onnxruntime raises: its own classes derive from Exception alone
 _STATE = ort.capi.onnxruntime_pybind11_state
 ORT_ERRORS = (_STATE.Fail, _STATE.InvalidGraph, _STATE.InvalidArgument, _STATE.NoSuchFile, _STATE.InvalidProtobuf,
               _STATE.RuntimeException, _STATE.NotImplemented, _STATE.EPFail)
+
+# whether the sessions' threads spin between the nodes of a run: "auto" (the target and the draft do, the draft
+# not beside a streamed target's loader), "on" (both do), "off" (neither: a CPU other processes keep busy)
+SPIN_SETTINGS = ("auto", "on", "off")
+SPIN_ENTRY = "session.intra_op.allow_spinning"
+
+
+def check_spin(spin) -> None:
+    if spin not in SPIN_SETTINGS:
+        raise InputError(f"spin must be one of {', '.join(SPIN_SETTINGS)} (got {spin!r})")
+
+
+def spins(setting: str, beside_loader: bool = False) -> bool:
+    """Whether a resident session spins under `setting`; `beside_loader`: a streamed target's loader thread
+    needs a core during its runs (auto then does not spin). A streamed target's own stages never spin."""
+    check_spin(setting)
+    return setting == "on" or (setting == "auto" and not beside_loader)
+
+
+def spinning(session: ort.InferenceSession) -> bool:
+    """Whether `session`'s threads spin (a session made beside it takes the same)."""
+    return session.get_session_options().get_session_config_entry(SPIN_ENTRY) != "0"
 
 
 def make_session(path: Path, providers: tuple, threads: int,
@@ -34,8 +56,9 @@ def make_session(path: Path, providers: tuple, threads: int,
     # thousand small nodes slowed int4 decoding) and stop spinning when the run ends, so the draft
     # and target sessions, which take turns on the same cores, do not keep both busy for each other:
     # spinning past the run halved speculative decoding with a draft model (history.md §13, §31). While
-    # a streamed target's loader thread faults the next stage in, spinning takes its core: no spinning.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    # a streamed target's loader thread faults the next stage in, spinning takes its core: no spinning. On
+    # a CPU other processes keep busy, spinning threads fight them for the cores: the user's `spin` setting.
+    options.add_session_config_entry(SPIN_ENTRY, "1" if spin else "0")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")

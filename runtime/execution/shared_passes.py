@@ -28,7 +28,7 @@ import numpy as np
 
 from ..contract.errors import BackendError, EdgespecError
 from .model import ModelRunner, Pass, commit
-from .sessions import make_session
+from .sessions import make_session, spinning
 from .slots import SlotRunner
 
 # the longest the first conversation waiting holds a pass for the others, which draft one after another
@@ -201,7 +201,8 @@ def open_shared(folder, target, runner: ModelRunner, threads: int | None,
     conversation its bits alone on this device (`keeps_bits`)."""
     if target.slots is None:
         return None
-    session = make_session(folder / target.slots.file, tuple(runner.session.get_providers()), threads)
+    session = make_session(folder / target.slots.file, tuple(runner.session.get_providers()), threads,
+                           spin=spinning(runner.session))  # as the target's own session
     slots = SlotRunner(session, runner)
     return SharedPasses(runner, slots, patience_s, prefill_apart) if keeps_bits(runner, slots) else None
 
