@@ -224,8 +224,10 @@ def family_for(config, class_name: str | None = None) -> Family:
 
 
 def builder_for(model, max_context: int, head_tokens=None, feature_fc=None, features_out: bool = False,
-                lanes: int = 1, exact_passes: bool = False) -> LlamaBuilder:
-    return family_for(model.config, type(model).__name__).builder(model, max_context, head_tokens, feature_fc, features_out, lanes, exact_passes)
+                lanes: int = 1, exact_passes: bool = False, weights=None) -> LlamaBuilder:
+    """`weights`: the model's state read a tensor at a time where `model` is a skeleton (exporters/checkpoint.py)."""
+    return family_for(model.config, type(model).__name__).builder(model, max_context, head_tokens, feature_fc,
+                                                                  features_out, lanes, exact_passes, weights)
 
 
 def families_line() -> str:

@@ -15,7 +15,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 import onnx
-from edgespec.quant.apply import quantize_model
 from edgespec.quant.calibrate import Calibration, activation_maxima
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.contract.coreml_package import CoreMLPackage
@@ -37,7 +36,8 @@ from edgespec.runtime.contract.topology import Topology
 from edgespec.targets.profiles import DeviceProfile
 
 from .llama import LlamaBuilder
-from .weights import external_table, external_tensors, externalize
+from .weight_stream import StreamedWeights
+from .weights import external_table, external_tensors
 
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
@@ -115,11 +115,17 @@ def calibrate(builder: LlamaBuilder, ids: list[int], features=None) -> Calibrati
 def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPolicy, parts: dict | None = None,
                strict: bool = True, maxima: dict | None = None, static: dict | None = None, grids: dict | None = None):
     """Builds (all of the model, or `parts` of it), quantizes and saves `name`.onnx with its weights in
-    `name`.weights. `strict`: a policy pattern that matches no weight here is an error. `static`: values
-    for the graph's symbolic dimensions."""
-    model = builder.build(f"edgespec_{name.replace('.', '_')}", **(parts or {})).to_model()
+    `name`.weights, a layer at a time (exporters/weight_stream.py). `strict`: a policy pattern that matches
+    no weight here is an error. `static`: values for the graph's symbolic dimensions."""
+    parts = parts or {}
+    layers = parts.get("layers", range(builder.facts.num_layers))
+    with StreamedWeights(folder / f"{name}.weights", policy, maxima, grids, parts=len(layers) + 1,
+                         label=f"writing {name}") as sink:
+        model = builder.build(f"edgespec_{name.replace('.', '_')}", sink=sink, **parts).to_model()
+    applied = sink.applied
     try:
-        applied = quantize_model(model, policy, strict, maxima, grids)
+        if strict:
+            sink.check_policy()
         mark_exact_rows(model)
         if builder.portable_attention:
             onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
@@ -128,7 +134,6 @@ def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPoli
             fix_dims(model, static)
     except ValueError as err:
         raise ExportError(str(err)) from err
-    externalize(model, folder / f"{name}.weights")
     onnx.save_model(model, folder / f"{name}.onnx")
     onnx.checker.check_model(str(folder / f"{name}.onnx"))
     return model, applied

@@ -268,10 +268,10 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     """Tokenizer, target graph (+ stages), draft graph, quality report: everything the manifest lists."""
     draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
     say(f"loading target: {target_source.description}")
-    target, tokenizer = target_source.load()
+    target, tokenizer, weights = target_source.load_streamed()
     # a draft that reads the target's features needs a target graph that returns them
     target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
-                                 lanes=plan.lanes, exact_passes=True)
+                                 lanes=plan.lanes, exact_passes=True, weights=weights)
     tokenizer_spec = write_tokenizer(folder, tokenizer, target)
     say(f"writing target graph ({target_builder.facts.num_layers} layers, "
         f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {plan.target_scheme.name})")

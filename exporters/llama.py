@@ -92,8 +92,9 @@ class LlamaBuilder(LayerAttention):
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
                  feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
-                 lanes: int = 1, exact_passes: bool = False):
-        """`model` is a transformers *ForCausalLM in float32. `head_tokens` (a draft's trimmed head):
+                 lanes: int = 1, exact_passes: bool = False, weights=None):
+        """`model` is a transformers *ForCausalLM in float32, or its skeleton with `weights`, a mapping of its
+        state's names to float32 arrays read when asked for (exporters/checkpoint.py). `head_tokens` (a draft's trimmed head):
         the graph's logits cover only these vocabulary ids, in this order. `feature_fc` (a draft that
         reads the target's features): (weight [H, 2H], bias [H]) of the projection of [embedding, feature]
         to the first layer's input. `features_out`: return the final hidden states too. `lanes`: the
@@ -139,7 +140,8 @@ class LlamaBuilder(LayerAttention):
             if half == head_dim // 2:
                 self.facts = replace(self.facts, rope_frequencies=tuple(float(a) for a in np.arctan2(
                     sin[1, :half].astype(np.float64), cos[1, :half].astype(np.float64))))
-        self.state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+        self.state = weights if weights is not None else \
+            {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
         # a bias on q, k and v (Qwen2, or any family's `attention_bias`) is read where the checkpoint has one
         self.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in self.state
         self._refuse_what_the_graph_omits(cfg)
@@ -191,7 +193,8 @@ class LlamaBuilder(LayerAttention):
 
     def parameter_count(self) -> int:
         tied = self.facts.tie_word_embeddings
-        return sum(v.size for k, v in self.state.items() if not (tied and k == "lm_head.weight"))
+        size = getattr(self.state, "size_of", None) or (lambda k: self.state[k].size)  # without reading a tensor
+        return sum(size(k) for k in self.state if not (tied and k == "lm_head.weight"))
 
     # --- what subclasses may override -------------------------------------------------------
     def attention_windows(self, cfg) -> tuple[int | None, ...]:
@@ -266,21 +269,25 @@ class LlamaBuilder(LayerAttention):
 
     # --- the graph ---------------------------------------------------------------------------
     def build(self, name: str, nodes: int | str = "nodes", layers: range | None = None,
-              embed: bool = True, head: bool = True, sequences: bool = False, slots: int = 0) -> GraphBuilder:
+              embed: bool = True, head: bool = True, sequences: bool = False, slots: int = 0,
+              sink=None) -> GraphBuilder:
         """The whole model, or one stage of it: the embedding, `layers`, and the head, each optional.
 
         A stage that starts after the embedding takes the residual stream as `hidden` and the last
         block's output not yet added to it as `branch` ([1, N, H] each); a stage that ends before the
         head returns them as `hidden_out` and `branch_out`. Handing both over keeps the fused add-and-norm of the
         single graph, so the stages compute what the single graph computes. `slots` > 0: the whole
-        model as a slots graph of that many conversations per pass (exporters/slots.py).
+        model as a slots graph of that many conversations per pass (exporters/slots.py). `sink`: where the
+        weights go as each layer is built (exporters/weight_stream.py); without one they stay inline.
         """
         f = self.facts
         layers = range(f.num_layers) if layers is None else layers
-        g = GraphBuilder(name)
+        g = GraphBuilder(name, sink)
         if embed:
             ids = g.input("input_ids", INT64, [1, nodes])
-            table = g.weight("embed_tokens", self.state["model.embed_tokens.weight"])
+            # a tied head reads the table again at the end: read it then, not held through every layer
+            table = g.weight("embed_tokens", lambda: self.state["model.embed_tokens.weight"],
+                             last=head and f.tie_word_embeddings and self.head_tokens is None)
             x, branch = g.op("Gather", [table, ids], "embed", axis=0), None  # [1, N, H]
             if self.embedding_scale() is not None:
                 x = g.op("Mul", [x, g.const(self.embedding_scale(), np.float32)])
@@ -351,6 +358,7 @@ class LlamaBuilder(LayerAttention):
                 return out
 
             x, branch = self.decoder_layer(g, x, branch, w, attention)
+            g.flush()
         return x, branch
 
     def rotary_inputs(self, g: GraphBuilder, layers: range) -> dict:
@@ -431,13 +439,13 @@ class LlamaBuilder(LayerAttention):
     def lm_head(self, g, x, table: str | None):
         """`table`: the embedding table's name when this graph holds it (a tied head then reads it)."""
         f = self.facts
-        full = self.state["model.embed_tokens.weight" if f.tie_word_embeddings else "lm_head.weight"]
+        source = "model.embed_tokens.weight" if f.tie_word_embeddings else "lm_head.weight"
         if self.head_tokens is not None:
-            name = g.weight("lm_head", full[self.head_tokens])
+            name = g.weight("lm_head", lambda: self.state[source][self.head_tokens])
         elif f.tie_word_embeddings:
-            name = table or g.weight("embed_tokens", full)
+            name = table or g.weight("embed_tokens", lambda: self.state[source])
         else:
-            name = g.weight("lm_head", full)
+            name = g.weight("lm_head", lambda: self.state[source])
         flat = g.op("Reshape", [x, g.const([-1, f.hidden_size])])
         logits = self.final_logits(g, g.op("Gemm", [flat, name], transB=1))
         return g.op("Reshape", [logits, g.const([1, -1, self.head_size])])

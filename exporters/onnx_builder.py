@@ -1,7 +1,10 @@
 """A small helper to write ONNX graphs node by node, with weights kept apart for external storage."""
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -10,21 +13,37 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 21  # int4 tensors (MatMulNBits weights) need opset 21 and IR version 10
 
 
+class WeightSink(Protocol):
+    """Where a graph's weights go as it is built (exporters/weight_stream.py): `write` takes a run of nodes
+    and the float32 weights they read, and returns the nodes that replace them (quantized) with the
+    initializers they read, already stored outside the graph."""
+
+    def write(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]) \
+            -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]: ...
+
+
 class GraphBuilder:
     """Collects nodes, graph inputs/outputs and initializers.
 
     Weights (`weight`) are recorded by name under the builder's canonical names (`embed_tokens`,
     `layers.3.qkv`, `lm_head`, ...), which quantization policies refer to; small constants (`const`)
-    are deduplicated.
+    are deduplicated. With a `sink`, `flush` hands the nodes added since the last flush and the weights
+    they read to it, and the builder keeps only what it returns: a model is written a layer at a time
+    and never held whole in float32. A weight read again later (a tied head's table) is marked `last`:
+    it is written with the nodes of the final flush.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, sink: WeightSink | None = None):
         self.name = name
+        self.sink = sink
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.constants: list[onnx.TensorProto] = []
-        self.weights: dict[str, np.ndarray] = {}
+        self.weights: dict[str, np.ndarray | Callable[[], np.ndarray]] = {}
+        self.written: list[onnx.TensorProto] = []  # initializers the sink stored
+        self._last: set[str] = set()
+        self._flushed = 0  # nodes before this index went through the sink
         self._ids = itertools.count()
         self._const_cache: dict[tuple, str] = {}
 
@@ -45,9 +64,36 @@ class GraphBuilder:
             self._const_cache[key] = name
         return self._const_cache[key]
 
-    def weight(self, name: str, array: np.ndarray) -> str:
-        self.weights[name] = np.ascontiguousarray(array)
+    def weight(self, name: str, array: np.ndarray | Callable[[], np.ndarray], last: bool = False) -> str:
+        """`array`, or a function that reads it when it is written; `last`: read by nodes still to come
+        after the next flush."""
+        self.weights[name] = array if callable(array) else np.ascontiguousarray(array)
+        if last:
+            self._last.add(name)
         return name
+
+    def flush(self, final: bool = False) -> None:
+        """Through the sink: the nodes since the last flush, with the weights they read (`final`: every
+        weight left, with the earlier nodes that read one)."""
+        if self.sink is None:
+            return
+        segment = self.nodes[self._flushed:]
+        if final and self._last:  # the earlier readers of a weight marked `last` go with the final segment
+            earlier = [n for n in self.nodes[: self._flushed] if set(n.input) & self._last]
+            self.nodes[: self._flushed] = [n for n in self.nodes[: self._flushed] if not set(n.input) & self._last]
+            self._flushed -= len(earlier)
+            segment = earlier + segment
+        read = {name for node in segment for name in node.input}
+        ready = [name for name in self.weights if name in read and (final or name not in self._last)]
+        if ready:
+            arrays = {name: _array(self.weights.pop(name)) for name in ready}
+            segment, stored = self.sink.write(segment, arrays)
+            self.written.extend(stored)
+        self.nodes[self._flushed:] = segment
+        self._flushed = len(self.nodes)
+        if final and self._last:
+            self.nodes = topological(self.nodes, {i.name for i in self.inputs}
+                                     | {t.name for t in self.constants + self.written})
 
     def input(self, name: str, elem_type: int, shape: list) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
@@ -58,12 +104,45 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def to_model(self) -> onnx.ModelProto:
-        """The graph with its weights inline; the bundle writer moves them to an external file."""
-        initializers = self.constants + [numpy_helper.from_array(array, name) for name, array in self.weights.items()]
+        """The graph: with a sink, its weights where the sink stored them; else inline (the bundle writer
+        moves them to an external file)."""
+        self.flush(final=True)
+        initializers = self.constants + self.written + [numpy_helper.from_array(_array(array), name)
+                                                        for name, array in self.weights.items()]
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)], producer_name="edgespec")
         model.ir_version = 10
         return model
+
+
+def _array(value) -> np.ndarray:
+    return np.ascontiguousarray(value() if callable(value) else value)
+
+
+def topological(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` in an order where every input is produced before it is read, as close to the given order as
+    that allows (of the nodes whose inputs are ready, the earliest goes first)."""
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output}
+    readers: dict[int, list[int]] = {}
+    waits = []
+    for i, node in enumerate(nodes):
+        before = {producer[name] for name in node.input if name and name not in available and name in producer}
+        for j in before:
+            readers.setdefault(j, []).append(i)
+        waits.append(len(before))
+    ready = [i for i, count in enumerate(waits) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for j in readers.get(i, ()):
+            waits[j] -= 1
+            if waits[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != len(nodes):
+        raise ValueError(f"graph nodes read each other's outputs in a cycle ({len(nodes) - len(order)} nodes)")
+    return order
 
 
 FLOAT = TensorProto.FLOAT

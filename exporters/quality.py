@@ -17,6 +17,7 @@ from edgespec.runtime.pipeline import default_threads
 
 from .bundle_writer import save_graph
 from .llama import LlamaBuilder
+from .reference import reference_rows
 
 PROMPTS = 2
 NEW_TOKENS = 128
@@ -51,11 +52,14 @@ def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written
     with tempfile.TemporaryDirectory(prefix="edgespec-fp32-") as scratch:
         scratch = Path(scratch)
 
-        def runners(role: str, written: Written) -> tuple[ModelRunner, ModelRunner]:
-            save_graph(scratch, role, written.builder, QuantPolicy(), static=written.static)
-            return _runner(scratch / f"{role}.onnx", written.builder), _runner(bundle / written.file, written.builder)
+        def reference(sequences: list[list[int]], features: bool):
+            return reference_rows(target.builder, sequences, scratch / "target", default_threads(), features)
 
-        drafts = None if draft is None else runners("draft", draft)
-        report = quality_report(*runners("target", target), heldout, prompt_ids, new_tokens, drafts)
+        drafts = None
+        if draft is not None:  # a draft is small: its fp32 graph is written whole
+            save_graph(scratch, "draft", draft.builder, QuantPolicy(), static=draft.static)
+            drafts = (_runner(scratch / "draft.onnx", draft.builder), _runner(bundle / draft.file, draft.builder))
+        report = quality_report(reference, _runner(bundle / target.file, target.builder), heldout, prompt_ids,
+                                new_tokens, drafts)
     (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

@@ -79,4 +79,5 @@ def slot_layers(builder, g: GraphBuilder, x: str, branch: str | None, layers: ra
             return g.op("MatMul", [out, w["o"]], "o_proj")
 
         x, branch = builder.decoder_layer(g, x, branch, w, attention)
+        g.flush()
     return x, branch

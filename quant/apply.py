@@ -56,7 +56,8 @@ def _weight_nodes(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     for node in model.graph.node:
         if node.op_type in ("MatMul", "Gemm") and node.input[1] in inits:
             users.setdefault(node.input[1], []).append(node)
-        elif node.op_type == "Gather" and node.input[0] == EMBEDDING:  # not the rotary tables a Gather may read
+        # not the rotary tables a Gather may read; nor, in a part of a graph, a table another part holds
+        elif node.op_type == "Gather" and node.input[0] == EMBEDDING and EMBEDDING in inits:
             users.setdefault(node.input[0], []).append(node)
     return users
 
@@ -88,11 +89,8 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
     users = _weight_nodes(model)  # before the grids' rewrite: their offsets' small matmuls stay fp32
     kept = _apply_grids(model, grids, policy.default.accuracy_level)
     users = {name: nodes for name, nodes in users.items() if name not in kept}
-    unmatched = [pattern for pattern, _ in policy.overrides
-                 if not any(fnmatch.fnmatchcase(name, pattern) for name in set(users) | {"lm_head"})]
-    if unmatched and strict:
-        raise InputError(f"the quantization policy names no weight of this model: {', '.join(unmatched)} "
-                         f"(weights are named like {', '.join(sorted(users)[:4])}, ...)")
+    if strict:
+        check_policy_names(policy, set(users))
     applied = {name: policy.scheme_for(name).name for name in users}
     for name, nodes in users.items():
         if applied[name] == "int8" and nodes[0].op_type == "Gather":
@@ -109,6 +107,15 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
     if "lm_head" not in applied and "lm_head" not in kept and "embed_tokens" in applied:
         applied["lm_head"] = applied["embed_tokens"]  # a tied head reads the embedding table as stored
     return {**kept, **applied}
+
+
+def check_policy_names(policy: QuantPolicy, names: set[str]) -> None:
+    """A policy pattern that names none of a model's weights (`names`, the ones it quantizes) is a mistake."""
+    unmatched = [pattern for pattern, _ in policy.overrides
+                 if not any(fnmatch.fnmatchcase(name, pattern) for name in names | {"lm_head"})]
+    if unmatched:
+        raise InputError(f"the quantization policy names no weight of this model: {', '.join(unmatched)} "
+                         f"(weights are named like {', '.join(sorted(names)[:4])}, ...)")
 
 
 def _apply_grids(model: onnx.ModelProto, grids: dict[str, BlockGrid], accuracy_level: int) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """What quantization costs, measured: perplexity and greedy agreement against the fp32 export of the
 same model, and the draft's agreement with the target before and after.
 
-Pure runtime code (onnxruntime sessions, numpy): it compares graphs, not torch models.
+Pure runtime code (onnxruntime sessions, numpy): it compares graphs, not torch models. The fp32 side is
+teacher-forced rows (exporters/reference.py computes them a stage at a time, never the whole fp32
+model at once): its perplexity, and its choice at every token of the quantized model's own greedy
+continuation, which gives both the agreement and where the two greedy outputs part.
 """
 from __future__ import annotations
 
@@ -60,33 +63,44 @@ def greedy_continuation(runner: ModelRunner, prompt: list[int], new_tokens: int,
 
 
 def agreement(runner: ModelRunner, prompt: list[int], continuation: list[int], chunk: int = 64,
-              target: ModelRunner | None = None) -> float:
+              target: ModelRunner | None = None, target_features: np.ndarray | None = None) -> float:
     """How often `runner`'s greedy choice equals `continuation`'s next token, teacher-forced. A draft that
-    reads features gets `target`'s (its first drafting step: every feature is the target's own)."""
-    return agreement_by_rank(runner, prompt, continuation, 1, chunk, target)[0]
+    reads features gets `target`'s (its first drafting step: every feature is the target's own), or
+    `target_features` [tokens, hidden], the target's final hidden states over prompt + continuation."""
+    return agreement_by_rank(runner, prompt, continuation, 1, chunk, target, target_features)[0]
 
 
 def agreement_by_rank(runner: ModelRunner, prompt: list[int], continuation: list[int], ranks: int,
-                      chunk: int = 64, target: ModelRunner | None = None) -> list[float]:
+                      chunk: int = 64, target: ModelRunner | None = None,
+                      target_features: np.ndarray | None = None) -> list[float]:
     """How often `continuation`'s next token is `runner`'s r-th choice, r = 0..ranks-1, teacher-forced as
     `agreement`: the rates a tree's siblings are accepted at (runtime/decoding/treeopt.py's accept row)."""
     ids = list(prompt) + list(continuation)
-    features = draft_input_features(target, ids, chunk) if runner.reads_features else None
+    features = None
+    if runner.reads_features:
+        features = draft_inputs(target_features, 0, len(ids)) if target_features is not None \
+            else draft_input_features(target, ids, chunk)
     logits = _row_logits(runner, ids, chunk, features)[len(prompt) - 1 : len(ids) - 1]
     order = np.argsort(-logits, axis=-1, kind="stable")[:, :ranks]
     return [float(np.mean(order[:, r] == np.asarray(continuation))) for r in range(ranks)]
 
 
-def quality_report(reference: ModelRunner, quantized: ModelRunner, heldout: list[int], prompts: list[list[int]],
+def quality_report(reference, quantized: ModelRunner, heldout: list[int], prompts: list[list[int]],
                    new_tokens: int = 128, drafts: tuple[ModelRunner, ModelRunner] | None = None) -> dict:
-    """`reference` is the fp32 export of the model `quantized` was made from; `drafts` is
+    """`reference(sequences, features)`: the fp32 export's teacher-forced rows over each sequence
+    (exporters/reference.py: ReferenceRows), with its final hidden states when `features`; `drafts` is
     (fp32 draft, quantized draft) when the bundle has a draft model."""
-    ppl_ref, ppl_q = perplexity(reference, heldout), perplexity(quantized, heldout)
-    continuations = [greedy_continuation(reference, p, new_tokens) for p in prompts]
-    quant_continuations = [greedy_continuation(quantized, p, new_tokens) for p in prompts]
-    agree = [agreement(quantized, p, c) for p, c in zip(prompts, continuations)]
-    identical_prefix = [next((i for i, (a, b) in enumerate(zip(c, q)) if a != b), len(c))
-                        for c, q in zip(continuations, quant_continuations)]
+    ppl_q = perplexity(quantized, heldout)
+    continuations = [greedy_continuation(quantized, p, new_tokens) for p in prompts]
+    reads_features = drafts is not None and drafts[0].reads_features
+    rows = reference([list(heldout)] + [list(p) + c for p, c in zip(prompts, continuations)], reads_features)
+    ppl_ref = float(np.exp(-np.mean(rows[0].next_log_prob[: len(heldout) - 1])))
+    # the fp32 model's choice after each prefix of the quantized continuation: where the two greedy outputs
+    # part is its first disagreement (before it, both saw the same prefix)
+    choices = [r.argmax[len(p) - 1 : len(p) - 1 + len(c)] for r, p, c in zip(rows[1:], prompts, continuations)]
+    agree = [float(np.mean(choice == np.asarray(c))) for choice, c in zip(choices, continuations)]
+    identical_prefix = [int(np.argmin(choice == np.asarray(c))) if (choice != np.asarray(c)).any() else len(c)
+                        for choice, c in zip(choices, continuations)]
     report = {
         "heldout_tokens": len(heldout),
         "perplexity": {"fp32": round(ppl_ref, 4), "quantized": round(ppl_q, 4),
@@ -96,14 +110,14 @@ def quality_report(reference: ModelRunner, quantized: ModelRunner, heldout: list
     }
     if drafts is not None:
         report["draft_agreement"] = {
-            "fp32": round(float(np.mean([agreement(drafts[0], p, c, target=reference)
-                                         for p, c in zip(prompts, continuations)])), 4),
+            "fp32": round(float(np.mean([agreement(drafts[0], p, c, target_features=r.features)
+                                         for p, c, r in zip(prompts, continuations, rows[1:])])), 4),
             "quantized": round(float(np.mean([agreement(drafts[1], p, c, target=quantized)
-                                              for p, c in zip(prompts, quant_continuations)])), 4),
+                                              for p, c in zip(prompts, continuations)])), 4),
         }
         # the quantized draft's agreement by rank: what a tree's second and later siblings add, for the
         # tree a budget's streamed pass pays for (runtime/decoding/streamed_tree.py, history.md §64)
         by_rank = [agreement_by_rank(drafts[1], p, c, DRAFT_RANKS, target=quantized)
-                   for p, c in zip(prompts, quant_continuations)]
+                   for p, c in zip(prompts, continuations)]
         report["draft_agreement_by_rank"] = {"quantized": [round(float(r), 4) for r in np.mean(by_rank, axis=0)]}
     return report

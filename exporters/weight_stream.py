@@ -1,0 +1,78 @@
+"""A graph's weights quantized and written as the graph is built, a layer at a time.
+
+The graph builder (exporters/onnx_builder.py) hands each layer's nodes and float32 weights to a
+`StreamedWeights`: it quantizes them by the policy exactly as quant/apply.py quantizes a whole graph
+(the same rewrites, applied to the nodes that read each weight), appends what they became to the
+graph's weights file, and returns the nodes and initializers that stand for them. The float32 arrays
+are let go as soon as a layer is written, so an export holds one layer's weights at a time.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from edgespec.quant.apply import check_policy_names, quantize_model
+from edgespec.quant.schemes import QuantPolicy
+from edgespec.runtime.contract.errors import ExportError
+from onnx import helper, numpy_helper
+from tqdm import tqdm
+
+from .onnx_builder import OPSET
+from .weights import append_external
+
+
+class StreamedWeights:
+    """The sink of one graph's weights: `path` is its weights file, opened on entering and closed on leaving.
+    `applied` collects {weight name: scheme} as quant/apply.py's quantize_model returns it. `parts`: how
+    many flushes the graph's build makes (its layers and the rest), for the progress bar."""
+
+    def __init__(self, path: Path, policy: QuantPolicy, maxima: dict | None = None, grids: dict | None = None,
+                 parts: int = 0, label: str = ""):
+        self.path, self.policy, self.maxima, self.grids = Path(path), policy, maxima, grids
+        self.applied: dict[str, str] = {}
+        self._stored: set[str] = set()
+        self._file = None
+        self._bar = tqdm(total=parts, desc=label or self.path.stem, unit="part", file=sys.stderr, leave=False,
+                         disable=parts < 2)
+
+    def __enter__(self) -> StreamedWeights:
+        self._file = open(self.path, "wb")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+        self._bar.close()
+
+    def write(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]):
+        part = helper.make_model(
+            helper.make_graph(nodes, "part", [], [], [numpy_helper.from_array(a, n) for n, a in weights.items()]),
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
+        part.ir_version = 10
+        weights.clear()  # the float32 arrays go with the part
+        try:
+            self.applied.update(quantize_model(part, self.policy, strict=False, activation_maxima=self.maxima,
+                                               grids=self.grids))
+        except ValueError as err:
+            raise ExportError(str(err)) from err
+        append_external(part, self._file, self.path.name)
+        # constants a rewrite adds to every part it touches (the offsets' block shapes) are stored once
+        stored = [_detached(t) for t in part.graph.initializer if t.name not in self._stored]
+        self._stored.update(t.name for t in stored)
+        self._bar.update(1)
+        return [_detached(n) for n in part.graph.node], stored
+
+    def check_policy(self) -> None:
+        """After the whole graph: a policy pattern that named none of its weights is an error."""
+        check_policy_names(self.policy, {name for name, scheme in self.applied.items()
+                                         if not scheme.startswith("gguf")})
+
+
+def _detached(message):
+    """A copy of a part's node or initializer that does not keep the part alive: protobuf allocates a message
+    and everything in it from one arena, freed only with the last reference into it, so holding the part's
+    own nodes would hold its float32 weights (cleared fields do not give their bytes back)."""
+    copy = type(message)()
+    copy.ParseFromString(message.SerializeToString())
+    return copy
