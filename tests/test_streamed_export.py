@@ -1,0 +1,139 @@
+"""The streamed export: a checkpoint read a tensor at a time, graphs written a layer at a time, the quality
+report's fp32 reference run a stage at a time. Each against what holding the whole model gives."""
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from edgespec.exporters.architectures import builder_for
+from edgespec.exporters.bundle_writer import save_graph
+from edgespec.exporters.checkpoint import CheckpointWeights, read_header
+from edgespec.exporters.onnx_builder import GraphBuilder, topological
+from edgespec.exporters.reference import reference_rows
+from edgespec.exporters.sources import resolve_source
+from edgespec.quant.report import perplexity
+from edgespec.quant.schemes import QuantPolicy, QuantScheme
+from edgespec.runtime.contract.errors import ExportError
+from edgespec.runtime.execution.model import ModelRunner
+from edgespec.runtime.execution.sessions import make_session
+from onnx import helper
+from transformers import AutoModelForCausalLM
+
+IDS = [5, 17, 33, 2, 90, 41, 41, 7, 120, 64, 3, 200, 11, 9, 150, 77, 18, 250, 31, 6] * 4  # 80 tokens: 2 chunks
+
+
+def test_checkpoint_weights_are_transformers_own_in_float32(models, tmp_path):
+    """bf16 on disk widens to float32 as transformers' loader widens it, tensor for tensor."""
+    folder = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(models["target"]).to(torch.bfloat16).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((models["target"] / name).read_bytes())
+    skeleton, _, weights = resolve_source(str(folder), tmp_path).load_streamed()
+    assert isinstance(weights, CheckpointWeights) and weights.reads == 0
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    for name in weights:
+        np.testing.assert_array_equal(weights[name], loaded[name].numpy())
+    assert not any(p.device.type == "cpu" for p in skeleton.parameters())  # the skeleton holds no weights
+
+
+def test_graphs_written_a_layer_at_a_time_match_the_whole_model(models, tmp_path):
+    """The streamed builder's int4 graph gives the logits of the graph built from the loaded model, bit for bit."""
+    model, _, weights = resolve_source(str(models["target"]), tmp_path).load_streamed()
+    loaded = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32)
+    policy = QuantPolicy(QuantScheme("int4", 32, False, 4))
+    logits = []
+    for name, builder in (("streamed", builder_for(model, 256, exact_passes=True, weights=weights)),
+                          ("loaded", builder_for(loaded, 256, exact_passes=True))):
+        (tmp_path / name).mkdir()
+        _, applied = save_graph(tmp_path / name, "target", builder, policy)
+        runner = ModelRunner(make_session(tmp_path / name / "target.onnx", ("CPUExecutionProvider",), 1), builder.facts)
+        cache = runner.new_cache(len(IDS) + 2)
+        logits.append(runner.forward(cache, IDS, range(len(IDS)), np.tril(np.ones((len(IDS),) * 2, bool)),
+                                     range(len(IDS))).logits)
+        assert applied["layers.0.qkv"] == "int4"
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_reference_rows_a_stage_at_a_time_are_the_whole_fp32_graph(models, tmp_path, monkeypatch):
+    """Perplexity and every row's choice from the layer-major reference (one layer a stage) equal the whole
+    fp32 graph's, run token-major."""
+    import edgespec.exporters.reference as reference
+
+    monkeypatch.setattr(reference, "STAGE_BYTES", 1)  # a stage per layer: the streams cross every boundary
+    model, _, weights = resolve_source(str(models["target"]), tmp_path).load_streamed()
+    builder = builder_for(model, 256, exact_passes=True, features_out=True, weights=weights)
+    save_graph(tmp_path, "whole", builder, QuantPolicy())
+    runner = ModelRunner(make_session(tmp_path / "whole.onnx", ("CPUExecutionProvider",), 1), builder.facts)
+    cache = runner.new_cache(len(IDS) + 2)
+    whole = runner.forward(cache, IDS, range(len(IDS)), np.tril(np.ones((len(IDS),) * 2, bool)), range(len(IDS)))
+    [rows] = reference_rows(builder, [IDS], tmp_path / "scratch", 1, features=True)
+    assert reference.stage_groups(builder) == builder.facts.num_layers
+    np.testing.assert_array_equal(rows.argmax, whole.logits.argmax(-1))
+    np.testing.assert_allclose(rows.features, whole.features, rtol=0, atol=1e-5)
+    ppl = float(np.exp(-np.mean(rows.next_log_prob[:-1])))
+    assert ppl == pytest.approx(perplexity(runner, IDS), rel=1e-5)
+    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # stages removed
+
+
+def test_a_tied_table_is_read_for_the_head_at_the_end(models, tmp_path):
+    """Written a layer at a time, a tied model reads each tensor once per graph, the table twice at most."""
+    model, _, weights = resolve_source(str(models["target"]), tmp_path).load_streamed()
+    builder = builder_for(model, 256, exact_passes=True, weights=weights)
+    save_graph(tmp_path, "target", builder, QuantPolicy(QuantScheme("int4", 32, True, 4)))
+    assert len(weights) <= weights.reads <= len(weights) + 1
+
+
+def test_topological_keeps_a_sorted_graph_and_sorts_a_moved_node():
+    nodes = [helper.make_node("Relu", [src], [dst], name=dst) for src, dst in (("x", "a"), ("a", "b"), ("b", "c"))]
+    assert topological(nodes, {"x"}) == nodes
+    moved = [nodes[1], nodes[2], nodes[0]]
+    assert [n.name for n in topological(moved, {"x"})] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="cycle"):
+        topological([helper.make_node("Relu", ["b"], ["a"]), helper.make_node("Relu", ["a"], ["b"])], set())
+
+
+def test_a_builder_without_a_sink_keeps_its_weights_inline():
+    g = GraphBuilder("g")
+    g.weight("w", lambda: np.ones((4, 4), np.float32))
+    g.flush()
+    assert "w" in g.weights and g.to_model().graph.initializer[0].name == "w"
+
+
+def _write_safetensors(path, tensors: dict, dtype="F32"):
+    header, data, offset = {}, b"", 0
+    for name, array in tensors.items():
+        raw = array.astype(np.float32).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        data += raw
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_checkpoint_faults_are_one_line_errors(models, tmp_path):
+    """A shard cut short, a header that is not one, a tensor of another shape, an integer checkpoint."""
+    target = models["target"]
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for item in target.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _, _, weights = resolve_source(str(folder), tmp_path).load_streamed()
+    with pytest.raises(ExportError, match="cut short"):
+        for name in weights:
+            weights[name]
+    (folder / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ExportError, match="model.safetensors"):
+        resolve_source(str(folder), tmp_path).load_streamed()
+    places = read_header(target / "model.safetensors")
+    tensors = {name: np.zeros(p.shape, np.float32) for name, p in places.items()}
+    tensors["model.norm.weight"] = np.zeros(3, np.float32)
+    _write_safetensors(folder / "model.safetensors", tensors)
+    with pytest.raises(ExportError, match="model.norm.weight is \\[3\\]"):
+        resolve_source(str(folder), tmp_path).load_streamed()
+    tensors = {name: np.zeros(p.shape, np.float32) for name, p in places.items()}
+    _write_safetensors(folder / "model.safetensors", tensors, dtype="I8")
+    with pytest.raises(ExportError, match="I8"):
+        resolve_source(str(folder), tmp_path).load_streamed()
