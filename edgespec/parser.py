@@ -37,8 +37,9 @@ def _budget_arg(p):
                         "memory limit counts the cache (containers, devices without spare memory); slower "
                         "where memory is free")
     p.add_argument("--context", type=int, default=None, metavar="TOKENS",
-                   help="under a memory budget, the fewest tokens of context the caches must hold (default 128): "
-                        "the budget goes to speed first (stages kept resident), the context gets what is left")
+                   help="under a memory budget, the fewest tokens of context the caches must hold (default: 1024, "
+                        "or the most the budget holds): the budget beyond it goes to speed (stages kept resident), "
+                        "the context gets what is left; a request that needs more gets another split that holds it")
 
 
 def _backend_arg(p):

@@ -4,12 +4,13 @@ from __future__ import annotations
 import copy
 import os
 import warnings
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
 
 from .contract.drafting import DrafterKind, LookupConfig
-from .contract.errors import BundleError, InputError
+from .contract.errors import BudgetError, BundleError, InputError
 from .contract.manifest import Manifest, open_bundle, read_head_tokens
 from .contract.topology import Topology
 from .decoding.constraints import Grammars, Guide
@@ -34,6 +35,7 @@ from .execution.placement import Placement
 from .execution.runner import Cache
 from .execution.sessions import check_spin, make_session, spins
 from .execution.stage_build import build_measured, plan_on_this_device, window_specs
+from .execution.staged import StagedRunner
 
 BACKENDS = ("auto", "onnx", "coreml")
 MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxruntime's pools thrash
@@ -74,11 +76,13 @@ class Pipeline:
         overlaps verification (edgespec/calibrate.py measures them); default: the profile's first provider
         for each role, `threads` for both, one after the other. `profile`: which of the bundle's device profiles
         to run (its providers and its graphs; default: the first it was exported for). `context`: the fewest
-        tokens the caches must hold under a budget (default runtime/execution/budget.py MIN_CONTEXT): the budget goes to
-        speed first, the context gets what is left beyond this floor. `backend`: "onnx" runs the ONNX graphs,
-        "coreml" the bundle's CoreML packages through `predictor` (runtime/execution/coreml.py's contract:
-        edgespec/coreml_backend.py on macOS), with KV as `coreml_kv` (default: the packages' first form); "auto"
-        takes CoreML for a bundle of the apple profile with CoreML packages when a predictor is given. `spin`:
+        tokens the caches must hold under a budget (default: runtime/execution/budget.py DEFAULT_CONTEXT, or what
+        the budget holds): the budget goes to speed beyond this floor, the context gets the rest; a request
+        that needs more, which another split of the budget holds, gets that split (`hold`). `backend`: "onnx"
+        runs the ONNX graphs, "coreml" the bundle's CoreML packages through `predictor`
+        (runtime/execution/coreml.py's contract: edgespec/coreml_backend.py on macOS), with KV as `coreml_kv`
+        (default: the packages' first form); "auto" takes CoreML for a bundle of the apple profile with CoreML
+        packages when a predictor is given. `spin`:
         whether the sessions' threads spin between a run's operators: "on", "off" (a CPU other processes keep
         busy), "auto" (default: the target's and the draft's do, the draft's not beside a streamed target); a
         streamed target's stages never spin (docs/profiles.md)."""
@@ -306,6 +310,8 @@ class Pipeline:
             raise InputError("give a prompt, chat messages or token ids, one of them")
         ids = self.encode(prompt, messages) if ids is None else _checked_ids(ids, self.manifest.target.facts.vocab_size)
         owned = session is None  # the request's own caches: freed when it ends
+        if owned:
+            self.hold(len(ids) + config.max_new_tokens)
         session = self.new_session(speculate) if owned else self._checked_session(session, speculate)
         drafter = session.drafter
         guide = None if config.constraint is None else self._guide(config, drafter)
@@ -327,6 +333,34 @@ class Pipeline:
             if owned:
                 del session, drafter
             self.trim_heap()
+
+    def hold(self, tokens: int) -> None:
+        """Under a budget, makes the caches of new sessions hold `tokens` (a request's prompt and new tokens)
+        where the plan's context is less and another split of the same budget holds them: fewer stages pinned,
+        or the target streamed where it was resident, the caches taking what that frees. Where none does,
+        nothing changes (the engine then says the context is full)."""
+        plan, m = self.memory, self.manifest
+        tokens = min(tokens, m.target.facts.max_context)
+        if plan.budget is None or tokens <= plan.context or not m.target.stages or self.backend != "onnx":
+            return
+        try:
+            wider = plan_on_this_device(m, self.folder, plan.budget, tokens, self.prepared_dir, cache_dir(),
+                                        self.evict_page_cache, self.target_threads)
+        except BudgetError:
+            return
+        if isinstance(self.target, StagedRunner):
+            self.target.window.repin(wider.pinned_stages, wider.stream_slots)
+            self.target.pinning = lru_cache(maxsize=16)(partial(wider.pinned_while, costs=self.stream_costs))
+        else:  # the resident target's weights go before the stages' are mapped: the budget holds one
+            self.target = None
+            self.target, wider, self.stream_costs = build_measured(
+                m, self.folder, wider, m.profile.verify, self.target_threads, self.prepared_dir, cache_dir(),
+                self.evict_page_cache)
+            self._resolve_exactness()
+        self.memory = wider
+        tree = tree_under_budget(m, wider, self.stream_costs, m.profile.max_tree_nodes)
+        if tree != self.tree:  # the step controller's measurements were of the other tree
+            self.tree, self.step_measurements = tree, None
 
     def _guide(self, config: GenerationConfig, drafter: Drafter) -> Guide:
         """The constraint's parser state; closing within the budget refuses a budget no output fits."""

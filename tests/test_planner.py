@@ -2,8 +2,8 @@
 import pytest
 from edgespec.runtime.contract.errors import BudgetError
 from edgespec.runtime.contract.manifest import open_bundle
-from edgespec.runtime.execution.budget import (MIN_CONTEXT, choose_pinned, embedding_rows, plan_memory, trade_offs,
-                                              window_bytes)
+from edgespec.runtime.execution.budget import (DEFAULT_CONTEXT, MIN_CONTEXT, choose_pinned, embedding_rows,
+                                              plan_memory, trade_offs, window_bytes)
 from edgespec.runtime.execution.embedding import MappedEmbedding
 from edgespec.runtime.execution.stream_costs import StreamCosts
 
@@ -64,10 +64,10 @@ def test_the_context_asked_for_is_a_floor_and_speed_comes_first(staged):
     manifest = open_bundle(staged)
     others, per_token, full = _parts(staged)
     resident = plan_memory(manifest, staged, None, stage_bytes=STAGES).target_weights
-    # room for every weight beside the least context: resident, the caches take what is left
+    # room for every weight beside the least context asked: resident, the caches take what is left
     budget = others + resident + 200 * per_token
-    assert not plan_memory(manifest, staged, budget, stage_bytes=STAGES).streams
-    assert plan_memory(manifest, staged, budget, stage_bytes=STAGES).context == 200
+    assert not plan_memory(manifest, staged, budget, context=MIN_CONTEXT, stage_bytes=STAGES).streams
+    assert plan_memory(manifest, staged, budget, context=MIN_CONTEXT, stage_bytes=STAGES).context == 200
     # asking for the full context makes the same budget stream, and keeps that context
     plan = plan_memory(manifest, staged, budget, context=full, stage_bytes=STAGES, costs=_costs())
     assert plan.streams and plan.context == full and plan.total <= budget
@@ -76,12 +76,46 @@ def test_the_context_asked_for_is_a_floor_and_speed_comes_first(staged):
         plan_memory(manifest, staged, budget, context=full + 1, stage_bytes=STAGES)
 
 
+def _against_the_caches(folder, contexts: int):
+    """Fake stages sized against the caches: a layer group's bytes hold the KV of `contexts`-th of the
+    whole context (the parts, as `_parts` gives them)."""
+    others, per_token, full = _parts(folder)
+    unit = full * per_token // contexts
+    return [unit // 2, unit, unit, unit, unit, 5 * unit // 2], others, per_token, full
+
+
+def test_without_a_context_asked_the_default_floor_is_kept_before_any_stage_is_pinned(staged):
+    manifest = open_bundle(staged)
+    stages, others, per_token, full = _against_the_caches(staged, 2)
+    # room for three stages pinned beside the least context, while streaming them all holds the whole context
+    budget = others + (MIN_CONTEXT + 8) * per_token + _mapped(staged) + window_bytes(stages, (1, 2, 5))
+    fastest = plan_memory(manifest, staged, budget, MIN_CONTEXT, stage_bytes=stages, costs=_costs())
+    assert len(fastest.pinned_stages) == 3 and fastest.context < full // 2
+    plan = plan_memory(manifest, staged, budget, stage_bytes=stages, costs=_costs())
+    assert plan.min_context == min(DEFAULT_CONTEXT, full) == plan.context
+    assert plan.total <= budget and 0 < len(plan.pinned_stages) < 3  # what is left above the floor still pins
+    # what the default costs in speed is listed beside it: the split that pins three, below the floor
+    splits = trade_offs(manifest, staged, budget, stage_bytes=stages, costs=_costs())
+    assert splits[0] == plan and fastest.pinned_stages in [s.pinned_stages for s in splits[1:]]
+
+
+def test_the_default_floor_is_what_the_budget_holds_where_that_is_less_never_a_refusal(staged):
+    manifest = open_bundle(staged)
+    stages, others, per_token, full = _against_the_caches(staged, 8)
+    least = others + MIN_CONTEXT * per_token + _mapped(staged) + window_bytes(stages, (), slots=2)
+    for budget in (least - 1, least, least + 50 * per_token):  # one slot, then two, then room to pin one
+        plan = plan_memory(manifest, staged, budget, stage_bytes=stages, costs=_costs())
+        most = max(s.context for s in trade_offs(manifest, staged, budget, MIN_CONTEXT, stages, _costs()))
+        assert MIN_CONTEXT <= plan.min_context == plan.context == most < full and plan.total <= budget
+        assert plan.pinned_stages == ()
+
+
 def test_trade_offs_give_context_back_stage_by_stage(staged):
     manifest = open_bundle(staged)
     others, per_token, full = _parts(staged)
     budget = others + MIN_CONTEXT * per_token + _mapped(staged) + window_bytes(STAGES, (1, 2, 5))
-    splits = trade_offs(manifest, staged, budget, stage_bytes=STAGES, costs=_costs())
-    assert splits[0] == plan_memory(manifest, staged, budget, stage_bytes=STAGES, costs=_costs())
+    splits = trade_offs(manifest, staged, budget, MIN_CONTEXT, stage_bytes=STAGES, costs=_costs())
+    assert splits[0] == plan_memory(manifest, staged, budget, MIN_CONTEXT, stage_bytes=STAGES, costs=_costs())
     assert len(splits[0].pinned_stages) == 3 and splits[-1].pinned_stages == ()
     pinned = [len(s.pinned_stages) for s in splits]
     assert pinned == sorted(pinned, reverse=True)
@@ -147,14 +181,17 @@ def test_plan_prints_the_trade_and_context_is_a_floor_for_plan_and_pipeline(stag
         files.target_kv_per_token + files.draft_kv_per_token) - 1)
     assert main(["plan", str(staged), "--memory-budget", budget, "--json"]) == 0
     default = json.loads(capsys.readouterr().out)
-    assert default["min_context"] == MIN_CONTEXT and len(default["trade_offs"]) > 1
+    # no context asked: the default floor, lowered to the most a split holds here (every stage streaming)
+    assert MIN_CONTEXT < default["min_context"] == default["context"] < files.context
+    assert default["pinned_stages"] == [] and len(default["trade_offs"]) > 1
     assert default["trade_offs"][0]["pinned_stages"] == default["pinned_stages"]
-    floor = default["trade_offs"][-1]["context"]  # the split that pins nothing leaves the most context
-    assert floor > default["context"]
-    assert main(["plan", str(staged), "--memory-budget", budget, "--context", str(floor), "--json"]) == 0
+    # the splits that pin more are listed below the floor: what the default costs in speed
+    assert all(t["context"] < default["context"] and t["pass_seconds"] < default["pass_seconds"]
+               for t in default["trade_offs"][1:])
+    assert main(["plan", str(staged), "--memory-budget", budget, "--context", str(MIN_CONTEXT), "--json"]) == 0
     asked = json.loads(capsys.readouterr().out)
-    assert asked["min_context"] == floor and asked["context"] >= floor
-    assert len(asked["pinned_stages"]) < len(default["pinned_stages"])
+    assert asked["min_context"] == MIN_CONTEXT and MIN_CONTEXT <= asked["context"] < default["context"]
+    assert len(asked["pinned_stages"]) > len(default["pinned_stages"])
     assert main(["plan", str(staged), "--memory-budget", budget]) == 0
     printed = capsys.readouterr().out
     assert "splits of this budget" in printed and "tokens/s" in printed
@@ -191,3 +228,35 @@ def test_the_kv_room_a_short_conversation_leaves_pins_more_stages_and_is_given_b
     assert counts == sorted(counts, reverse=True)
     resident = plan_memory(manifest, staged, None, stage_bytes=stages)
     assert resident.pinned_while(0, _costs()) == resident.pinned_stages
+
+
+def test_a_request_another_split_holds_is_never_refused_for_context(staged, tmp_path):
+    """A request whose prompt and new tokens outgrow the plan's context, where another split of the same
+    budget holds them, gets that split: fewer stages pinned, or the resident target streamed; the output is
+    the unconstrained target's, and the plan stays within the budget."""
+    from edgespec.runtime.decoding.engine import GenerationConfig
+    from edgespec.runtime.execution.stage_build import packed_graphs, resident_stage_bytes
+    from edgespec.runtime.pipeline import Pipeline
+
+    manifest = open_bundle(staged)
+    packed_graphs(manifest, staged, tmp_path)
+    measured = resident_stage_bytes(manifest, tmp_path)  # what a pipeline here plans with (None: the files)
+    full = plan_memory(manifest, staged, None, stage_bytes=measured)
+    per_token = full.target_kv_per_token + full.draft_kv_per_token
+    resident = full.total - full.target_kv - full.draft_kv
+    config = GenerationConfig(max_new_tokens=20, stop_at_eos=False)
+    reference = Pipeline(staged, threads=1, prepared_dir=tmp_path)
+    # resident beside 200 tokens; then a byte short of resident beside the least context: stages pinned
+    for budget, streams in ((resident + 200 * per_token, False), (resident + MIN_CONTEXT * per_token - 1, True)):
+        pipeline = Pipeline(staged, threads=1, memory_budget=budget, context=MIN_CONTEXT, prepared_dir=tmp_path)
+        assert pipeline.memory.streams == streams and (not streams or pipeline.memory.pinned_stages)
+        most = max(s.context for s in trade_offs(manifest, staged, budget, MIN_CONTEXT, measured))
+        need = (pipeline.context + most + 1) // 2
+        assert pipeline.context < need <= most
+        ids = [(7 * i) % 200 + 3 for i in range(need - config.max_new_tokens)]
+        out = pipeline.generate(ids=ids, config=config, speculate=False)
+        assert out.token_ids == reference.generate(ids=ids, config=config, speculate=False).token_ids
+        assert pipeline.context >= need and pipeline.memory.streams and pipeline.memory.total <= budget
+        assert pipeline.target.window.pinned == set(pipeline.memory.pinned_stages) or pipeline.target.pinning
+        pipeline.target.window.close()
+

@@ -3,15 +3,18 @@
 The plan is arithmetic over what the bundle says (weight files, model facts, tree and prefill sizes);
 peak RSS is measured by `bench`, never taken from here.
 
-Speed first, the context the caller asks for as a floor (`context`, MIN_CONTEXT unless given): the
+Speed first above a floor of context: the context the caller asks for (`context`: a request's prompt and
+new tokens, or `--context`), else DEFAULT_CONTEXT or the most any split of the budget holds, whichever is
+less (`_Split.floor_within`), so that a small speed gain never takes a conversation's room. The
 whole target stays resident when it fits beside that floor, and the caches take the rest. Otherwise,
 when the bundle carries the target as stages, it streams: the caches get the floor, the stage window
 the rest (two slots for the stages that stream through it, and as many stages pinned as then fit,
 those whose fetch costs a pass most first: runtime/execution/stream_costs.py), and what the window leaves goes
 back to the caches. Where two slots do not fit beside the floor, one does: each streamed stage is then
 fetched when its turn comes, never while the one before computes. Below the smallest window (the
-largest stage in one slot) beside the floor the budget is refused with the minimum it needs.
-`trade_offs` lists the other splits: fewer stages pinned, more context, and what a pass then costs.
+largest stage in one slot) beside MIN_CONTEXT, or the context asked for, the budget is refused with the
+minimum it needs. `trade_offs` lists the other splits: fewer stages pinned, more context, and what a pass
+then costs (with the default floor, those that pin more below it too: what the floor costs in speed).
 
 A stage's bytes are what it holds while fetched on this device (its packed copy's mapping, measured
 when prepared: runtime/execution/prepacked.py) where the caller has them, else its files.
@@ -34,6 +37,11 @@ LENDING_MARGIN = 0.05
 # x86-64 Linux, measured), plus onnxruntime's thread pools and allocators and the tokenizer once loaded.
 RUNTIME_BASE_BYTES = 90 * 2**20
 MIN_CONTEXT = 128  # tokens: below this a chat turn does not fit
+# The floor kept when the caller names none, capped at the bundle's context and at what the budget holds: a
+# system prompt and a few turns of chat, or a page of text (a document, a file to edit, tool results) with
+# its answer, fit in it; pinning a stage buys a few percent of speed, and a conversation that outgrows its
+# context fails outright, so the context is kept first.
+DEFAULT_CONTEXT = 1024
 EMBEDDING_ROWS = 64  # rows a mapped embedding table reads before its pages are dropped (embedding_rows)
 # Each root-to-leaf path of a verified tree runs in a lane of the target's cache, and each lane holds a
 # copy of the committed rows (runtime/execution/kvcache.py); the graph computes every lane's attention on every
@@ -71,7 +79,7 @@ class MemoryPlan:
     pinned_stages: tuple[int, ...] = ()  # of those, the ones that stay loaded; the others stream
     mapped_embedding: int = 0  # at most this much of a memory-mapped embedding table is resident
     suffix_store: int = 0  # suffix drafting's store of earlier outputs (runtime/decoding/suffix.py)
-    min_context: int = MIN_CONTEXT  # the floor the caller asked for
+    min_context: int = MIN_CONTEXT  # the floor kept: the caller's, else the default (`_Split.floor_within`)
     pass_seconds: float | None = None  # a streamed one-token pass, expected from the stage costs
     stream_slots: int = 2  # stages streaming at once: the next one fetched while one computes, or 1 (no room)
     costs_measured: bool = False  # pass_seconds from this device's measured costs, not assumed ones
@@ -127,7 +135,7 @@ class MemoryPlan:
                    if self.suffix_store else []),
                  f"  total          {mib(self.total):>12}",
                  f"context that fits: {self.context} tokens ({self.tree_slots} of them reserved for tree nodes; "
-                 f"at least {self.min_context} asked)"]
+                 f"at least {self.min_context} kept)"]
         if self.streams:
             lines.append(f"until a conversation fills its context, the KV room it does not use pins more stages "
                          f"({LENDING_MARGIN:.0%} of the budget kept free)")
@@ -184,35 +192,39 @@ def largest_tree(manifest: Manifest) -> tuple[int, int, int]:
 
 def plan_memory(manifest: Manifest, folder: Path, budget: int | None, context: int | None = None,
                 stage_bytes: list[int] | None = None, costs: StreamCosts | None = None) -> MemoryPlan:
-    """`context`: the fewest tokens the caches must hold (MIN_CONTEXT unless given). `stage_bytes`: what
-    each stage of the window holds while fetched on this device (default: its files); `costs`: this
-    device's measured stage costs (default: assumed from the bytes)."""
+    """`context`: the fewest tokens the caches must hold (a request's, or the caller's floor; default: the
+    default floor, `_Split.floor_within`). `stage_bytes`: what each stage of the window holds while fetched
+    on this device (default: its files); `costs`: this device's measured stage costs (default: assumed from
+    the bytes)."""
     split = _Split(manifest, Path(folder), context, stage_bytes)
     if budget is None:
-        return split.plan(None, split.full)
-    if budget >= split.others + split.resident + split.floor * split.per_token:
-        return split.plan(budget, min(split.full, (budget - split.others - split.resident) // split.per_token))
+        return split.plan(None, split.full, split.least)
     split.refuse_below(budget)
+    floor = split.floor_within(budget)
+    if budget >= split.others + split.resident + floor * split.per_token:
+        return split.plan(budget, min(split.full, (budget - split.others - split.resident) // split.per_token), floor)
     costs = costs or StreamCosts.assumed(split.stages)
-    room = budget - split.others - split.floor * split.per_token - split.mapped
+    room = budget - split.others - floor * split.per_token - split.mapped
     slots = split.slots_within(room)
-    return split.streamed(budget, choose_pinned(split.stages, room, costs, slots), costs, slots)
+    return split.streamed(budget, choose_pinned(split.stages, room, costs, slots), costs, slots, floor)
 
 
 def trade_offs(manifest: Manifest, folder: Path, budget: int, context: int | None = None,
                stage_bytes: list[int] | None = None, costs: StreamCosts | None = None) -> list[MemoryPlan]:
     """The plan, then the other splits of the budget where the bundle has stages: the most stages that
-    fit pinned beside the floor, then fewer and fewer, each giving what it does not pin to the context."""
+    fit pinned beside the context asked for (with the default floor, beside MIN_CONTEXT: what the default
+    costs in speed shows), then fewer and fewer, each giving what it does not pin to the context."""
     best = plan_memory(manifest, folder, budget, context, stage_bytes, costs)
     split = _Split(manifest, Path(folder), context, stage_bytes)
     if len(split.stages) < 3 or budget < split.minimum():
         return [best]
     costs = costs or StreamCosts.assumed(split.stages)
-    room = budget - split.others - split.floor * split.per_token - split.mapped
+    room = budget - split.others - split.least * split.per_token - split.mapped
     slots = split.slots_within(room)
     most = choose_pinned(split.stages, room, costs, slots)
     order = sorted(most, key=lambda i: (costs.fetch_seconds[i] / split.stages[i], split.stages[i]))
-    others = [split.streamed(budget, tuple(sorted(order[k:])), costs, slots) for k in range(len(order) + 1)]
+    others = [split.streamed(budget, tuple(sorted(order[k:])), costs, slots, split.least)
+              for k in range(len(order) + 1)]
     # every stage pinned is the resident plan again (or a poorer copy of it): listed once, as the plan
     return [best] + [p for p in others if p.streams and (not best.streams or p.pinned_stages != best.pinned_stages)]
 
@@ -223,8 +235,10 @@ class _Split:
     def __init__(self, manifest: Manifest, folder: Path, context: int | None, stage_bytes: list[int] | None):
         target = manifest.target
         self.full = target.facts.max_context
-        self.floor = min(MIN_CONTEXT, self.full) if context is None else context
-        if isinstance(self.floor, bool) or not isinstance(self.floor, int) or not 1 <= self.floor <= self.full:
+        self.asked = context
+        # the least context a budget must leave: the one asked for, else MIN_CONTEXT (refused below it)
+        self.least = min(MIN_CONTEXT, self.full) if context is None else context
+        if isinstance(self.least, bool) or not isinstance(self.least, int) or not 1 <= self.least <= self.full:
             raise BudgetError(f"a context of {context!r} tokens cannot be held: this bundle's is 1 to {self.full} "
                               "(give --context within it)")
         weights = _files_bytes(folder, [target.graph.file, *target.graph.weights])
@@ -239,7 +253,7 @@ class _Split:
         self.others = RUNTIME_BASE_BYTES + draft_weights + scratch + suffix_store
         self.common = dict(runtime=RUNTIME_BASE_BYTES, draft_weights=draft_weights, scratch=scratch,
                            target_kv_per_token=target_kv_token, draft_kv_per_token=draft_kv_token,
-                           tree_slots=largest_tree(manifest)[0], suffix_store=suffix_store, min_context=self.floor)
+                           tree_slots=largest_tree(manifest)[0], suffix_store=suffix_store)
         # an embedding table is mapped and indexed instead of loaded: it costs the rows read, bounded
         table = target.stages[0].embedding_table if target.stages else None
         self.mapped = 0 if table is None else MappedEmbedding.resident_bound(table, embedding_rows(manifest))
@@ -250,8 +264,22 @@ class _Split:
         table_bytes = 0 if table is None else MappedEmbedding.table_bytes(table)
         self.resident = max(weights, sum(stage_bytes) + table_bytes) if stage_bytes else weights
 
-    def plan(self, budget: int | None, context: int) -> MemoryPlan:
-        return MemoryPlan(budget=budget, target_weights=self.resident, context=int(context), **self.common)
+    def plan(self, budget: int | None, context: int, floor: int) -> MemoryPlan:
+        return MemoryPlan(budget=budget, target_weights=self.resident, context=int(context), min_context=floor,
+                          **self.common)
+
+    def floor_within(self, budget: int) -> int:
+        """The context a plan keeps before it buys speed: the one asked for; else DEFAULT_CONTEXT within the
+        bundle's, lowered to the most a split of this budget holds (the resident target, or every stage
+        streaming through the slots that fit beside MIN_CONTEXT), never below MIN_CONTEXT."""
+        if self.asked is not None:
+            return self.asked
+        most = (budget - self.others - self.resident) // self.per_token
+        if len(self.stages) >= 3:
+            slots = self.slots_within(budget - self.others - self.least * self.per_token - self.mapped)
+            most = max(most, (budget - self.others - self.mapped - window_bytes(self.stages, (), slots))
+                       // self.per_token)
+        return max(self.least, min(DEFAULT_CONTEXT, self.full, most))
 
     def smallest_window(self) -> int:
         return self.mapped + window_bytes(self.stages, (), slots=1) if len(self.stages) >= 3 else self.resident
@@ -261,7 +289,7 @@ class _Split:
         return 2 if window_bytes(self.stages, ()) <= room else 1
 
     def minimum(self) -> int:
-        return self.others + self.smallest_window() + self.floor * self.per_token
+        return self.others + self.smallest_window() + self.least * self.per_token
 
     def refuse_below(self, budget: int) -> None:
         smallest_window, minimum = self.smallest_window(), self.minimum()
@@ -271,16 +299,17 @@ class _Split:
             raise BudgetError(
                 f"a memory budget of {mib(budget)} is below this bundle's minimum of {mib(minimum)} with {streaming} "
                 f"(target weights {mib(smallest_window)}, draft weights {mib(self.common['draft_weights'])}, KV for "
-                f"{self.floor} tokens {mib(self.floor * self.per_token)}, scratch {mib(self.common['scratch'])}, "
+                f"{self.least} tokens {mib(self.least * self.per_token)}, scratch {mib(self.common['scratch'])}, "
                 f"runtime {mib(RUNTIME_BASE_BYTES)}): raise the budget" + (" or ask for less context" if
-                                                                           self.floor > MIN_CONTEXT else ""))
+                                                                           self.least > MIN_CONTEXT else ""))
 
-    def streamed(self, budget: int, pinned: tuple[int, ...], costs: StreamCosts, slots: int = 2) -> MemoryPlan:
+    def streamed(self, budget: int, pinned: tuple[int, ...], costs: StreamCosts, slots: int,
+                 floor: int) -> MemoryPlan:
         weights = self.mapped + window_bytes(self.stages, pinned, slots)
         context = min(self.full, (budget - self.others - weights) // self.per_token)
         return MemoryPlan(budget=budget, target_weights=weights, context=int(context), stage_bytes=tuple(self.stages),
                           pinned_stages=pinned, mapped_embedding=self.mapped, pass_seconds=costs.pass_seconds(pinned),
-                          costs_measured=costs.measured, stream_slots=slots, **self.common)
+                          costs_measured=costs.measured, stream_slots=slots, min_context=floor, **self.common)
 
 
 def window_bytes(stages: list[int], pinned, slots: int = 2) -> int:

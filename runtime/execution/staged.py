@@ -117,17 +117,26 @@ class StageWindow:
             j = (j + 1) % self.count
         return j
 
-    def repin(self, pinned) -> None:
+    def repin(self, pinned, slots: int | None = None) -> None:
         """Keeps `pinned` resident from their next fetch on; a stage pinned before and not now is released
-        at once, before the caches grow into its room (runtime/execution/budget.py `pinned_while`)."""
-        pinned = set(pinned)
-        if pinned == self.pinned:
+        at once, before the caches grow into its room (runtime/execution/budget.py `pinned_while`). `slots`:
+        another plan's streaming slots; with fewer, the streamed stages held go at once too."""
+        pinned, slots = set(pinned), self.slots if slots is None else slots
+        if pinned == self.pinned and slots == self.slots:
             return
         for i in sorted(self.pinned - pinned):
             if self.sessions.pop(i, None) is not None:
                 self.stages[i].release()
-        self.pinned = pinned
-        self.resident = min(self.count, len(pinned) + self.slots)
+        if slots < self.slots:
+            for i, future in list(self.pending.items()):
+                future.result()
+                self.stages[i].release()
+            self.pending.clear()
+            for i in [i for i in self.sessions if i not in pinned]:
+                del self.sessions[i]
+                self.stages[i].release()
+        self.pinned, self.slots = pinned, slots
+        self.resident = min(self.count, len(pinned) + slots)
 
     def _release_streamed(self, keep: int, running: int | None = None) -> None:
         """Makes room for stage `keep`: streamed stages other than it, the one about to run and the one
