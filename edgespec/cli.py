@@ -19,11 +19,11 @@ from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.decoding.sampling import SamplingConfig
-from edgespec.runtime.execution import prepacked
-from edgespec.runtime.execution.budget import MemoryPlan, mib, parse_size, plan_memory, trade_offs
+from edgespec.runtime.execution import prepacked, stream_costs
+from edgespec.runtime.execution.budget import DEFAULT_CONTEXT, MemoryPlan, mib, parse_size, plan_memory, trade_offs
 from edgespec.runtime.execution.paths import cache_dir
 from edgespec.runtime.execution.placement import Placement, candidates
-from edgespec.runtime.execution.stage_build import device_measures
+from edgespec.runtime.execution.stage_build import bundle_key, device_measures
 from edgespec.runtime.pipeline import Pipeline, check_threads, default_prepared_dir, default_threads, packed_copies
 from edgespec.tune import export_tuned, tune
 
@@ -325,19 +325,54 @@ def cmd_plan(args) -> None:
         [plan_memory(manifest, folder, None, args.context, *measures)]
     plan = splits[0]
     packed = _packed_disk(manifest, folder) if plan.stage_bytes else None
+    figures = _figures(manifest, measures, args.evict_page_cache, threads) if budget is not None else None
     if args.json:
-        print(json.dumps({**plan.__dict__, "total": plan.total, "packed_copies": packed,
+        print(json.dumps({**plan.__dict__, "total": plan.total, "packed_copies": packed, "figures": figures,
                           "trade_offs": [_split_dict(p) for p in splits]}))
         return
     print(plan.describe())
+    if args.context is None and budget is not None:
+        print(f"context floor: the default, {DEFAULT_CONTEXT} tokens or the most a split of this budget holds, "
+              "whichever is less (--context N keeps N; a request that needs more gets another split where one "
+              "holds it)")
     if len(splits) > 1:
         print(_trade_table(splits))
+    if figures is not None:
+        print(_figures_line(figures))
     if packed and packed["stages"]:
         written = packed["written_bytes"] / 2**20
         print(f"disk: packed copies of {packed['stages']} stages for this machine in {packed['folder']}: "
               + (f"{written:.1f} MiB" if packed["missing"] == 0 else
                  f"{packed['missing']} not written yet (each about twice its stage's weights, made on first use)"
                  + (f", {written:.1f} MiB written" if written else "")))
+
+
+def _figures(manifest, measures, evicted: bool, threads: int) -> dict | None:
+    """Whether the staged figures are this device's or estimates: the stages' sizes (their packed copies'
+    mappings, measured when written, or the bundle's files) and their costs (measured by a first staged run on
+    `threads`, cached in `stage_costs_file`, or assumed from the bytes). None for a bundle without stages."""
+    if not manifest.target.stages:
+        return None
+    sizes, costs = measures
+    path = stream_costs.cache_path(cache_dir(), bundle_key(manifest), evicted, threads)
+    kind = "measured" if sizes is not None else "files" if prepacked.available() else "files, no packed copies here"
+    return {"stage_sizes": kind, "threads": threads,
+            "stage_costs": "assumed" if costs is None else "measured", "stage_costs_file": str(path)}
+
+
+def _figures_line(figures: dict) -> str:
+    threads = f"{figures['threads']} thread" + ("s" if figures["threads"] > 1 else "")
+    path = figures["stage_costs_file"]
+    sizes = {"measured": "stage sizes: their packed copies' mappings",
+             "files": "stage sizes: the bundle's files until a first run under a budget writes the packed copies"}.get(
+        figures["stage_sizes"], "stage sizes: the bundle's files (no packed copies on this system)")
+    costs = (f"stage costs measured on {threads}, cached in {path}: delete it to measure again"
+             if figures["stage_costs"] == "measured" else
+             f"stage costs assumed from their bytes until a first run that streams on {threads} measures them "
+             f"into {path}")
+    estimated = figures["stage_sizes"] == "files" or figures["stage_costs"] == "assumed"
+    return (f"figures: {'estimates, until measured: then the plan may change' if estimated else 'measured here'} "
+            f"({sizes}; {costs})")
 
 
 def _split_dict(plan: MemoryPlan) -> dict:

@@ -260,3 +260,37 @@ def test_a_request_another_split_holds_is_never_refused_for_context(staged, tmp_
         assert pipeline.target.window.pinned == set(pipeline.memory.pinned_stages) or pipeline.target.pinning
         pipeline.target.window.close()
 
+
+def test_plan_says_whether_its_figures_are_estimates_or_measured_and_where_they_are_cached(staged, tmp_path,
+                                                                                          monkeypatch, capsys):
+    import json
+    from pathlib import Path
+
+    from edgespec.runtime.execution import prepacked
+    from edgespec.runtime.pipeline import Pipeline
+
+    from edgespec.cli import main
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    files = plan_memory(open_bundle(staged), staged, None)
+    budget = str(files.total - files.target_kv - files.draft_kv + MIN_CONTEXT * (
+        files.target_kv_per_token + files.draft_kv_per_token) - 1)  # streams
+    ask = ["plan", str(staged), "--memory-budget", budget, "--threads", "1"]
+
+    def figures():
+        assert main(ask + ["--json"]) == 0
+        return json.loads(capsys.readouterr().out)["figures"]
+
+    before = figures()
+    assert before["stage_costs"] == "assumed" and not Path(before["stage_costs_file"]).exists()
+    assert before["stage_sizes"] == ("files" if prepacked.available() else "files, no packed copies here")
+    assert main(ask) == 0
+    printed = capsys.readouterr().out
+    assert "figures: estimates" in printed and before["stage_costs_file"] in printed
+    Pipeline(staged, threads=1, memory_budget=budget).target.window.close()  # a first run: measures, caches
+    after = figures()
+    assert after["stage_costs"] == "measured" and Path(after["stage_costs_file"]).is_file()
+    assert after["stage_costs_file"] == before["stage_costs_file"]
+    assert after["stage_sizes"] == ("measured" if prepacked.available() else before["stage_sizes"])
+    assert main(ask) == 0
+    assert "figures: measured here" in capsys.readouterr().out or not prepacked.available()
