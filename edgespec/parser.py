@@ -107,7 +107,8 @@ def _add_export(sub) -> None:
                    help="device profile (targets/; default cpu); repeat it for one bundle that serves several: "
                         "profiles that need other shapes (static for NPUs) get graphs of their own")
     p.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill pass")
-    p.add_argument("--quant", default="fp32", help="weights: fp32, fp16, int8 or int4 (block-wise)")
+    p.add_argument("--quant", default="int4",
+                   help="weights: int4 (the default: what a 1B-8B model runs in on a laptop), int8, fp16 or fp32")
     p.add_argument("--draft-quant", default=None, help="the draft's scheme (default: as --quant)")
     p.add_argument("--block", type=int, default=32, help="int4/int8 block size: 16, 32, 64, 128 or 256")
     p.add_argument("--asymmetric", action="store_true",

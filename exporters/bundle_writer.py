@@ -42,36 +42,44 @@ from .weights import external_table, external_tensors
 
 def write_model(folder: Path, role: str, builder: LlamaBuilder, source: str, policy: QuantPolicy,
                 stages: int = 0, calibration: Calibration | None = None, static: dict | None = None,
-                grids: dict | None = None) -> ModelEntry:
-    """Writes `role`.onnx and `role`.weights, quantized by `policy`, and with `stages` > 0 the same model
-    again as stages (embedding, `stages` groups of layers, head) that a runtime short of memory loads
-    one after another; returns the manifest entry. `calibration`: `calibrate`'s, for integer matmuls.
+                grids: dict | None = None, index: dict | None = None) -> ModelEntry:
+    """Writes `role`.onnx, quantized by `policy`, and with `stages` > 0 the same model as stages (embedding,
+    `stages` groups of layers, head) that a runtime short of memory loads one after another; returns the
+    manifest entry. Each weight is stored once: the stages are written first, each into its own weights
+    file (a runtime maps a stage's file whole), and the whole graph reads its weights from theirs, keeping a
+    `role`.weights file only for what no stage holds. `calibration`: `calibrate`'s, for integer matmuls.
     `static`: the graph's symbolic dimensions fixed (a static-shape profile: export.static_dims). `grids`:
-    weights that keep a GGUF's own blocks (exporters/gguf_weights.py)."""
+    weights that keep a GGUF's own blocks (exporters/gguf_weights.py). `index`: filled with where each
+    weight was stored (StreamedWeights.index), for another graph of the same weights to read."""
     maxima = calibration.maxima if calibration is not None else None
-    model, applied = save_graph(folder, role, builder, policy, maxima=maxima, static=static, grids=grids)
+    index = {} if index is None else index
     stage_specs = []
     for i, (layers, embed, head) in enumerate(stage_plan(builder.facts.num_layers, stages) if stages else ()):
         name = f"{role}.stage{i}"
         stage, stage_applied = save_graph(folder, name, builder, policy,
                                           dict(layers=layers, embed=embed, head=head), strict=False, maxima=maxima,
-                                          grids=grids)
+                                          grids=grids, index=index)
         stage_specs.append(replace(
             _graph_spec(name, stage, stage_applied, policy), layers=(layers.start, layers.stop),
             # a float stage: the runtime maps its weights; a table it can index itself (float or 4-bit),
             # so only the rows it reads become resident
             tensors=external_tensors(stage),
             embedding_table=external_table(stage, "embed_tokens") if embed else None))
+    model, applied = save_graph(folder, role, builder, policy, maxima=maxima, static=static, grids=grids,
+                                reuse=dict(index), index=index)
     return ModelEntry(facts=builder.facts, graph=_graph_spec(role, model, applied, policy), source=source,
                       stages=tuple(stage_specs))
 
 
 def write_slots(folder: Path, builder: LlamaBuilder, policy: QuantPolicy, slots: int,
-                calibration: Calibration | None = None, grids: dict | None = None) -> GraphSpec:
+                calibration: Calibration | None = None, grids: dict | None = None,
+                index: dict | None = None) -> GraphSpec:
     """Writes the target again as a slots graph of `slots` conversations per pass (exporters/slots.py),
-    `target.slots.onnx`, its weights quantized as the target's: the same weights, the same bits per row."""
+    `target.slots.onnx`, its weights quantized as the target's: the same weights, the same bits per row,
+    read from where the target's graph stored them (`index`, write_model's) rather than stored again."""
     maxima = calibration.maxima if calibration is not None else None
-    model, applied = save_graph(folder, "target.slots", builder, policy, dict(slots=slots), maxima=maxima, grids=grids)
+    model, applied = save_graph(folder, "target.slots", builder, policy, dict(slots=slots), maxima=maxima, grids=grids,
+                                reuse=index)
     return _graph_spec("target.slots", model, applied, policy)
 
 
@@ -87,7 +95,7 @@ def stage_plan(num_layers: int, groups: int) -> list[tuple[range, bool, bool]]:
 def _graph_spec(name: str, model: onnx.ModelProto, applied: dict, policy: QuantPolicy) -> GraphSpec:
     return GraphSpec(
         file=f"{name}.onnx",
-        weights=(f"{name}.weights",),
+        weights=weight_files(model, f"{name}.weights"),
         inputs={i.name: _shape(i) for i in model.graph.input},
         outputs={o.name: _shape(o) for o in model.graph.output},
         quantization={**policy.default.to_dict(any(s in ("int4", "int8") for s in applied.values())),
@@ -113,15 +121,23 @@ def calibrate(builder: LlamaBuilder, ids: list[int], features=None) -> Calibrati
 
 
 def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPolicy, parts: dict | None = None,
-               strict: bool = True, maxima: dict | None = None, static: dict | None = None, grids: dict | None = None):
+               strict: bool = True, maxima: dict | None = None, static: dict | None = None, grids: dict | None = None,
+               reuse: dict | None = None, index: dict | None = None):
     """Builds (all of the model, or `parts` of it), quantizes and saves `name`.onnx with its weights in
     `name`.weights, a layer at a time (exporters/weight_stream.py). `strict`: a policy pattern that matches
-    no weight here is an error. `static`: values for the graph's symbolic dimensions."""
+    no weight here is an error. `static`: values for the graph's symbolic dimensions. `reuse`: weights
+    another graph of this bundle stored already (StreamedWeights.index), read from there when their bytes
+    are the same; `index`: filled with where this graph stored its own. A weights file left empty is removed."""
     parts = parts or {}
     layers = parts.get("layers", range(builder.facts.num_layers))
-    with StreamedWeights(folder / f"{name}.weights", policy, maxima, grids, parts=len(layers) + 1,
-                         label=f"writing {name}") as sink:
+    weights = folder / f"{name}.weights"
+    with StreamedWeights(weights, policy, maxima, grids, parts=len(layers) + 1, label=f"writing {name}",
+                         reuse=reuse) as sink:
         model = builder.build(f"edgespec_{name.replace('.', '_')}", sink=sink, **parts).to_model()
+    if index is not None:
+        index.update(sink.index)
+    if weights.stat().st_size == 0:
+        weights.unlink()
     applied = sink.applied
     try:
         if strict:
@@ -137,6 +153,12 @@ def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPoli
     onnx.save_model(model, folder / f"{name}.onnx")
     onnx.checker.check_model(str(folder / f"{name}.onnx"))
     return model, applied
+
+
+def weight_files(model: onnx.ModelProto, own: str) -> tuple[str, ...]:
+    """The weights files `model` reads, its own (`own`) first where it has one."""
+    found = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    return tuple(sorted(found, key=lambda f: (f != own, f)))
 
 
 def fix_dims(model: onnx.ModelProto, values: dict[str, int]) -> None:

@@ -38,6 +38,7 @@ from .bundle_writer import (
 from .coreml import CoreMLOptions
 from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
 from .gguf_weights import kept_blocks
+from .memory_check import check_memory
 from .quality import Written, write_quality_report
 from .sources import resolve_source
 
@@ -272,6 +273,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     # a draft that reads the target's features needs a target graph that returns them
     target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
                                  lanes=plan.lanes, exact_passes=True, weights=weights)
+    check_memory(target_builder.facts, plan.target_scheme.name, say)
     tokenizer_spec = write_tokenizer(folder, tokenizer, target)
     say(f"writing target graph ({target_builder.facts.num_layers} layers, "
         f"{target_builder.parameter_count() / 1e6:.0f}M parameters, {plan.target_scheme.name})")
@@ -308,7 +310,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
             draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
     quality = None
     if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
-        say("measuring quality against the fp32 export (perplexity, greedy agreement)")
+        say("measuring quality against the float32 model (perplexity, greedy agreement)")
         draft_written = None if draft_entry is None else \
             Written(draft_builder, draft_entry.graph.file, static if plan.main_static[1] else None)
         quality = {"file": "quality.json", **write_quality_report(

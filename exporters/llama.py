@@ -140,6 +140,7 @@ class LlamaBuilder(LayerAttention):
             if half == head_dim // 2:
                 self.facts = replace(self.facts, rope_frequencies=tuple(float(a) for a in np.arctan2(
                     sin[1, :half].astype(np.float64), cos[1, :half].astype(np.float64))))
+        self.weights = weights  # None: the model holds its weights
         self.state = weights if weights is not None else \
             {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
         # a bias on q, k and v (Qwen2, or any family's `attention_bias`) is read where the checkpoint has one

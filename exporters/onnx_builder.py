@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 21  # int4 tensors (MatMulNBits weights) need opset 21 and IR version 10
@@ -67,7 +68,7 @@ class GraphBuilder:
     def weight(self, name: str, array: np.ndarray | Callable[[], np.ndarray], last: bool = False) -> str:
         """`array`, or a function that reads it when it is written; `last`: read by nodes still to come
         after the next flush."""
-        self.weights[name] = array if callable(array) else np.ascontiguousarray(array)
+        self.weights[name] = array if callable(array) else contiguous(array)
         if last:
             self._last.add(name)
         return name
@@ -116,7 +117,15 @@ class GraphBuilder:
 
 
 def _array(value) -> np.ndarray:
-    return np.ascontiguousarray(value() if callable(value) else value)
+    return contiguous(value() if callable(value) else value)
+
+
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """`array` in C order; a transposed matrix (a checkpoint's [out, in] as a MatMul's [in, out]) is copied by
+    torch, which does it blocked and on every core, several times faster than numpy's strided copy."""
+    if array.ndim == 2 and not array.flags.c_contiguous and array.flags.f_contiguous and array.size > 1 << 16:
+        return torch.from_numpy(array.T).t().contiguous().numpy()
+    return np.ascontiguousarray(array)
 
 
 def topological(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:

@@ -1,4 +1,5 @@
-"""At export time: compare each quantized graph with the fp32 export of the same weights."""
+"""At export time: compare each quantized graph with its float32 source (the target: the model itself, run by
+transformers a module at a time, exporters/reference.py; a draft: its fp32 export)."""
 from __future__ import annotations
 
 import json
@@ -19,8 +20,11 @@ from .bundle_writer import save_graph
 from .llama import LlamaBuilder
 from .reference import reference_rows
 
+# The sample: enough text for perplexity and agreement to show a scheme's cost (history.md §78), small
+# enough that at 8B the check costs a minute or two of the export, not most of it
 PROMPTS = 2
-NEW_TOKENS = 128
+NEW_TOKENS = 64
+HELDOUT_TOKENS = 256
 
 
 def _runner(graph: Path, builder: LlamaBuilder) -> ModelRunner:
@@ -38,12 +42,12 @@ class Written:
 
 
 def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written, draft: Written | None) -> dict:
-    """Writes quality.json into the bundle (being written) and returns it. The fp32 reference of each role is
-    built in the same shapes as the bundle's graph (a static draft for an NPU runs in static passes)."""
+    """Writes quality.json into the bundle (being written) and returns it. The draft's fp32 reference is built
+    in the same shapes as the bundle's graph (a static draft for an NPU runs in static passes)."""
     codec = TextCodec(bundle, tokenizer)
     data = resources.files("edgespec").joinpath("data")
     facts = target.builder.facts
-    heldout = codec.encode(data.joinpath("heldout.txt").read_text(encoding="utf-8"))[: facts.max_context - 1]
+    heldout = codec.encode(data.joinpath("heldout.txt").read_text(encoding="utf-8"))[: min(HELDOUT_TOKENS, facts.max_context - 1)]
     prompts = [json.loads(line)["messages"] for line in data.joinpath("prompts.jsonl").read_text().splitlines()[:PROMPTS]]
     prompt_ids = [codec.encode_chat(m) if codec.has_chat_template else codec.encode(m[0]["content"]) for m in prompts]
     context = facts.max_context
@@ -53,13 +57,13 @@ def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written
         scratch = Path(scratch)
 
         def reference(sequences: list[list[int]], features: bool):
-            return reference_rows(target.builder, sequences, scratch / "target", default_threads(), features)
+            return reference_rows(target.builder.model, target.builder.weights, sequences, features)
 
         drafts = None
         if draft is not None:  # a draft is small: its fp32 graph is written whole
             save_graph(scratch, "draft", draft.builder, QuantPolicy(), static=draft.static)
             drafts = (_runner(scratch / "draft.onnx", draft.builder), _runner(bundle / draft.file, draft.builder))
-        report = quality_report(reference, _runner(bundle / target.file, target.builder), heldout, prompt_ids,
-                                new_tokens, drafts)
+        report = quality_report(reference, lambda: _runner(bundle / target.file, target.builder), heldout,
+                                prompt_ids, new_tokens, drafts)
     (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

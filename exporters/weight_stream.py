@@ -8,7 +8,9 @@ are let go as soon as a layer is written, so an export holds one layer's weights
 """
 from __future__ import annotations
 
+import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +18,38 @@ import onnx
 from edgespec.quant.apply import check_policy_names, quantize_model
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.contract.errors import ExportError
-from onnx import helper, numpy_helper
+from onnx import helper
 from tqdm import tqdm
 
 from .onnx_builder import OPSET
 from .weights import append_external
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where a weight's bytes lie in a bundle's weights file, and their digest."""
+    location: str
+    offset: int
+    length: int
+    digest: str
+
+    @classmethod
+    def of(cls, tensor: onnx.TensorProto, digest: str) -> Stored:
+        info = {e.key: e.value for e in tensor.external_data}
+        return cls(info["location"], int(info["offset"]), int(info["length"]), digest)
+
+    def point(self, tensor: onnx.TensorProto) -> None:
+        """Makes `tensor` (the same bytes) read them from here instead of carrying its own."""
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(self.length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 class StreamedWeights:
@@ -29,9 +58,13 @@ class StreamedWeights:
     many flushes the graph's build makes (its layers and the rest), for the progress bar."""
 
     def __init__(self, path: Path, policy: QuantPolicy, maxima: dict | None = None, grids: dict | None = None,
-                 parts: int = 0, label: str = ""):
+                 parts: int = 0, label: str = "", reuse: dict | None = None):
         self.path, self.policy, self.maxima, self.grids = Path(path), policy, maxima, grids
         self.applied: dict[str, str] = {}
+        # {name: Stored}: where this graph stored each weight; `reuse` is another graph's, whose copy is read
+        # instead of storing the same bytes again
+        self.index: dict[str, Stored] = {}
+        self.reuse = reuse or {}
         self._stored: set[str] = set()
         self._file = None
         self._bar = tqdm(total=parts, desc=label or self.path.stem, unit="part", file=sys.stderr, leave=False,
@@ -46,17 +79,30 @@ class StreamedWeights:
         self._bar.close()
 
     def write(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]):
-        part = helper.make_model(
-            helper.make_graph(nodes, "part", [], [], [numpy_helper.from_array(a, n) for n, a in weights.items()]),
-            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
+        part = helper.make_model(helper.make_graph(nodes, "part", [], []),
+                                 opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
         part.ir_version = 10
-        weights.clear()  # the float32 arrays go with the part
+        for name in list(weights):  # into the part's own message: one copy of each array, not numpy_helper's two
+            array = weights.pop(name)
+            tensor = part.graph.initializer.add()
+            tensor.name, tensor.data_type = name, onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+            tensor.dims.extend(array.shape)
+            tensor.raw_data = array.tobytes()
+            del array
         try:
             self.applied.update(quantize_model(part, self.policy, strict=False, activation_maxima=self.maxima,
                                                grids=self.grids))
         except ValueError as err:
             raise ExportError(str(err)) from err
+        digests = {t.name: _digest(t.raw_data) for t in part.graph.initializer if t.HasField("raw_data")}
+        for tensor in part.graph.initializer:
+            stored = self.reuse.get(tensor.name)
+            if stored is not None and stored.digest == digests.get(tensor.name):
+                stored.point(tensor)
         append_external(part, self._file, self.path.name)
+        for tensor in part.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.name in digests:
+                self.index.setdefault(tensor.name, Stored.of(tensor, digests[tensor.name]))
         # constants a rewrite adds to every part it touches (the offsets' block shapes) are stored once
         stored = [_detached(t) for t in part.graph.initializer if t.name not in self._stored]
         self._stored.update(t.name for t in stored)

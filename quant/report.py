@@ -1,10 +1,10 @@
 """What quantization costs, measured: perplexity and greedy agreement against the fp32 export of the
 same model, and the draft's agreement with the target before and after.
 
-Pure runtime code (onnxruntime sessions, numpy): it compares graphs, not torch models. The fp32 side is
-teacher-forced rows (exporters/reference.py computes them a stage at a time, never the whole fp32
-model at once): its perplexity, and its choice at every token of the quantized model's own greedy
-continuation, which gives both the agreement and where the two greedy outputs part.
+Runtime code (onnxruntime sessions, numpy) on the quantized side. The float32 side is the source model's
+teacher-forced rows, handed in (exporters/reference.py computes them a module's weights at a time): its
+perplexity, and its choice at every token of the quantized model's own greedy continuation, which gives
+both the agreement and where the two greedy outputs part.
 """
 from __future__ import annotations
 
@@ -85,39 +85,44 @@ def agreement_by_rank(runner: ModelRunner, prompt: list[int], continuation: list
     return [float(np.mean(order[:, r] == np.asarray(continuation))) for r in range(ranks)]
 
 
-def quality_report(reference, quantized: ModelRunner, heldout: list[int], prompts: list[list[int]],
+def quality_report(reference, open_quantized, heldout: list[int], prompts: list[list[int]],
                    new_tokens: int = 128, drafts: tuple[ModelRunner, ModelRunner] | None = None) -> dict:
-    """`reference(sequences, features)`: the fp32 export's teacher-forced rows over each sequence
-    (exporters/reference.py: ReferenceRows), with its final hidden states when `features`; `drafts` is
-    (fp32 draft, quantized draft) when the bundle has a draft model."""
+    """`reference(sequences, features)`: the float32 model's teacher-forced rows over each sequence
+    (exporters/reference.py: ReferenceRows), with its final hidden states when `features`;
+    `open_quantized()`: the quantized graph's runner, closed before the reference runs so the two are
+    never resident together; `drafts` is (fp32 draft, quantized draft) when the bundle has a draft model."""
+    quantized = open_quantized()
     ppl_q = perplexity(quantized, heldout)
     continuations = [greedy_continuation(quantized, p, new_tokens) for p in prompts]
+    draft_quantized = by_rank = None
+    if drafts is not None:
+        draft_quantized = float(np.mean([agreement(drafts[1], p, c, target=quantized)
+                                         for p, c in zip(prompts, continuations)]))
+        # the quantized draft's agreement by rank: what a tree's second and later siblings add, for the
+        # tree a budget's streamed pass pays for (runtime/decoding/streamed_tree.py, history.md §64)
+        by_rank = np.mean([agreement_by_rank(drafts[1], p, c, DRAFT_RANKS, target=quantized)
+                           for p, c in zip(prompts, continuations)], axis=0)
+    del quantized
     reads_features = drafts is not None and drafts[0].reads_features
     rows = reference([list(heldout)] + [list(p) + c for p, c in zip(prompts, continuations)], reads_features)
     ppl_ref = float(np.exp(-np.mean(rows[0].next_log_prob[: len(heldout) - 1])))
-    # the fp32 model's choice after each prefix of the quantized continuation: where the two greedy outputs
-    # part is its first disagreement (before it, both saw the same prefix)
-    choices = [r.argmax[len(p) - 1 : len(p) - 1 + len(c)] for r, p, c in zip(rows[1:], prompts, continuations)]
-    agree = [float(np.mean(choice == np.asarray(c))) for choice, c in zip(choices, continuations)]
-    identical_prefix = [int(np.argmin(choice == np.asarray(c))) if (choice != np.asarray(c)).any() else len(c)
-                        for choice, c in zip(choices, continuations)]
+    # the float32 model's choice after each prefix of the quantized continuation: where the two greedy
+    # outputs part is its first disagreement (before it, both saw the same prefix)
+    choices = [r.argmax[len(p) - 1 : len(p) - 1 + len(c)] == np.asarray(c)
+               for r, p, c in zip(rows[1:], prompts, continuations)]
     report = {
         "heldout_tokens": len(heldout),
         "perplexity": {"fp32": round(ppl_ref, 4), "quantized": round(ppl_q, 4),
                        "increase_percent": round(100 * (ppl_q / ppl_ref - 1), 2)},
-        "greedy_agreement": {"tokens": new_tokens * len(prompts), "top1_agreement": round(float(np.mean(agree)), 4),
-                             "identical_prefix_tokens": identical_prefix},
+        "greedy_agreement": {"tokens": new_tokens * len(prompts),
+                             "top1_agreement": round(float(np.mean([c.mean() for c in choices])), 4),
+                             "identical_prefix_tokens": [int(c.argmin()) if not c.all() else len(c) for c in choices]},
     }
     if drafts is not None:
         report["draft_agreement"] = {
             "fp32": round(float(np.mean([agreement(drafts[0], p, c, target_features=r.features)
                                          for p, c, r in zip(prompts, continuations, rows[1:])])), 4),
-            "quantized": round(float(np.mean([agreement(drafts[1], p, c, target=quantized)
-                                              for p, c in zip(prompts, continuations)])), 4),
+            "quantized": round(draft_quantized, 4),
         }
-        # the quantized draft's agreement by rank: what a tree's second and later siblings add, for the
-        # tree a budget's streamed pass pays for (runtime/decoding/streamed_tree.py, history.md §64)
-        by_rank = [agreement_by_rank(drafts[1], p, c, DRAFT_RANKS, target=quantized)
-                   for p, c in zip(prompts, continuations)]
-        report["draft_agreement_by_rank"] = {"quantized": [round(float(r), 4) for r in np.mean(by_rank, axis=0)]}
+        report["draft_agreement_by_rank"] = {"quantized": [round(float(r), 4) for r in by_rank]}
     return report

@@ -55,25 +55,26 @@ def test_graphs_written_a_layer_at_a_time_match_the_whole_model(models, tmp_path
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
-def test_reference_rows_a_stage_at_a_time_are_the_whole_fp32_graph(models, tmp_path, monkeypatch):
-    """Perplexity and every row's choice from the layer-major reference (one layer a stage) equal the whole
-    fp32 graph's, run token-major."""
-    import edgespec.exporters.reference as reference
+@pytest.mark.parametrize("tie", [True, False])
+def test_reference_a_module_at_a_time_is_the_loaded_model(tie, tmp_path):
+    """The skeleton run with each module's weights read on call gives the loaded model's rows: every choice,
+    each next token's log-probability and the final hidden states; and its fp32 export agrees."""
+    from tiny import make_model
 
-    monkeypatch.setattr(reference, "STAGE_BYTES", 1)  # a stage per layer: the streams cross every boundary
-    model, _, weights = resolve_source(str(models["target"]), tmp_path).load_streamed()
-    builder = builder_for(model, 256, exact_passes=True, features_out=True, weights=weights)
+    make_model(tmp_path / "m", tie=tie, random_norms=True)
+    skeleton, _, weights = resolve_source(str(tmp_path / "m"), tmp_path).load_streamed()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    [streamed] = reference_rows(skeleton, weights, [IDS], features=True)
+    [whole] = reference_rows(loaded, None, [IDS], features=True)
+    np.testing.assert_array_equal(streamed.argmax, whole.argmax)
+    np.testing.assert_array_equal(streamed.next_log_prob, whole.next_log_prob)
+    np.testing.assert_array_equal(streamed.features, whole.features)
+    assert not any(p.device.type == "cpu" for p in skeleton.parameters())  # every weight dropped after its call
+    builder = builder_for(skeleton, 256, exact_passes=True, weights=weights)
     save_graph(tmp_path, "whole", builder, QuantPolicy())
     runner = ModelRunner(make_session(tmp_path / "whole.onnx", ("CPUExecutionProvider",), 1), builder.facts)
-    cache = runner.new_cache(len(IDS) + 2)
-    whole = runner.forward(cache, IDS, range(len(IDS)), np.tril(np.ones((len(IDS),) * 2, bool)), range(len(IDS)))
-    [rows] = reference_rows(builder, [IDS], tmp_path / "scratch", 1, features=True)
-    assert reference.stage_groups(builder) == builder.facts.num_layers
-    np.testing.assert_array_equal(rows.argmax, whole.logits.argmax(-1))
-    np.testing.assert_allclose(rows.features, whole.features, rtol=0, atol=1e-5)
-    ppl = float(np.exp(-np.mean(rows.next_log_prob[:-1])))
-    assert ppl == pytest.approx(perplexity(runner, IDS), rel=1e-5)
-    assert not (tmp_path / "scratch").exists() or not any((tmp_path / "scratch").iterdir())  # stages removed
+    ppl = float(np.exp(-np.mean(streamed.next_log_prob[:-1])))
+    assert ppl == pytest.approx(perplexity(runner, IDS), rel=1e-4)
 
 
 def test_a_tied_table_is_read_for_the_head_at_the_end(models, tmp_path):
@@ -137,3 +138,32 @@ def test_checkpoint_faults_are_one_line_errors(models, tmp_path):
     _write_safetensors(folder / "model.safetensors", tensors, dtype="I8")
     with pytest.raises(ExportError, match="I8"):
         resolve_source(str(folder), tmp_path).load_streamed()
+
+
+def test_a_staged_bundle_holds_each_weight_once(models, tmp_path):
+    """The whole graph reads every weight from where a stage stored it: no second copy; and it decodes as a
+    bundle exported without stages."""
+    import onnx
+    from edgespec.exporters.export import ExportConfig, export
+    from edgespec.runtime.decoding.engine import GenerationConfig
+    from edgespec.runtime.pipeline import Pipeline
+
+    def places(graph):
+        model = onnx.load(str(graph), load_external_data=False)
+        return {(e["location"], e["offset"]) for e in ({x.key: x.value for x in t.external_data}
+                                                        for t in model.graph.initializer) if e}
+
+    outputs = []
+    for stages in (0, 2):
+        out = export(ExportConfig(model=str(models["target"]), draft="ngram", out=tmp_path / f"s{stages}",
+                                  context=128, quant="int4", stages=stages, cache_dir=tmp_path / "cache"))
+        manifest = json.loads((out / "manifest.json").read_text())
+        if stages:
+            assert not (out / "target.weights").exists()
+            stage_places = set().union(*(places(out / s["file"]) for s in manifest["target"]["stages"]))
+            assert places(out / "target.onnx") <= stage_places
+            assert set(manifest["target"]["graph"]["weights"]) == {s["weights"][0] for s in manifest["target"]["stages"]
+                                                                  if s["weights"]}
+        outputs.append(Pipeline(out).generate("The quick brown fox", config=GenerationConfig(
+            max_new_tokens=12, stop_at_eos=False), speculate=False).token_ids)
+    assert outputs[0] == outputs[1]
