@@ -476,8 +476,8 @@ def test_a_file_size_limit_during_export_is_one_line_and_leaves_nothing(models, 
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
     done = subprocess.run([sys.executable, "-m", "edgespec.cli", "export", str(models["target"]), "--draft", "ngram",
-                           "--out", str(out), "--context", "128"], capture_output=True, text=True,
-                          preexec_fn=limited, timeout=600, env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "cache")})
+                           "--out", str(out), "--context", "128", "--quant", "fp32"], capture_output=True,
+                          text=True, preexec_fn=limited, timeout=600, env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and f"the export to {out} stopped" in done.stderr
     assert "File too large" in done.stderr
