@@ -9,6 +9,7 @@ Prints one line per graph and exits 1 where anything differs.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -34,11 +35,16 @@ def node_kinds(path: Path) -> Counter:
     return Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
-def logits_of(bundle: Path, graph: str, facts, ids: list[int]) -> np.ndarray:
-    runner = ModelRunner(make_session(bundle / graph, ("CPUExecutionProvider",), 2), facts)
+def logits_of(bundle: Path, graph: str, role, ids: list[int]) -> np.ndarray:
+    head = np.asarray(json.loads((bundle / role.head_tokens).read_text())) if role.head_tokens else None
+    runner = ModelRunner(make_session(bundle / graph, ("CPUExecutionProvider",), 2), role.facts, head)
+    facts = role.facts
     cache = runner.new_cache(len(ids) + 2)
     mask = np.tril(np.ones((len(ids), len(ids)), bool))
-    return runner.forward(cache, ids, range(len(ids)), mask, range(len(ids))).logits
+    # a draft that reads the target's features gets the same made-up ones in both bundles
+    features = np.linspace(-1, 1, len(ids) * facts.hidden_size, dtype=np.float32).reshape(len(ids), -1) \
+        if runner.reads_features else None
+    return runner.forward(cache, ids, range(len(ids)), mask, range(len(ids)), features=features).logits
 
 
 def main() -> int:
@@ -57,7 +63,7 @@ def main() -> int:
         old, new = weights_of(args.old / graph), weights_of(args.new / graph)
         differ = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
         kinds = node_kinds(args.old / graph) == node_kinds(args.new / graph)
-        rows = np.array_equal(logits_of(args.old, graph, role.facts, ids), logits_of(args.new, graph, role.facts, ids))
+        rows = np.array_equal(logits_of(args.old, graph, role, ids), logits_of(args.new, graph, role, ids))
         print(f"{graph}: {len(new)} weights, {len(differ)} differ{' (' + ', '.join(differ[:5]) + ')' if differ else ''}; "
               f"nodes by kind {'the same' if kinds else 'DIFFER'}; logits of {len(ids)} rows "
               f"{'identical' if rows else 'DIFFER'}")
