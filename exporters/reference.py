@@ -31,23 +31,29 @@ def reference_rows(model: torch.nn.Module, weights: Mapping | None, sequences: l
                    features: bool = False) -> list[ReferenceRows]:
     """The float32 model's rows over each of `sequences`. `weights`: the state read a tensor at a time where
     `model` is a skeleton (exporters/checkpoint.py); None where the model holds its weights."""
-    found = []
+    longest = max(len(ids) for ids in sequences)
+    # one forward over every sequence, right-padded (masked: a row sees only its own sequence's earlier
+    # tokens), so each module's weights are read once
+    batch = torch.tensor([list(ids) + [0] * (longest - len(ids)) for ids in sequences])
+    mask = torch.tensor([[1] * len(ids) + [0] * (longest - len(ids)) for ids in sequences])
+    captured = []
     with _parameters_on_call(model, weights), torch.no_grad():
-        for ids in sequences:
-            captured = []
-            hook = model.model.norm.register_forward_hook(lambda m, i, out: captured.append(out)) if features else None
-            try:
-                logits = model(input_ids=torch.tensor([ids])).logits[0].double().numpy()
-            finally:
-                if hook is not None:
-                    hook.remove()
-            shifted = logits - logits.max(axis=-1, keepdims=True)
-            log_norm = np.log(np.exp(shifted).sum(axis=-1))
-            next_log_prob = np.full(len(ids), np.nan)
-            following = np.asarray(ids[1:], np.int64)
-            next_log_prob[:-1] = shifted[np.arange(len(following)), following] - log_norm[:-1]
-            found.append(ReferenceRows(np.argmax(logits, axis=-1), next_log_prob,
-                                       captured[0][0].float().numpy() if features else None))
+        hook = model.model.norm.register_forward_hook(lambda m, i, out: captured.append(out)) if features else None
+        try:
+            logits = model(input_ids=batch, attention_mask=mask).logits
+        finally:
+            if hook is not None:
+                hook.remove()
+    found = []
+    for b, ids in enumerate(sequences):
+        rows = logits[b, : len(ids)].double().numpy()
+        shifted = rows - rows.max(axis=-1, keepdims=True)
+        log_norm = np.log(np.exp(shifted).sum(axis=-1))
+        next_log_prob = np.full(len(ids), np.nan)
+        following = np.asarray(ids[1:], np.int64)
+        next_log_prob[:-1] = shifted[np.arange(len(following)), following] - log_norm[:-1]
+        found.append(ReferenceRows(np.argmax(rows, axis=-1), next_log_prob,
+                                   captured[0][b, : len(ids)].float().numpy() if features else None))
     return found
 
 

@@ -64,8 +64,11 @@ def test_reference_a_module_at_a_time_is_the_loaded_model(tie, tmp_path):
     make_model(tmp_path / "m", tie=tie, random_norms=True)
     skeleton, _, weights = resolve_source(str(tmp_path / "m"), tmp_path).load_streamed()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
-    [streamed] = reference_rows(skeleton, weights, [IDS], features=True)
+    [streamed, short] = reference_rows(skeleton, weights, [IDS, IDS[:30]], features=True)
     [whole] = reference_rows(loaded, None, [IDS], features=True)
+    [whole_short] = reference_rows(loaded, None, [IDS[:30]], features=True)  # padding beside it changes nothing
+    np.testing.assert_array_equal(short.argmax, whole_short.argmax)
+    np.testing.assert_allclose(short.next_log_prob[:-1], whole_short.next_log_prob[:-1], rtol=1e-6)
     np.testing.assert_array_equal(streamed.argmax, whole.argmax)
     np.testing.assert_array_equal(streamed.next_log_prob, whole.next_log_prob)
     np.testing.assert_array_equal(streamed.features, whole.features)
