@@ -4,6 +4,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Protocol
 
 import numpy as np
@@ -15,12 +16,24 @@ OPSET = 21  # int4 tensors (MatMulNBits weights) need opset 21 and IR version 10
 
 
 class WeightSink(Protocol):
-    """Where a graph's weights go as it is built (exporters/weight_stream.py): `write` takes a run of nodes
-    and the float32 weights they read, and returns the nodes that replace them (quantized) with the
-    initializers they read, already stored outside the graph."""
+    """Where a graph's weights go as it is built (exporters/weight_stream.py): `submit` takes a run of nodes
+    and the float32 weights they read and starts quantizing them (in the background); `finish`, called
+    in the order of the submissions, returns the nodes that replace them with the initializers they read,
+    already stored outside the graph."""
 
-    def write(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]) \
-            -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]: ...
+    def submit(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]) -> Future: ...
+
+    def finish(self, job: Future) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]: ...
+
+
+IN_FLIGHT = 2  # parts a sink quantizes while the builder reads the next: each holds a layer's weights
+
+
+class _Pending:
+    """A flushed run of nodes in the graph's node list, while the sink quantizes it."""
+
+    def __init__(self, job: Future):
+        self.job = job
 
 
 class GraphBuilder:
@@ -44,7 +57,8 @@ class GraphBuilder:
         self.weights: dict[str, np.ndarray | Callable[[], np.ndarray]] = {}
         self.written: list[onnx.TensorProto] = []  # initializers the sink stored
         self._last: set[str] = set()
-        self._flushed = 0  # nodes before this index went through the sink
+        self._flushed = 0  # nodes (and _Pending runs) before this index went through the sink
+        self._pending: list[_Pending] = []
         self._ids = itertools.count()
         self._const_cache: dict[tuple, str] = {}
 
@@ -75,9 +89,12 @@ class GraphBuilder:
 
     def flush(self, final: bool = False) -> None:
         """Through the sink: the nodes since the last flush, with the weights they read (`final`: every
-        weight left, with the earlier nodes that read one)."""
+        weight left, with the earlier nodes that read one). A part is quantized while the next is built;
+        its nodes take their place in order."""
         if self.sink is None:
             return
+        if final:
+            self._resolve(0)
         segment = self.nodes[self._flushed:]
         if final and self._last:  # the earlier readers of a weight marked `last` go with the final segment
             earlier = [n for n in self.nodes[: self._flushed] if set(n.input) & self._last]
@@ -87,14 +104,26 @@ class GraphBuilder:
         read = {name for node in segment for name in node.input}
         ready = [name for name in self.weights if name in read and (final or name not in self._last)]
         if ready:
-            arrays = {name: _array(self.weights.pop(name)) for name in ready}
-            segment, stored = self.sink.write(segment, arrays)
-            self.written.extend(stored)
+            pending = _Pending(self.sink.submit(segment, {name: _array(self.weights.pop(name)) for name in ready}))
+            self._pending.append(pending)
+            segment = [pending]
         self.nodes[self._flushed:] = segment
         self._flushed = len(self.nodes)
+        self._resolve(0 if final else IN_FLIGHT)
         if final and self._last:
             self.nodes = topological(self.nodes, {i.name for i in self.inputs}
                                      | {t.name for t in self.constants + self.written})
+
+    def _resolve(self, keep: int) -> None:
+        """Puts the quantized nodes of all but the last `keep` pending parts in their places, oldest first
+        (the sink stores their weights in this order)."""
+        while len(self._pending) > keep:
+            pending = self._pending.pop(0)
+            nodes, stored = self.sink.finish(pending.job)
+            self.written.extend(stored)
+            at = next(i for i, node in enumerate(self.nodes) if node is pending)
+            self.nodes[at : at + 1] = nodes
+            self._flushed += len(nodes) - 1
 
     def input(self, name: str, elem_type: int, shape: list) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))

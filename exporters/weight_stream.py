@@ -2,14 +2,16 @@
 
 The graph builder (exporters/onnx_builder.py) hands each layer's nodes and float32 weights to a
 `StreamedWeights`: it quantizes them by the policy exactly as quant/apply.py quantizes a whole graph
-(the same rewrites, applied to the nodes that read each weight), appends what they became to the
-graph's weights file, and returns the nodes and initializers that stand for them. The float32 arrays
-are let go as soon as a layer is written, so an export holds one layer's weights at a time.
+(the same rewrites, applied to the nodes that read each weight) on a worker thread while the builder
+reads the next layer, appends what they became to the graph's weights file in the graph's order, and
+returns the nodes and initializers that stand for them. The float32 arrays are let go as soon as a
+layer is written, so an export holds a few layers' weights at a time (IN_FLIGHT), whatever the size.
 """
 from __future__ import annotations
 
 import hashlib
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from edgespec.runtime.contract.errors import ExportError
 from onnx import helper
 from tqdm import tqdm
 
-from .onnx_builder import OPSET
+from .onnx_builder import IN_FLIGHT, OPSET
 from .weights import append_external
 
 
@@ -72,13 +74,17 @@ class StreamedWeights:
 
     def __enter__(self) -> StreamedWeights:
         self._file = open(self.path, "wb")
+        self._workers = ThreadPoolExecutor(max_workers=IN_FLIGHT, thread_name_prefix="quantize")
         return self
 
     def __exit__(self, *exc) -> None:
+        self._workers.shutdown(wait=True, cancel_futures=True)
         self._file.close()
         self._bar.close()
 
-    def write(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]):
+    def submit(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]) -> Future:
+        """Starts quantizing `nodes` with `weights` (float32, by name) on a worker thread: onnxruntime's
+        quantizer and numpy let go of the interpreter, so a part is quantized while the next is read."""
         part = helper.make_model(helper.make_graph(nodes, "part", [], []),
                                  opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
         part.ir_version = 10
@@ -89,11 +95,19 @@ class StreamedWeights:
             tensor.dims.extend(array.shape)
             tensor.raw_data = array.tobytes()
             del array
+        return self._workers.submit(self._quantize, part)
+
+    def _quantize(self, part: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
         try:
-            self.applied.update(quantize_model(part, self.policy, strict=False, activation_maxima=self.maxima,
-                                               grids=self.grids))
+            return part, quantize_model(part, self.policy, strict=False, activation_maxima=self.maxima, grids=self.grids)
         except ValueError as err:
             raise ExportError(str(err)) from err
+
+    def finish(self, job: Future) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+        """A submitted part, quantized, its weights stored: (its nodes, their initializers). Called in the
+        order of the submissions, so the weights file is written in the graph's order."""
+        part, applied = job.result()
+        self.applied.update(applied)
         digests = {t.name: _digest(t.raw_data) for t in part.graph.initializer if t.HasField("raw_data")}
         for tensor in part.graph.initializer:
             stored = self.reuse.get(tensor.name)
