@@ -120,7 +120,7 @@ class Pipeline:
         else:
             self.target = ModelRunner(make_session(self.folder / m.target.graph.file, profile.verify,
                                                    self.target_threads, spin=spins(spin), role="the target",
-                                                   strict=strict),
+                                                   strict=strict, shared_arena=self.memory.budget is not None),
                                       m.target.facts)
         # the tree drafters fill: the manifest's, or one sized to a streamed pass where stages stream; a caller
         # (tune) may try another
@@ -146,8 +146,10 @@ class Pipeline:
                                                   (placement.draft_provider(),) if placement else profile.draft,
                                                   placement.draft_threads if placement else self.threads,
                                                   spin=spins(spin, beside_loader=self.memory.streams),
-                                                  role="the draft",
-                                                  strict=strict),
+                                                  role="the draft", strict=strict,
+                                                  # under a budget its passes and the target's take turns
+                                                  # in one arena (sessions.py): the plan counts one scratch
+                                                  shared_arena=self.memory.budget is not None),
                                      m.draft.facts, read_head_tokens(self.folder, m.draft))
         for runner in (self.target, self.draft):
             static = runner.static if runner is not None else None

@@ -474,3 +474,18 @@ def test_where_the_kernel_refuses_to_populate_fetch_faults_the_pages_in(staged_b
     assert _mapped_rss_kib(weights) * 1024 >= 0.9 * sum(r.high - r.low for r in stage.ranges) > 0
     stage.release()
     assert _mapped_rss_kib(weights) == 0
+
+
+@needs_prepacked
+def test_under_a_budget_the_stages_and_the_draft_take_activations_from_one_arena(staged_bundle, prepared):
+    """An arena keeps the most its session ever held: one per stage held each stage's activations at once,
+    where the plan counts one pass's (issue 54: a 248 MiB budget peaked at 287-316 MiB)."""
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(staged_bundle, threads=1, memory_budget=_budget_for(staged_bundle, prepared),
+                        prepared_dir=prepared)
+    assert pipeline.memory.streams
+    sessions = [stage.session for stage in pipeline.target.window.stages] + [pipeline.draft.session]
+    assert all(s.get_session_options().get_session_config_entry("session.use_env_allocators") == "1"
+               for s in sessions)
+    _assert_speculation_exact(pipeline)

@@ -167,7 +167,8 @@ class PrepackedStage:
         # Sessions are made one at a time, so no other mapping of the file appears in between.
         before = set(_mapped_ranges(self.weights))
         # the graph is already optimized for this machine: optimizing again would only cost time
-        self.session = make_session(prepared, providers, threads, optimize=False, spin=False)  # it streams
+        # it streams; its passes take turns with the other stages': one arena for all (sessions.py)
+        self.session = make_session(prepared, providers, threads, optimize=False, spin=False, shared_arena=True)
         self.ranges = [r for r in _mapped_ranges(self.weights) if r not in before]
         if not self.ranges:
             raise RuntimeError(f"onnxruntime did not map {self.weights}: its pages could not be released")

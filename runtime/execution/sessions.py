@@ -18,6 +18,22 @@ ORT_ERRORS = (_STATE.Fail, _STATE.InvalidGraph, _STATE.InvalidArgument, _STATE.N
 # not beside a streamed target's loader), "on" (both do), "off" (neither: a CPU other processes keep busy)
 SPIN_SETTINGS = ("auto", "on", "off")
 SPIN_ENTRY = "session.intra_op.allow_spinning"
+# Sessions made with `shared_arena` take their activations from one arena, registered with onnxruntime's
+# environment on first use, instead of each from its own. An arena keeps the most its session's passes
+# ever held, so a target streamed as N stages (and a draft beside it) held N+1 sets of activations where
+# the plan counts one; their passes run one after another, so one arena serves them all (issue 54: a
+# 248 MiB budget peaked at 287-316 MiB RSS, per-stage arenas the largest part; measured with
+# benchmarks/measure/budget_peak.py).
+_SHARED_ARENA = {"registered": False}
+
+
+def _register_shared_arena() -> None:
+    if not _SHARED_ARENA["registered"]:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        # onnxruntime's defaults: no limit, chunks grown by powers of two (growing by each request instead
+        # fragmented more: a higher peak, measured)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        _SHARED_ARENA["registered"] = True
 
 
 def check_spin(spin) -> None:
@@ -39,14 +55,16 @@ def spinning(session: ort.InferenceSession) -> bool:
 
 def make_session(path: Path, providers: tuple, threads: int,
                  initializers: dict[str, ort.OrtValue] | None = None, prepack: bool = True,
-                 optimize: bool = True, spin: bool = True, role: str = "", strict: bool = False) -> ort.InferenceSession:
+                 optimize: bool = True, spin: bool = True, role: str = "", strict: bool = False,
+                 shared_arena: bool = False) -> ort.InferenceSession:
     """`initializers`: weights the caller holds (memory-mapped), used in place of the graph's external
     data; the caller keeps them alive as long as the session. `prepack=False` makes the kernels read
     weights where they lie instead of copying them into packed buffers (which would make them resident).
     `optimize=False` for a graph onnxruntime already optimized for this machine. `spin=False` while
     another thread needs the cores during a run (a streamed target's stage loader). `providers`: the
     profile's for the role (targets/profiles.py: Provider, or names); a missing one falls back with a
-    warning, or with `strict` is an error."""
+    warning, or with `strict` is an error. `shared_arena`: activations from the one arena every such session
+    shares (for sessions whose passes take turns: a staged target's stages and the draft under a budget)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
@@ -62,6 +80,9 @@ def make_session(path: Path, providers: tuple, threads: int,
     options.add_session_config_entry("session.force_spinning_stop", "1")
     if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if shared_arena:
+        _register_shared_arena()
+        options.add_session_config_entry("session.use_env_allocators", "1")
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
     try:

@@ -82,7 +82,7 @@ class MappedStage:
             np.frombuffer(self.map, np.dtype(t["dtype"]), count=int(np.prod(t["shape"])), offset=t["offset"])
             .reshape(t["shape"])) for t in spec.tensors}
         self.session = make_session(Path(folder) / spec.file, providers, threads, self.values, prepack=False,
-                                    spin=False)  # it streams
+                                    spin=False, shared_arena=True)  # it streams; one arena for all stages
         self.pages = np.frombuffer(self.map, np.uint8)[:: mmap.PAGESIZE]
 
     def fetch(self) -> ort.InferenceSession:
