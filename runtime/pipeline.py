@@ -157,6 +157,7 @@ class Pipeline:
                 raise InputError(f"this static-shape bundle holds a context of {static.context} tokens, fixed at export; "
                                  f"the memory budget leaves room for {self.memory.context}: raise the budget")
         self._resolve_exactness()
+        self.trim_heap()  # what loading freed (the tokenizer's parse, sessions' reads) goes back before a request
 
     @property
     def context(self) -> int:
