@@ -30,7 +30,7 @@ from .execution.coreml import Predictor, open_coreml
 from .execution.device import describe
 from .execution.heap import heap_trimmer
 from .execution.model import ModelRunner
-from .execution.paths import cache_dir
+from .execution.paths import cache_dir, packed_dir
 from .execution.placement import Placement
 from .execution.runner import Cache
 from .execution.sessions import check_spin, make_session, spins
@@ -42,7 +42,7 @@ MAX_THREADS = 256  # far beyond any device this runs on; more only makes onnxrun
 
 
 def default_prepared_dir() -> Path:
-    return cache_dir() / "prepacked"
+    return packed_dir()
 
 
 def default_threads() -> int:

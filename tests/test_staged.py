@@ -489,3 +489,13 @@ def test_under_a_budget_the_stages_and_the_draft_take_activations_from_one_arena
     assert all(s.get_session_options().get_session_config_entry("session.use_env_allocators") == "1"
                for s in sessions)
     _assert_speculation_exact(pipeline)
+
+
+def test_packed_copies_go_where_edgespec_packed_says(monkeypatch, tmp_path):
+    from edgespec.runtime.pipeline import default_prepared_dir
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("EDGESPEC_PACKED", raising=False)
+    assert default_prepared_dir() == tmp_path / "cache" / "prepacked"
+    monkeypatch.setenv("EDGESPEC_PACKED", str(tmp_path / "fast-disk"))
+    assert default_prepared_dir() == tmp_path / "fast-disk"

@@ -84,6 +84,10 @@ def prepare(graphs: list[tuple[Path, str]], root: Path) -> list[Path]:
         if done.returncode != 0:
             reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             raise BundleError(f"cannot pack the weights of {missing[0][0].parent} for this machine: {reason}")
+        written = sum(prepared_bytes(checksum, root) or 0 for _, checksum in missing)
+        print(f"edgespec: packed {len(missing)} stage(s) of {missing[0][0].parent.name} for this machine once: "
+              f"{written / 2**20:.0f} MiB in {Path(root) / machine_key()} (EDGESPEC_PACKED moves them)",
+              file=sys.stderr)
     return [_place(checksum, root) / GRAPH for _, checksum in graphs]
 
 
