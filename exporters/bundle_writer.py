@@ -15,6 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import onnx
+from edgespec.quant.apply import check_policy_names
 from edgespec.quant.calibrate import Calibration, activation_maxima
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.contract.coreml_package import CoreMLPackage
@@ -130,6 +131,11 @@ def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPoli
     are the same; `index`: filled with where this graph stored its own. A weights file left empty is removed."""
     parts = parts or {}
     layers = parts.get("layers", range(builder.facts.num_layers))
+    if strict:  # before minutes of writing: the matmul weights the builder names (checked again after)
+        try:
+            check_policy_names(policy, set(builder.matmul_sources()) | {"embed_tokens"})
+        except ValueError as err:
+            raise ExportError(str(err)) from err
     weights = folder / f"{name}.weights"
     with StreamedWeights(weights, policy, maxima, grids, parts=len(layers) + 1, label=f"writing {name}",
                          reuse=reuse) as sink:
