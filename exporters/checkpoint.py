@@ -80,42 +80,63 @@ def read_header(path: Path) -> dict[str, TensorPlace]:
 MAX_HEADER = 100 << 20
 
 
-class CheckpointWeights(Mapping):
-    """The model's state as float32 numpy arrays, each read from its file when asked for (nothing cached).
-    Names are the model's own (`model.layers.0.self_attn.q_proj.weight`); a tied head's `lm_head.weight`
-    is not one of them (builders read the embedding table for it)."""
+class LazyWeights(Mapping):
+    """A model's state as float32 numpy arrays by the model's parameter names, each read from its file when
+    asked for (nothing cached); `shapes` names them without reading any. A subclass says how one is read."""
 
-    def __init__(self, places: dict[str, TensorPlace]):
-        self.places = places
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes = shapes
         self.reads = 0  # tensors read so far
 
+    def read(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
     def __getitem__(self, name: str) -> np.ndarray:
-        place = self.places[name]
-        count = int(np.prod(place.shape))
-        try:
-            with open(place.file, "rb") as f:
-                f.seek(place.offset)
-                raw = np.fromfile(f, dtype=DTYPES[place.dtype], count=count)
-        except OSError as err:
-            raise ExportError(f"cannot read {name} from {place.file}: {err}") from err
-        if raw.size != count:
-            raise ExportError(f"{place.file} is cut short: {name} needs {place.nbytes} bytes there")
+        array = self.read(name)  # KeyError for a name it does not hold
         self.reads += 1
+        return array
+
+    def __contains__(self, name) -> bool:  # Mapping's own would read the tensor
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def size_of(self, name: str) -> int:
+        return int(np.prod(self.shapes[name]))
+
+
+def read_span(path: Path, offset: int, dtype, count: int, what: str) -> np.ndarray:
+    """`count` values of `dtype` at `offset` of `path`, read (not mapped); a file cut short or unreadable is
+    an ExportError naming `what` and the file."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            raw = np.fromfile(f, dtype=dtype, count=count)
+    except OSError as err:
+        raise ExportError(f"cannot read {what} from {path}: {err}") from err
+    if raw.size != count:
+        raise ExportError(f"{path} is cut short: {what} needs {count * np.dtype(dtype).itemsize} bytes there")
+    return raw
+
+
+class CheckpointWeights(LazyWeights):
+    """A safetensors checkpoint's tensors. Names are the model's own (`model.layers.0.self_attn.q_proj.weight`);
+    a tied head's `lm_head.weight` is not one of them (builders read the embedding table for it)."""
+
+    def __init__(self, places: dict[str, TensorPlace]):
+        super().__init__({name: place.shape for name, place in places.items()})
+        self.places = places
+
+    def read(self, name: str) -> np.ndarray:
+        place = self.places[name]
+        raw = read_span(place.file, place.offset, DTYPES[place.dtype], int(np.prod(place.shape)), name)
         if place.dtype == "BF16":  # bf16 is float32's upper half: torch widens it exactly, on every core
             return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).float().numpy().reshape(place.shape)
         return raw.astype(np.float32, copy=False).reshape(place.shape)
-
-    def __contains__(self, name) -> bool:  # Mapping's own would read the tensor
-        return name in self.places
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.places)
-
-    def __len__(self) -> int:
-        return len(self.places)
-
-    def size_of(self, name: str) -> int:
-        return int(np.prod(self.places[name].shape))
 
 
 def skeleton(config) -> torch.nn.Module:

@@ -8,53 +8,35 @@ for the same reason as exporters/checkpoint.py: a mapping's pages would stay res
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 from edgespec.runtime.contract.errors import ExportError
 
+from .checkpoint import LazyWeights, read_span
 
-class GgufWeights(Mapping):
-    """The model's state as float32 arrays, each decoded from the GGUF file when asked for."""
 
-    def __init__(self, path: Path, reader, processor, parsed: dict, places: dict[str, object],
-                 key_map: dict[str, str], shapes: dict[str, tuple[int, ...]]):
-        # `parsed`: what transformers' loader hands its processors beside each tensor (only those that split
-        # tensors across the file read it, and those are loaded whole)
-        self.path, self.reader, self.processor, self.parsed = path, reader, processor, parsed
-        self.places, self.key_map, self.shapes = places, key_map, shapes  # model name -> tensor, its file name
+class GgufWeights(LazyWeights):
+    """The model's state, each tensor decoded from the GGUF file when asked for."""
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def __init__(self, path: Path, processor, places: dict[str, object], key_map: dict[str, str],
+                 shapes: dict[str, tuple[int, ...]]):
+        super().__init__(shapes)
+        self.path, self.processor = path, processor
+        self.places, self.key_map = places, key_map  # model name -> the file's tensor; the file's names -> model's
+
+    def read(self, name: str) -> np.ndarray:
         from gguf import dequantize
 
         tensor = self.places[name]
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(int(tensor.data_offset))
-                raw = np.fromfile(f, np.uint8, count=int(tensor.n_bytes))
-        except OSError as err:
-            raise ExportError(f"cannot read {tensor.name} from {self.path}: {err}") from err
-        if raw.size != int(tensor.n_bytes):
-            raise ExportError(f"{self.path} is cut short: {tensor.name} needs {int(tensor.n_bytes)} bytes there")
+        raw = read_span(self.path, int(tensor.data_offset), np.uint8, int(tensor.n_bytes), tensor.name)
         data = raw.view(tensor.data.dtype).reshape(tensor.data.shape)
+        # only the processors that split tensors across the file read `parsed_parameters`; those load whole
         result = self.processor.process(weights=dequantize(data, tensor.tensor_type), name=tensor.name,
-                                        tensor_key_mapping=self.key_map, parsed_parameters=self.parsed)
+                                        tensor_key_mapping=self.key_map, parsed_parameters={})
         # as transformers' loader: a torch tensor of the decoded values, then the model's float32
         return torch.from_numpy(np.copy(result.weights)).to(torch.float32).numpy().reshape(self.shapes[name])
-
-    def __contains__(self, name) -> bool:
-        return name in self.places
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.places)
-
-    def __len__(self) -> int:
-        return len(self.places)
-
-    def size_of(self, name: str) -> int:
-        return int(np.prod(self.shapes[name]))
 
 
 def gguf_weights(path: Path, model: torch.nn.Module) -> GgufWeights | None:
@@ -89,4 +71,4 @@ def gguf_weights(path: Path, model: torch.nn.Module) -> GgufWeights | None:
     if wrong:
         raise ExportError(f"GGUF file {path}: its tensors do not fit the model its metadata describes "
                           f"({'; '.join(wrong[:3])})")
-    return GgufWeights(Path(path), reader, processor, {}, places, key_map, wanted)
+    return GgufWeights(Path(path), processor, places, key_map, wanted)

@@ -24,7 +24,7 @@ from onnx import helper
 from tqdm import tqdm
 
 from .onnx_builder import IN_FLIGHT, OPSET
-from .weights import append_external
+from .weights import append_external, point_external
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,7 @@ class Stored:
 
     def point(self, tensor: onnx.TensorProto) -> None:
         """Makes `tensor` (the same bytes) read them from here instead of carrying its own."""
-        tensor.ClearField("raw_data")
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        del tensor.external_data[:]
-        for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(self.length))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
+        point_external(tensor, self.location, self.offset, self.length)
 
 
 def _digest(data: bytes) -> str:

@@ -94,10 +94,14 @@ def append_external(model: onnx.ModelProto, out: BinaryIO, location: str) -> Non
         out.write(b"\0" * pad)
         offset += pad
         out.write(tensor.raw_data)
-        length = len(tensor.raw_data)
-        tensor.ClearField("raw_data")
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        del tensor.external_data[:]
-        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
+        point_external(tensor, location, offset, len(tensor.raw_data))
+
+
+def point_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Makes `tensor` read its bytes from `location` at `offset` instead of carrying them."""
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
