@@ -63,20 +63,20 @@ import math
 from dataclasses import replace
 
 import numpy as np
-import torch
 from edgespec.runtime.contract.errors import ExportError
 from edgespec.runtime.contract.facts import ModelFacts
 from edgespec.runtime.contract.graph import FEATURES, FEATURES_OUT, KV_SLACK
 
 from .attention import LayerAttention
 from .onnx_builder import FLOAT, INT32, INT64, GraphBuilder
+from .rotary import Rotary
 from .slots import slot_layers
 
 # Rows past the context a pass may write (a one-token step's padding row): the rotary tables cover them.
 ROPE_SLACK = KV_SLACK
 
 
-class LlamaBuilder(LayerAttention):
+class LlamaBuilder(LayerAttention, Rotary):
     architecture = "llama"
     qk_norm: str | None = None  # "head": an RMSNorm over each query/key head; "projection": over the whole projections
     norm_offset = 0.0  # norms scale by (norm_offset + weight): Gemma's are 1 + weight
@@ -211,32 +211,6 @@ class LlamaBuilder(LayerAttention):
         reach = self.facts.max_context + self.rope_slack  # a pass never sees further back than this
         return tuple(window if t == "sliding_attention" and window and window < reach else None for t in types)
 
-    @property
-    def rotary_dims(self) -> int:
-        """How many of a head's dimensions the rotary embedding turns (the rest pass through)."""
-        return self.facts.head_dim
-
-    def layer_rope(self, cfg, layer: int) -> str | None:
-        """Which rotary table layer `layer` reads: "" the model's one table, a layer type's name where the
-        model keeps a table per type (`rope_tables`), None for a layer without rotary embedding."""
-        rotary = self.model.model.rotary_emb
-        return cfg.layer_types[layer] if len(getattr(rotary, "layer_types", ())) > 1 else ""
-
-    def rope_tables(self, kind: str = "") -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin [max_context + rope_slack, rotary dims] of table `kind` (`layer_rope`), computed by the model's
-        own rotary module so that every rope variant transformers knows (llama3, yarn, linear, longrope's
-        choice for the exported context, ...) is reproduced exactly."""
-        probe = torch.zeros(1, 1, self.facts.head_dim)
-        tables = []
-        # the context's rows, then the slack rows (written by padding slots, never read): a rope that changes
-        # with the sequence's length (longrope, dynamic) sees only lengths inside the context
-        for span in (range(self.facts.max_context), range(self.facts.max_context, self.facts.max_context + self.rope_slack)):
-            with torch.no_grad():
-                cos, sin = self.model.model.rotary_emb(probe, torch.tensor([list(span)]),
-                                                       **({"layer_type": kind} if kind else {}))
-            tables.append((cos[0].float().numpy(), sin[0].float().numpy()))
-        return np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables])
-
     def layer_weights(self, i: int) -> dict[str, np.ndarray]:
         s, p, one = self.state, f"model.layers.{i}.", np.float32(self.norm_offset)
         qkv = np.concatenate([s[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0).T
@@ -361,17 +335,6 @@ class LlamaBuilder(LayerAttention):
             x, branch = self.decoder_layer(g, x, branch, w, attention)
             g.flush()
         return x, branch
-
-    def rotary_inputs(self, g: GraphBuilder, layers: range) -> dict:
-        """The rotary tables `layers` read, as graph weights: {kind: (cos, sin)} (`layer_rope`)."""
-        tables = {}
-        for kind in sorted({self.ropes[l] for l in layers} - {None}):
-            cos_table, sin_table = self.rope_tables(kind)
-            half = cos_table.shape[1] // 2  # HF's tables repeat their first half; the fused op takes one half
-            suffix = f"_{kind}" if kind else ""
-            tables[kind] = (g.weight(f"rope_cos{suffix}", cos_table[:, :half]),
-                            g.weight(f"rope_sin{suffix}", sin_table[:, :half]))
-        return tables
 
     def decoder_layer(self, g: GraphBuilder, x: str, branch: str | None, w: dict, attention) -> tuple[str, str]:
         """One block: (residual stream, the block's output not yet added to it); `attention(h)` is the
