@@ -281,31 +281,25 @@ def main() -> None:
     b.add_argument("--size", choices=BODIES, required=True)
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--tokenizer", type=Path, default=None, help="copy the tokenizer from this folder")
-    e = sub.add_parser("export", help="export a body with edgespec (and genai's builder)")
-    e.add_argument("--size", choices=BODIES, required=True)
-    e.add_argument("--work", type=Path, required=True, help="folder for the body and the exports")
+
+    def mode(name: str, text: str, **numbers) -> argparse.ArgumentParser:
+        """A subcommand on a body size and a work folder, with its own numeric options and their defaults."""
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--size", choices=BODIES, required=True)
+        p.add_argument("--work", type=Path, required=True, help="folder for the body and the exports")
+        for option, default in numbers.items():
+            p.add_argument(f"--{option.replace('_', '-')}", type=type(default) if default is not None else int,
+                           default=default)
+        return p
+
+    e = mode("export", "export a body with edgespec (and genai's builder)")
     e.add_argument("--genai", action="store_true", help="also genai's builder at int4")
     e.add_argument("--edgespec-args", default="", help="more options for edgespec export, quoted")
     e.add_argument("--tokenizer", type=Path, default=None, help="copy the body's tokenizer from this folder")
-    d = sub.add_parser("decode", help="plain greedy decoding of both exports, alternating")
-    d.add_argument("--size", choices=BODIES, required=True)
-    d.add_argument("--work", type=Path, required=True)
-    d.add_argument("--rounds", type=int, default=3)
-    d.add_argument("--max-new-tokens", type=int, default=64)
-    d.add_argument("--threads", type=int, default=None)
-    r = sub.add_parser("rows", help="t(rows)/t(1) of the bundle's target pass")
-    r.add_argument("--size", choices=BODIES, required=True)
-    r.add_argument("--work", type=Path, required=True)
-    r.add_argument("--past", type=int, default=256)
-    r.add_argument("--rounds", type=int, default=5)
-    r.add_argument("--threads", type=int, default=None)
-    m = sub.add_parser("budget", help="plain decoding of a staged export resident and under a budget")
-    m.add_argument("--size", choices=BODIES, required=True)
-    m.add_argument("--work", type=Path, required=True)
-    m.add_argument("--fraction", type=float, default=0.5)
-    m.add_argument("--stages", type=int, default=8)
-    m.add_argument("--rounds", type=int, default=2)
-    m.add_argument("--max-new-tokens", type=int, default=32)
+    mode("decode", "plain greedy decoding of both exports, alternating", rounds=3, max_new_tokens=64, threads=None)
+    mode("rows", "t(rows)/t(1) of the bundle's target pass", past=256, rounds=5, threads=None)
+    mode("budget", "plain decoding of a staged export resident and under a budget", fraction=0.5, stages=8,
+         rounds=2, max_new_tokens=32)
     args = parser.parse_args()
     if args.command == "body":
         make_body(args.size, args.out, args.tokenizer)
