@@ -296,6 +296,16 @@ def cmd_inspect(args) -> None:
         check_exact(folder)
 
 
+def cmd_stage(args) -> None:
+    from edgespec.exporters.export import progress
+    from edgespec.exporters.restage import restage
+
+    folder = Path(args.bundle)
+    manifest = restage(folder, args.stages, progress())
+    written = sum((folder / name).stat().st_size for stage in manifest.target.stages for name in stage.weights)
+    print(f"{folder}: {len(manifest.target.stages)} stages, {mib(written)} of weights in their files")
+
+
 def cmd_distill(args) -> None:
     from edgespec.distill.data import DataConfig
     from edgespec.distill.run import DistillConfig, distill
@@ -412,7 +422,8 @@ def cmd_demo(args) -> None:
 
 # what each command of the grammar (parser.py) does
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "tune": cmd_tune,
-            "inspect": cmd_inspect, "distill": cmd_distill, "plan": cmd_plan, "serve": cmd_serve, "doctor": cmd_doctor,
+            "inspect": cmd_inspect, "stage": cmd_stage, "distill": cmd_distill, "plan": cmd_plan, "serve": cmd_serve,
+            "doctor": cmd_doctor,
             "calibrate": cmd_calibrate, "demo": cmd_demo}
 
 

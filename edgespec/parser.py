@@ -8,8 +8,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgespec", description="The `edgespec` command line.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_export, _add_generate, _add_chat, _add_bench, _add_tune, _add_inspect, _add_distill, _add_plan,
-                _add_serve, _add_doctor, _add_calibrate, _add_demo):
+    for add in (_add_export, _add_generate, _add_chat, _add_bench, _add_tune, _add_inspect, _add_stage, _add_distill,
+                _add_plan, _add_serve, _add_doctor, _add_calibrate, _add_demo):
         add(sub)
     return parser
 
@@ -219,6 +219,13 @@ def _add_inspect(sub) -> None:
     p.add_argument("--check-exact", action="store_true",
                    help="also check, on this device, that the target gives every token plain decoding's bits in "
                         "any pass (what makes speculation lossless)")
+
+
+def _add_stage(sub) -> None:
+    p = sub.add_parser("stage", help="cut an exported bundle's target into stages (for memory budgets), in place")
+    p.add_argument("bundle", help="bundle folder")
+    p.add_argument("--stages", type=int, required=True,
+                   help="groups of layers (as export --stages); 0 removes the stages. Each weight stays stored once")
 
 
 def _add_distill(sub) -> None:

@@ -97,8 +97,8 @@ def _graph_spec(name: str, model: onnx.ModelProto, applied: dict, policy: QuantP
     return GraphSpec(
         file=f"{name}.onnx",
         weights=weight_files(model, f"{name}.weights"),
-        inputs={i.name: _shape(i) for i in model.graph.input},
-        outputs={o.name: _shape(o) for o in model.graph.output},
+        inputs={i.name: value_shape(i) for i in model.graph.input},
+        outputs={o.name: value_shape(o) for o in model.graph.output},
         quantization={**policy.default.to_dict(any(s in ("int4", "int8") for s in applied.values())),
                       "tensors": applied},
     )
@@ -175,7 +175,7 @@ def fix_dims(model: onnx.ModelProto, values: dict[str, int]) -> None:
                 dim.dim_value = values[dim.dim_param]  # setting the value clears the name (a oneof)
 
 
-def _shape(value: onnx.ValueInfoProto) -> dict:
+def value_shape(value: onnx.ValueInfoProto) -> dict:
     dims = [d.dim_param if d.dim_param else d.dim_value for d in value.type.tensor_type.shape.dim]
     return {"dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name, "shape": dims}
 

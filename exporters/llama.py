@@ -318,6 +318,7 @@ class LlamaBuilder(LayerAttention, Rotary):
         tables = self.rotary_inputs(g, layers)
         buffer = [batch, (1 if sequences else self.lanes) * f.num_kv_heads, "capacity", f.head_dim]
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
+            g.mark_boundary(l, x, branch)
             past = (g.input(f"past_key_{l}", FLOAT, buffer), g.input(f"past_value_{l}", FLOAT, buffer))
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
             rope = tables.get(self.ropes[l], (None, None))
@@ -334,6 +335,8 @@ class LlamaBuilder(LayerAttention, Rotary):
 
             x, branch = self.decoder_layer(g, x, branch, w, attention)
             g.flush()
+        if len(layers):
+            g.mark_boundary(layers.stop, x, branch)
         return x, branch
 
     def decoder_layer(self, g: GraphBuilder, x: str, branch: str | None, w: dict, attention) -> tuple[str, str]:

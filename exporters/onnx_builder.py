@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import heapq
+import json
 import itertools
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -13,6 +14,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 21  # int4 tensors (MatMulNBits weights) need opset 21 and IR version 10
+# the graph's metadata key for where each layer begins: the residual stream and the branch not yet added to
+# it, by layer index (the last entry: after the last layer), so a graph can be cut into stages later
+# (exporters/restage.py) exactly where the builder would have cut it
+LAYER_BOUNDARIES_KEY = "edgespec.layer_boundaries"
 
 
 class WeightSink(Protocol):
@@ -61,6 +66,11 @@ class GraphBuilder:
         self._pending: list[_Pending] = []
         self._ids = itertools.count()
         self._const_cache: dict[tuple, str] = {}
+        self.boundaries: dict[int, tuple[str, str | None]] = {}
+
+    def mark_boundary(self, layer: int, hidden: str, branch: str | None) -> None:
+        """Records the tensors that enter `layer` (LAYER_BOUNDARIES_KEY)."""
+        self.boundaries[layer] = (hidden, branch)
 
     def fresh(self, hint: str) -> str:
         return f"{hint}_{next(self._ids)}"
@@ -142,6 +152,9 @@ class GraphBuilder:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)], producer_name="edgespec")
         model.ir_version = 10
+        if self.boundaries:
+            helper.set_model_props(model, {LAYER_BOUNDARIES_KEY: json.dumps(
+                {str(layer): list(names) for layer, names in sorted(self.boundaries.items())})})
         return model
 
 
