@@ -18,10 +18,7 @@ from edgespec.runtime.contract.topology import Topology, parse_tree_spec
 from edgespec.runtime.decoding.exactness import fewest_exact_rows
 from edgespec.runtime.execution.budget import MAX_LANES, lanes_for
 from edgespec.runtime.execution.device import machine_key
-from edgespec.runtime.execution.model import ModelRunner
 from edgespec.runtime.execution.paths import cache_dir as default_cache_dir
-from edgespec.runtime.execution.sessions import make_session
-from edgespec.runtime.pipeline import default_threads
 from edgespec.targets.profiles import DeviceProfile, get_profile
 
 from .architectures import builder_for
@@ -35,6 +32,7 @@ from .bundle_writer import (
     write_slots,
     write_tokenizer,
 )
+from .check_target import checked_target
 from .coreml import CoreMLOptions
 from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
 from .gguf_weights import kept_blocks
@@ -391,8 +389,8 @@ def static_dims(nodes: int | None, context: int) -> dict[str, int] | None:
 
 def check_exactness(graph: Path, facts) -> dict:
     """runtime/decoding/exactness.py's check on the written target graph, as the manifest records it."""
-    runner = ModelRunner(make_session(graph, ("CPUExecutionProvider",), default_threads()), facts)
-    min_rows, compared, differ = fewest_exact_rows(runner)
+    with checked_target(graph, facts) as runner:
+        min_rows, compared, differ = fewest_exact_rows(runner)
     return {"machine": machine_key(), "onnxruntime": onnxruntime.__version__, "exact": not differ,
             "rows": compared, "differ": len(differ), "min_rows": min_rows}
 

@@ -14,11 +14,14 @@ from pathlib import Path
 from edgespec.runtime.contract.errors import ExportError
 from edgespec.runtime.contract.facts import ModelFacts
 
+from .check_target import CheckMemory
+
 GiB = 1 << 30
 # python with torch, transformers and onnxruntime loaded, and the tokenizer (measured, history.md §78)
 BASE_BYTES = 0.9 * GiB
 BITS = {"fp32": 32, "fp16": 16, "int8": 8.5, "int4": 4.5}  # with the block scales
 MEMINFO = Path("/proc/meminfo")
+CHECKS = CheckMemory()
 
 
 def layer_parameters(facts: ModelFacts) -> int:
@@ -29,15 +32,17 @@ def layer_parameters(facts: ModelFacts) -> int:
 def estimated_peak(facts: ModelFacts, scheme: str, reference_rows: int = 512) -> int:
     """Bytes the export's peak needs: the larger of writing (a layer's or the vocabulary table's float32
     weights, three copies while they are quantized) and checking (the quantized graph as onnxruntime holds
-    it, the checks' caches, the reference's largest matrix and its logits)."""
+    it, or the window of it they stream (exporters/check_target.py), the checks' caches, the reference's
+    largest matrix and its logits)."""
     table = facts.vocab_size * facts.hidden_size
     largest = max(layer_parameters(facts), table)
     writing = 3 * 4 * largest + (4 * table if facts.tie_word_embeddings else 0)
     parameters = facts.num_layers * layer_parameters(facts) + table * (1 if facts.tie_word_embeddings else 2)
     quantized = parameters * BITS.get(scheme, 32) / 8
     kv = 2 * facts.num_layers * facts.num_kv_heads * facts.head_dim * 4 * reference_rows  # the checks' short caches
+    held = quantized if quantized <= CHECKS.stream_above else CHECKS.resident_bytes + 2 * CHECKS.stage_bytes
     # onnxruntime's packed blocks add about a quarter to the quantized weights (measured at 1B and 3B, §78)
-    checking = 1.25 * quantized + kv + 4 * largest + 8 * reference_rows * facts.vocab_size
+    checking = 1.25 * held + kv + 4 * largest + 8 * reference_rows * facts.vocab_size
     return int(BASE_BYTES + max(writing, checking))
 
 

@@ -2,6 +2,7 @@
 transformers a module at a time, exporters/reference.py; a draft: its fp32 export)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from edgespec.runtime.execution.sessions import make_session
 from edgespec.runtime.pipeline import default_threads
 
 from .bundle_writer import save_graph
+from .check_target import checked_target
 from .llama import LlamaBuilder
 from .reference import reference_rows
 
@@ -63,7 +65,9 @@ def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written
         if draft is not None:  # a draft is small: its fp32 graph is written whole
             save_graph(scratch, "draft", draft.builder, QuantPolicy(), static=draft.static)
             drafts = (_runner(scratch / "draft.onnx", draft.builder), _runner(bundle / draft.file, draft.builder))
-        report = quality_report(reference, lambda: _runner(bundle / target.file, target.builder), heldout,
-                                prompt_ids, new_tokens, drafts)
+        with contextlib.ExitStack() as held:  # the target is opened after the reference ran, and closed after
+            report = quality_report(
+                reference, lambda: held.enter_context(checked_target(bundle / target.file, target.builder.facts)),
+                heldout, prompt_ids, new_tokens, drafts)
     (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

@@ -37,7 +37,7 @@ def restage(folder: Path, groups: int, say) -> Manifest:
     entry = manifest.target
     graphs = _bundle_graphs(manifest)
     whole = _load(folder, entry.graph.file)
-    boundaries = _boundaries(whole, entry.graph.file)
+    boundaries = boundaries_of(whole, entry.graph.file)
     plan = stage_plan(entry.facts.num_layers, groups) if groups else []
     with staged_bundle(folder, force=True) as out:
         stored = _Stored(folder, out)
@@ -184,7 +184,7 @@ def _bundle_graphs(manifest: Manifest) -> list[str]:
     return names + [p.target.file for p in manifest.other_profiles if p.target is not None]
 
 
-def _boundaries(model: onnx.ModelProto, file: str) -> dict[int, tuple[str, str | None]]:
+def boundaries_of(model: onnx.ModelProto, file: str) -> dict[int, tuple[str, str | None]]:
     props = {p.key: p.value for p in model.metadata_props}
     if LAYER_BOUNDARIES_KEY not in props:
         raise ExportError(f"{file} does not record where its layers begin (it was exported by an older edgespec): "
@@ -234,6 +234,11 @@ def _load(folder: Path, name: str) -> onnx.ModelProto:
         return onnx.load(str(folder / name), load_external_data=False)
     except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as err:
         raise BundleError(f"cannot read {folder / name}: {err}") from err
+
+
+def external_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of weights `model` reads from files."""
+    return sum(_length(t) for t in _external(model))
 
 
 def _external(model: onnx.ModelProto) -> list[onnx.TensorProto]:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from edgespec.runtime.contract.errors import BundleError, ExportError
@@ -146,3 +147,24 @@ def test_the_command_line_restages(whole):
     bad = subprocess.run([sys.executable, "-m", "edgespec.cli", "stage", str(whole.parent / "missing"),
                           "--stages", "2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no bundle at" in bad.stderr
+
+
+def test_the_export_checks_streamed_in_stages_give_the_whole_graphs_verdicts(exported):
+    """An export's checks of a target too large to hold run it in stages cut from its graph: the same
+    passes, so the same exactness verdict and the same rows, and nothing left beside the graph."""
+    from edgespec.exporters.check_target import CheckMemory, checked_target
+    from edgespec.runtime.decoding.exactness import fewest_exact_rows
+    from edgespec.runtime.execution.staged import StagedRunner
+    from test_staged import _first_pass
+
+    folder = exported[0]
+    facts = open_bundle(folder).target.facts
+    before = sorted(p.name for p in folder.iterdir())
+    with checked_target(folder / "target.onnx", facts) as resident, \
+            checked_target(folder / "target.onnx", facts, CheckMemory(0, 1, 1)) as streamed:
+        assert isinstance(streamed, StagedRunner) and not isinstance(resident, StagedRunner)
+        assert len(streamed.window.pinned) < streamed.window.count
+        expected, actual = _first_pass(resident), _first_pass(streamed)
+        assert np.array_equal(expected[0], actual[0]) and np.array_equal(expected[1], actual[1])
+        assert fewest_exact_rows(streamed)[:2] == fewest_exact_rows(resident)[:2]
+    assert sorted(p.name for p in folder.iterdir()) == before
