@@ -137,7 +137,8 @@ def save_graph(folder: Path, name: str, builder: LlamaBuilder, policy: QuantPoli
         except ValueError as err:
             raise ExportError(str(err)) from err
     weights = folder / f"{name}.weights"
-    with StreamedWeights(weights, policy, maxima, grids, parts=len(layers) + 1, label=f"writing {name}",
+    parts_count = len(layers) * (1 + builder.flushes_attention) + 1
+    with StreamedWeights(weights, policy, maxima, grids, parts=parts_count, label=f"writing {name}",
                          reuse=reuse) as sink:
         model = builder.build(f"edgespec_{name.replace('.', '_')}", sink=sink, **parts).to_model()
     if index is not None:

@@ -74,6 +74,7 @@ from .slots import slot_layers
 
 # Rows past the context a pass may write (a one-token step's padding row): the rotary tables cover them.
 ROPE_SLACK = KV_SLACK
+LAYER_PART_BYTES = 512 << 20  # float32 bytes of a layer above which it is written in two parts
 
 
 class LlamaBuilder(LayerAttention, Rotary):
@@ -191,6 +192,15 @@ class LlamaBuilder(LayerAttention, Rotary):
     def pads_slots(self) -> bool:
         """A target's graph of one lane pads its tokens into the attention's slots; others gather them."""
         return self.exact_passes and self.lanes == 1
+
+    @property
+    def flushes_attention(self) -> bool:
+        """Whether a layer goes to the weight sink in two parts (its attention, then its MLP): a large
+        layer's float32 weights a part at a time, each while the next is read, would hold three layers'
+        worth (IN_FLIGHT; an 8B layer is over 800 MiB: history.md §80)."""
+        f = self.facts
+        attention = f.hidden_size * f.head_dim * (2 * f.num_heads + 2 * f.num_kv_heads)
+        return 4 * (attention + 3 * f.hidden_size * f.intermediate_size) > LAYER_PART_BYTES
 
     def parameter_count(self) -> int:
         tied = self.facts.tie_word_embeddings
@@ -331,6 +341,8 @@ class LlamaBuilder(LayerAttention, Rotary):
                     out, present_k, present_v = self.attention(g, h, w, past, placement, layer_attend)
                 g.output(present_k, f"present_key_{l}", FLOAT, buffer)
                 g.output(present_v, f"present_value_{l}", FLOAT, buffer)
+                if self.flushes_attention:
+                    g.flush()
                 return out
 
             x, branch = self.decoder_layer(g, x, branch, w, attention)

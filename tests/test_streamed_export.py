@@ -55,6 +55,28 @@ def test_graphs_written_a_layer_at_a_time_match_the_whole_model(models, tmp_path
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
+def test_a_large_layer_written_in_two_parts_stores_the_same_weights(models, tmp_path, monkeypatch):
+    """A layer too large to hold three of (LAYER_PART_BYTES) goes to the sink as its attention, then its MLP:
+    the same weights file, byte for byte, and the same logits."""
+    from edgespec.exporters import llama
+
+    policy = QuantPolicy(QuantScheme("int4", 32, False, 4))
+    written = []
+    for name, part_bytes in (("whole", llama.LAYER_PART_BYTES), ("halves", 0)):
+        monkeypatch.setattr(llama, "LAYER_PART_BYTES", part_bytes)
+        model, _, weights = resolve_source(str(models["target"]), tmp_path).load_streamed()
+        builder = builder_for(model, 256, exact_passes=True, weights=weights)
+        assert builder.flushes_attention == (part_bytes == 0)
+        (tmp_path / name).mkdir()
+        save_graph(tmp_path / name, "target", builder, policy)
+        runner = ModelRunner(make_session(tmp_path / name / "target.onnx", ("CPUExecutionProvider",), 1), builder.facts)
+        out = runner.forward(runner.new_cache(len(IDS) + 2), IDS, range(len(IDS)),
+                             np.tril(np.ones((len(IDS),) * 2, bool)), range(len(IDS)))
+        written.append(((tmp_path / name / "target.weights").read_bytes(), out.logits))
+    assert written[0][0] == written[1][0]
+    np.testing.assert_array_equal(written[0][1], written[1][1])
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_reference_a_module_at_a_time_is_the_loaded_model(tie, tmp_path):
     """The skeleton run with each module's weights read on call gives the loaded model's rows: every choice,
