@@ -37,6 +37,8 @@ from .bundle_writer import (
 )
 from .coreml import CoreMLOptions
 from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
+from .eagle3 import is_eagle3_head, read_eagle3_head
+from .eagle3_graph import Eagle3Builder
 from .gguf_weights import kept_blocks
 from .memory_check import check_memory
 from .quality import Written, write_quality_report
@@ -268,11 +270,13 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
                   say) -> BundleContents:
     """Tokenizer, target graph (+ stages), draft graph, quality report: everything the manifest lists."""
     draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
+    eagle3 = _eagle3_head(config, plan, draft_source)
     say(f"loading target: {target_source.description}")
     target, tokenizer, weights = target_source.load_streamed()
     # a draft that reads the target's features needs a target graph that returns them
     target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
-                                 lanes=plan.lanes, exact_passes=True, weights=weights)
+                                 lanes=plan.lanes, exact_passes=True, weights=weights,
+                                 feature_taps=None if eagle3 is None else eagle3.taps_for(target.config))
     check_memory(target_builder.facts, plan.target_scheme.name, say)
     tokenizer_spec = write_tokenizer(folder, tokenizer, target)
     say(f"writing target graph ({target_builder.facts.num_layers} layers, "
@@ -296,7 +300,8 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     draft_entry, draft_builder, draft_calibration = None, None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
-        draft_builder = draft_builder_for(draft_source, draft_info, tokenizer, target_builder, config.context)
+        draft_builder = Eagle3Builder(eagle3, target_builder, config.context) if eagle3 is not None else \
+            draft_builder_for(draft_source, draft_info, tokenizer, target_builder, config.context)
         draft_builder.rope_slack = target_builder.rope_slack
         say(f"writing draft graph ({plan.draft_scheme.name})")
         draft_calibration = draft_calibration_from(draft_builder, calibration) if plan.draft_scheme.bits else None
@@ -327,6 +332,16 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
                                  (calibration, draft_calibration), say)
     kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
     return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml, others)
+
+
+def _eagle3_head(config: ExportConfig, plan: ExportPlan, draft_source):
+    """The published EAGLE-3 head --draft names, read and checked (exporters/eagle3.py); None for other drafts."""
+    if draft_source is None or not is_eagle3_head(draft_source):
+        return None
+    if config.stages or config.slots or plan.coreml is not None:
+        raise ExportError("an EAGLE-3 head reads three of the target's layers, which a target written as stages, "
+                          "with slots or as CoreML packages does not return: drop --stages/--slots/--format coreml")
+    return read_eagle3_head(draft_source)
 
 
 def _exactness(graph: Path, facts, say) -> dict:
