@@ -141,3 +141,54 @@ def eagle3_reference(head_folder: Path, target, ids: list[int], taps: tuple[int,
             feature, row, past = layer(chain[-1:], feature, [len(ids) - 1 + depth + 1], past)
             row = row[0]
     return logits.numpy(), chain
+
+
+def write_medusa_head(folder: Path, target_folder: Path, heads: int = 3, blocks: int = 1, seed: int = 13,
+                      file: str = "medusa_lm_head.safetensors", drop: tuple = (), reshape: dict | None = None) -> Path:
+    """Medusa heads for the tiny target in `target_folder`, as FasterDecoding/Medusa saves them: config.json with
+    medusa_num_heads / medusa_num_layers, and the ModuleList's state ({k}.{j}.linear.*, {k}.{blocks}.weight).
+    Each head's last linear starts from the target's own head (Medusa's init) plus noise, so its guesses are
+    the target's kind of tokens; the blocks are random."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = json.loads((Path(target_folder) / "config.json").read_text())
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    state = load_file(str(Path(target_folder) / "model.safetensors"))
+    lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for k in range(heads):
+        for j in range(blocks):
+            tensors[f"{k}.{j}.linear.weight"] = torch.randn(hidden, hidden, generator=g) * 0.1
+            tensors[f"{k}.{j}.linear.bias"] = torch.randn(hidden, generator=g) * 0.1
+        tensors[f"{k}.{blocks}.weight"] = lm_head.float() + torch.randn(vocab, hidden, generator=g) * 0.1
+    for name in drop:
+        tensors.pop(name)
+    for name, shape in (reshape or {}).items():
+        tensors[name] = torch.randn(*shape, generator=g)
+    if file.endswith(".pt"):
+        torch.save(tensors, folder / file)
+    else:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / file))
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": heads, "medusa_num_layers": blocks,
+                                                    "base_model_name_or_path": str(target_folder)}))
+    return folder
+
+
+def medusa_reference(head_folder: Path, target, ids: list[int]) -> list[list[int]]:
+    """Per head, its tokens ranked by logit at the last row of `ids` (the target's final hidden state there)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(head_folder) / "config.json").read_text())
+    w = load_file(str(Path(head_folder) / "medusa_lm_head.safetensors"))
+    with torch.no_grad():
+        h = target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+        ranked = []
+        for k in range(config["medusa_num_heads"]):
+            x = h
+            for j in range(config["medusa_num_layers"]):
+                x = x + torch.nn.functional.silu(x @ w[f"{k}.{j}.linear.weight"].T + w[f"{k}.{j}.linear.bias"])
+            ranked.append(torch.argsort(x @ w[f"{k}.{config['medusa_num_layers']}.weight"].T, descending=True).tolist())
+    return ranked
