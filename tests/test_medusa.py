@@ -116,3 +116,15 @@ def test_the_budget_counts_no_draft_cache_for_medusa(bundles):
     pipeline = Pipeline(bundles[0]["chain:3"], threads=1, memory_budget="2GB")
     assert pipeline.memory.draft_kv == 0
     assert np.isfinite(pipeline.memory.total)
+
+
+def test_inspect_and_calibrate_know_medusa_heads(bundles, capsys):
+    from edgespec.calibrate import placeable
+    from edgespec.inspection import print_bundle
+    from edgespec.runtime.contract.errors import InputError
+
+    print_bundle(bundles[0]["chain:3"])
+    shown = capsys.readouterr().out
+    assert "medusa" in shown and "draft.onnx" in shown
+    with pytest.raises(InputError, match="Medusa heads"):
+        placeable(bundles[0]["chain:3"], None)
