@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgespec.bench import prompt_kwargs
+from edgespec.runtime.contract.drafting import DrafterKind
 from edgespec.runtime.contract.errors import InputError
 from edgespec.runtime.contract.manifest import Manifest, open_bundle
 from edgespec.runtime.decoding.engine import GenerationConfig
@@ -101,6 +102,9 @@ def placeable(folder: Path, profile: str | None) -> Manifest:
     if manifest.draft is None:
         raise InputError("this bundle has no draft model: there is nothing to place but the target (its provider "
                          "is the profile's), and a training-free drafter costs too little to run beside it")
+    if manifest.drafter is DrafterKind.MEDUSA:
+        raise InputError("this bundle drafts with Medusa heads, one small pass on the draft provider per step: there "
+                         "is no draft model to place")
     return manifest
 
 

@@ -33,7 +33,8 @@ def print_bundle(folder: Path) -> None:
             if not name.startswith("past_"):
                 print(_described(f"      in  {name:16s} ", _io, spec))
         layers = sum(1 for n in entry.graph.inputs if n.startswith("past_key_"))
-        print(f"      in  past_key/value_0..{layers - 1} (token-major KV cache, valid rows only)")
+        if layers:  # Medusa heads keep no cache
+            print(f"      in  past_key/value_0..{layers - 1} (token-major KV cache, valid rows only)")
         for name, spec in entry.graph.outputs.items():
             print(_described(f"      out {name:16s} ", _io, spec))
     if manifest.draft is None:

@@ -224,10 +224,12 @@ def family_for(config, class_name: str | None = None) -> Family:
 
 
 def builder_for(model, max_context: int, head_tokens=None, feature_fc=None, features_out: bool = False,
-                lanes: int = 1, exact_passes: bool = False, weights=None) -> LlamaBuilder:
-    """`weights`: the model's state read a tensor at a time where `model` is a skeleton (exporters/checkpoint.py)."""
+                lanes: int = 1, exact_passes: bool = False, weights=None, feature_taps=None) -> LlamaBuilder:
+    """`weights`: the model's state read a tensor at a time where `model` is a skeleton (exporters/checkpoint.py);
+    `feature_taps`: the features an EAGLE-3 head reads (exporters/eagle3.py)."""
     return family_for(model.config, type(model).__name__).builder(model, max_context, head_tokens, feature_fc,
-                                                                  features_out, lanes, exact_passes, weights)
+                                                                  features_out, lanes, exact_passes, weights,
+                                                                  feature_taps)
 
 
 def families_line() -> str:

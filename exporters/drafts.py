@@ -72,6 +72,6 @@ def draft_calibration_from(draft_builder, target_calibration: Calibration | None
     if target_calibration is None:
         return None
     features = None
-    if draft_builder.feature_fc is not None:
+    if draft_builder.reads_features:
         features = draft_inputs(target_calibration.features, 0, len(target_calibration.features))
     return calibrate(draft_builder, list(target_calibration.ids), features)

@@ -35,6 +35,9 @@ from .bundle_writer import (
 from .check_target import checked_target
 from .coreml import CoreMLOptions
 from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
+from .eagle3 import is_eagle3_head, read_eagle3_head
+from .eagle3_graph import Eagle3Builder
+from .medusa import MedusaBuilder, is_medusa_head, read_medusa_head
 from .gguf_weights import kept_blocks
 from .memory_check import check_memory
 from .quality import Written, write_quality_report
@@ -266,11 +269,15 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
                   say) -> BundleContents:
     """Tokenizer, target graph (+ stages), draft graph, quality report: everything the manifest lists."""
     draft_info = DraftInfo() if draft_source is None else read_draft_info(draft_source)
+    eagle3 = _eagle3_head(config, plan, draft_source)
+    medusa = draft_source is not None and _medusa_heads(config, plan, draft_source)
     say(f"loading target: {target_source.description}")
     target, tokenizer, weights = target_source.load_streamed()
+    medusa = read_medusa_head(draft_source, target.config) if medusa else None
     # a draft that reads the target's features needs a target graph that returns them
-    target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None,
-                                 lanes=plan.lanes, exact_passes=True, weights=weights)
+    target_builder = builder_for(target, config.context, features_out=draft_info.feature_fc is not None or bool(medusa),
+                                 lanes=plan.lanes, exact_passes=True, weights=weights,
+                                 feature_taps=None if eagle3 is None else eagle3.taps_for(target.config))
     check_memory(target_builder.facts, plan.target_scheme.name, say)
     tokenizer_spec = write_tokenizer(folder, tokenizer, target)
     say(f"writing target graph ({target_builder.facts.num_layers} layers, "
@@ -294,7 +301,12 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     draft_entry, draft_builder, draft_calibration = None, None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
-        draft_builder = draft_builder_for(draft_source, draft_info, tokenizer, target_builder, config.context)
+        if medusa:
+            draft_builder = MedusaBuilder(medusa, target_builder.facts)
+        elif eagle3 is not None:
+            draft_builder = Eagle3Builder(eagle3, target_builder, config.context)
+        else:
+            draft_builder = draft_builder_for(draft_source, draft_info, tokenizer, target_builder, config.context)
         draft_builder.rope_slack = target_builder.rope_slack
         say(f"writing draft graph ({plan.draft_scheme.name})")
         draft_calibration = draft_calibration_from(draft_builder, calibration) if plan.draft_scheme.bits else None
@@ -309,7 +321,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     quality = None
     if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
         say("measuring quality against the float32 model (perplexity, greedy agreement)")
-        draft_written = None if draft_entry is None else \
+        draft_written = None if draft_entry is None or medusa else \
             Written(draft_builder, draft_entry.graph.file, static if plan.main_static[1] else None)
         quality = {"file": "quality.json", **write_quality_report(
             folder, tokenizer_spec, Written(target_builder, target_entry.graph.file,
@@ -323,8 +335,33 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if config.also_profiles:
         others = _other_profiles(folder, config, plan, static, (target_builder, target_entry), (draft_builder, draft_entry),
                                  (calibration, draft_calibration), say)
-    kind = DrafterKind.MODEL if draft_entry is not None else DrafterKind.training_free(config.draft)
+    kind = DrafterKind.training_free(config.draft) if draft_entry is None else \
+        DrafterKind.MEDUSA if medusa else DrafterKind.MODEL
     return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml, others)
+
+
+def _eagle3_head(config: ExportConfig, plan: ExportPlan, draft_source):
+    """The published EAGLE-3 head --draft names, read and checked (exporters/eagle3.py); None for other drafts."""
+    if draft_source is None or not is_eagle3_head(draft_source):
+        return None
+    if config.stages or config.slots or plan.coreml is not None:
+        raise ExportError("an EAGLE-3 head reads three of the target's layers, which a target written as stages, "
+                          "with slots or as CoreML packages does not return: drop --stages/--slots/--format coreml")
+    return read_eagle3_head(draft_source)
+
+
+def _medusa_heads(config: ExportConfig, plan: ExportPlan, draft_source) -> bool:
+    """Whether --draft names Medusa heads (exporters/medusa.py), refusing what they cannot draft with."""
+    if not is_medusa_head(draft_source):
+        return False
+    if config.stages or config.slots or plan.coreml is not None or plan.main_static[1] or any(
+            roles[1] for roles in plan.shapes):
+        raise ExportError("Medusa heads draft from the target's features on the ONNX CPU path: drop --stages, "
+                          "--slots, --format coreml and static-shape draft profiles")
+    if plan.tree.dynamic is not None or plan.tree.lookup is not None or plan.target_scheme.integer_matmul:
+        raise ExportError("Medusa heads fill a fixed tree from their own top tokens: drop dynamic:N, --lookup and "
+                          "--integer-matmul")
+    return True
 
 
 def _exactness(graph: Path, facts, say) -> dict:

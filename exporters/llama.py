@@ -93,7 +93,7 @@ class LlamaBuilder(LayerAttention, Rotary):
 
     def __init__(self, model, max_context: int, head_tokens: np.ndarray | None = None,
                  feature_fc: tuple[np.ndarray, np.ndarray] | None = None, features_out: bool = False,
-                 lanes: int = 1, exact_passes: bool = False, weights=None):
+                 lanes: int = 1, exact_passes: bool = False, weights=None, feature_taps=None):
         """`model` is a transformers *ForCausalLM in float32, or its skeleton with `weights`, a mapping of its
         state's names to float32 arrays read when asked for (exporters/checkpoint.py). `head_tokens` (a draft's trimmed head):
         the graph's logits cover only these vocabulary ids, in this order. `feature_fc` (a draft that
@@ -102,7 +102,9 @@ class LlamaBuilder(LayerAttention, Rotary):
         root-to-leaf paths a verifying pass can attend in (see the module's docstring). `exact_passes`: a
         target's graph, every pass of which is exact: it takes no attention bias, and in one lane pads its
         tokens into the slots instead of gathering them. A draft's graph keeps both (its tree masks; and
-        OpenVINO's ONNX frontend, which runs drafts, cannot type that Pad and Slice: history.md §54)."""
+        OpenVINO's ONNX frontend, which runs drafts, cannot type that Pad and Slice: history.md §54).
+        `feature_taps` (exporters/eagle3.py: FeatureTaps): the features returned are a projection of the
+        residual stream entering some layers instead of the final hidden states (an EAGLE-3 head's target)."""
         if lanes < 1:
             raise ExportError(f"a graph needs at least one lane (got {lanes})")
         self.lanes = lanes
@@ -148,8 +150,11 @@ class LlamaBuilder(LayerAttention, Rotary):
         self.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in self.state
         self._refuse_what_the_graph_omits(cfg)
         self.head_tokens = head_tokens
-        self.features_out = features_out
+        self.features_out = features_out or feature_taps is not None
         self.feature_fc = feature_fc
+        self.feature_taps = feature_taps
+        if feature_taps is not None:
+            feature_taps.check(self.facts)
         hidden = cfg.hidden_size
         if feature_fc is not None and (feature_fc[0].shape != (hidden, 2 * hidden) or feature_fc[1].shape != (hidden,)):
             raise ExportError(f"the draft's feature projection must be [{hidden}, {2 * hidden}] with a bias of "
@@ -187,6 +192,11 @@ class LlamaBuilder(LayerAttention, Rotary):
 
     def activation_name(self, cfg) -> str:
         return getattr(cfg, "hidden_act", "silu")
+
+    @property
+    def reads_features(self) -> bool:
+        """Whether the graph takes the target's `features` (a feature-reading draft's)."""
+        return self.feature_fc is not None
 
     @property
     def pads_slots(self) -> bool:
@@ -293,7 +303,7 @@ class LlamaBuilder(LayerAttention, Rotary):
             logit_rows = g.input("logit_rows", INT64, ["rows"])
             final_norm = self.state["model.norm.weight"] + np.float32(self.norm_offset)
             x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", final_norm))
-            if self.features_out:
+            if self.features_out and self.feature_taps is None:  # else decoder_layers returned the taps'
                 g.output(x, FEATURES_OUT, FLOAT, [1, nodes, f.hidden_size])
             x = g.op("Gather", [x, logit_rows], axis=1)  # [1, R, H]: the head is the costliest matmul
             g.output(self.lm_head(g, x, table), "logits", FLOAT, [1, "rows", self.head_size])
@@ -327,8 +337,12 @@ class LlamaBuilder(LayerAttention, Rotary):
         attend["total"] = g.input("total_sequence_length", INT32, [])
         tables = self.rotary_inputs(g, layers)
         buffer = [batch, (1 if sequences else self.lanes) * f.num_kv_heads, "capacity", f.head_dim]
+        taps = self.feature_taps
+        tapped = {}  # the residual stream entering each tapped layer
         for l in layers:  # branch: the last block's output, not yet added to the residual stream x
             g.mark_boundary(l, x, branch)
+            if taps is not None and l in taps.layers:
+                tapped[l] = x if branch is None else g.op("Add", [x, branch])
             past = (g.input(f"past_key_{l}", FLOAT, buffer), g.input(f"past_value_{l}", FLOAT, buffer))
             w = {k: g.weight(f"layers.{l}.{k}", v) for k, v in self.layer_weights(l).items()}
             rope = tables.get(self.ropes[l], (None, None))
@@ -349,6 +363,10 @@ class LlamaBuilder(LayerAttention, Rotary):
             g.flush()
         if len(layers):
             g.mark_boundary(layers.stop, x, branch)
+        if taps is not None:
+            if layers.stop in taps.layers:  # the residual stream after the last layer, before the final norm
+                tapped[layers.stop] = x if branch is None else g.op("Add", [x, branch])
+            g.output(taps.project(g, [tapped[l] for l in taps.layers]), FEATURES_OUT, FLOAT, [1, nodes, f.hidden_size])
         return x, branch
 
     def decoder_layer(self, g: GraphBuilder, x: str, branch: str | None, w: dict, attention) -> tuple[str, str]:

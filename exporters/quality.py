@@ -59,7 +59,8 @@ def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written
         scratch = Path(scratch)
 
         def reference(sequences: list[list[int]], features: bool):
-            return reference_rows(target.builder.model, target.builder.weights, sequences, features)
+            return reference_rows(target.builder.model, target.builder.weights, sequences, features,
+                                  target.builder.feature_taps)
 
         drafts = None
         if draft is not None:  # a draft is small: its fp32 graph is written whole

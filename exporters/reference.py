@@ -28,22 +28,38 @@ class ReferenceRows:
 
 
 def reference_rows(model: torch.nn.Module, weights: Mapping | None, sequences: list[list[int]],
-                   features: bool = False) -> list[ReferenceRows]:
+                   features: bool = False, taps=None) -> list[ReferenceRows]:
     """The float32 model's rows over each of `sequences`. `weights`: the state read a tensor at a time where
-    `model` is a skeleton (exporters/checkpoint.py); None where the model holds its weights."""
+    `model` is a skeleton (exporters/checkpoint.py); None where the model holds its weights. `taps`
+    (exporters/eagle3.py: FeatureTaps): the features are the projection of those layers' residual streams."""
     longest = max(len(ids) for ids in sequences)
     # one forward over every sequence, right-padded (masked: a row sees only its own sequence's earlier
     # tokens), so each module's weights are read once
     batch = torch.tensor([list(ids) + [0] * (longest - len(ids)) for ids in sequences])
     mask = torch.tensor([[1] * len(ids) + [0] * (longest - len(ids)) for ids in sequences])
-    captured = []
+    captured, streams = [], {}
     with _parameters_on_call(model, weights), torch.no_grad():
-        hook = model.model.norm.register_forward_hook(lambda m, i, out: captured.append(out)) if features else None
+        hooks = []
+        if features and taps is None:
+            hooks.append(model.model.norm.register_forward_hook(lambda m, i, out: captured.append(out)))
+        elif features:  # the residual stream entering each tapped layer; after the last, the final norm's input
+            layers = list(model.model.layers) + [model.model.norm]
+
+            def keep(module, args, kwargs, layer):
+                streams[layer] = args[0] if args else kwargs["hidden_states"]
+
+            for l in set(taps.layers):
+                hooks.append(layers[l].register_forward_pre_hook(
+                    lambda m, args, kwargs, l=l: keep(m, args, kwargs, l), with_kwargs=True))
         try:
             logits = model(input_ids=batch, attention_mask=mask).logits
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
+        if streams:
+            concat = torch.cat([streams[l] for l in taps.layers], dim=-1).float()
+            projected = concat @ torch.from_numpy(taps.fc)
+            captured.append(projected if taps.bias is None else projected + torch.from_numpy(taps.bias))
     found = []
     for b, ids in enumerate(sequences):
         rows = logits[b, : len(ids)].double().numpy()

@@ -20,6 +20,7 @@ from .decoding.dynamic_tree import DynamicDrafter
 from .decoding.engine import GenerationConfig, Result, Session, generate, speculative_step
 from .decoding.exactness import RowMismatch, Verdict, fewest_exact_rows, verdict_here
 from .decoding.lookup import WithLookup
+from .decoding.medusa import MedusaDrafter
 from .decoding.overlap import Overlap
 from .decoding.streamed_tree import tree_under_budget
 from .decoding.suffix import SuffixDrafter, SuffixStore
@@ -29,6 +30,7 @@ from .execution.budget import parse_size
 from .execution.coreml import Predictor, open_coreml
 from .execution.device import describe
 from .execution.heap import heap_trimmer
+from .execution.medusa_heads import MedusaHeads
 from .execution.model import ModelRunner
 from .execution.paths import cache_dir, packed_dir
 from .execution.placement import Placement
@@ -151,6 +153,11 @@ class Pipeline:
                                                   # in one arena (sessions.py): the plan counts one scratch
                                                   shared_arena=self.memory.budget is not None),
                                      m.draft.facts, read_head_tokens(self.folder, m.draft))
+        elif m.drafter is DrafterKind.MEDUSA:
+            if m.draft is None:
+                raise BundleError("the manifest names Medusa heads but no heads graph")
+            self.draft = MedusaHeads(make_session(self.folder / m.draft.graph.file, profile.draft, self.threads,
+                                                  role="the Medusa heads", strict=strict))
         for runner in (self.target, self.draft):
             static = runner.static if runner is not None else None
             if static is not None and static.context != self.memory.context:
@@ -245,6 +252,8 @@ class Pipeline:
                 self.recycling_table = new_recycling_table(m.target.facts.vocab_size)
             return RecyclingDrafter(self.tree, self.recycling_table if recycling_table is None else recycling_table,
                                     ngram=ngram)
+        if m.drafter is DrafterKind.MEDUSA:
+            return MedusaDrafter(self.draft, self.tree)
         cache = self.new_draft_cache()
         if m.dynamic is not None:
             drafter = DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)

@@ -15,12 +15,13 @@ class DrafterKind(Enum):
     RECYCLING = "recycling"  # Token Recycling: the target's own recent successors
     NGRAM_RECYCLING = "ngram+recycling"  # context matches first, recycled candidates fill the other branches
     SUFFIX = "suffix"  # suffix drafting alone (runtime/decoding/suffix.py), under the step controller
+    MEDUSA = "medusa"  # Medusa heads over the target's final hidden state (runtime/decoding/medusa.py): no KV cache
 
     @classmethod
     def training_free(cls, name: str) -> "DrafterKind | None":
         """The training-free drafter `name` names, or None (then it names a draft model)."""
         kind = next((k for k in cls if k.value == name), None)
-        return None if kind is cls.MODEL else kind
+        return None if kind in (cls.MODEL, cls.MEDUSA) else kind
 
     @classmethod
     def named(cls, name: str) -> "DrafterKind":

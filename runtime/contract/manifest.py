@@ -94,21 +94,21 @@ class ModelEntry:
         return self.facts.hidden_size if FEATURES_OUT in self.graph.outputs else 0
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelEntry":
+    def from_dict(cls, data: dict, kv: bool = True) -> "ModelEntry":
         entry = cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
                     source=data.get("source", ""), head_tokens=data.get("head_tokens"),
                     stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())),
                     slots=GraphSpec.from_dict(data["slots"]) if data.get("slots") is not None else None)
-        entry.check_graphs()
+        entry.check_graphs(kv)
         return entry
 
-    def check_graphs(self) -> None:
+    def check_graphs(self, kv: bool = True) -> None:
         """The model facts agree with the graphs' own inputs and outputs (checked before anything is sized
-        from them): a KV buffer per layer of [1, lanes x kv heads, rows, head dim], logits as wide as the
-        vocabulary (or the trimmed head)."""
+        from them): a KV buffer per layer of [1, lanes x kv heads, rows, head dim] (none where not `kv`: Medusa
+        heads), logits as wide as the vocabulary (or the trimmed head)."""
         f = self.facts
         layers = [int(name.removeprefix("past_key_")) for name in self.graph.inputs if name.startswith("past_key_")]
-        if sorted(layers) != list(range(f.num_layers)):
+        if sorted(layers) != (list(range(f.num_layers)) if kv else []):
             raise InputError(f"the graph has KV inputs for layers {sorted(layers)[:8]}... but the facts say "
                              f"{f.num_layers} layers")
         for graph in (self.graph, *self.stages):
@@ -242,7 +242,8 @@ class Manifest:
                                   "n-grams")
             manifest = cls(
                 target=ModelEntry.from_dict(data["target"]),
-                draft=ModelEntry.from_dict(draft) if draft and draft.get("graph") else None,
+                draft=ModelEntry.from_dict(draft, kv=drafter is not DrafterKind.MEDUSA) if draft and draft.get("graph")
+                else None,
                 drafter=drafter,
                 tree=Topology(tuple(data["tree"]["parents"])),
                 dynamic=DynamicTreeConfig(**data["tree"]["dynamic"]) if data["tree"].get("dynamic") else None,
@@ -262,9 +263,9 @@ class Manifest:
             )
             for other in manifest.other_profiles:  # their graphs agree with the models' facts too
                 view = manifest.for_profile(other.profile.name)
-                for entry in (view.target, view.draft):
+                for entry, kv in ((view.target, True), (view.draft, drafter is not DrafterKind.MEDUSA)):
                     if entry is not None:
-                        entry.check_graphs()
+                        entry.check_graphs(kv)
             return manifest
         except (KeyError, TypeError, ValueError, AttributeError, LookupError, ArithmeticError) as err:
             raise BundleError(f"the manifest is malformed ({type(err).__name__}: {err}): re-export the bundle") from err
