@@ -2,7 +2,6 @@
 transformers a module at a time, exporters/reference.py; a draft: its fp32 export)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
 from dataclasses import dataclass
@@ -66,9 +65,7 @@ def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written
         if draft is not None:  # a draft is small: its fp32 graph is written whole
             save_graph(scratch, "draft", draft.builder, QuantPolicy(), static=draft.static)
             drafts = (_runner(scratch / "draft.onnx", draft.builder), _runner(bundle / draft.file, draft.builder))
-        with contextlib.ExitStack() as held:  # the target is opened after the reference ran, and closed after
-            report = quality_report(
-                reference, lambda: held.enter_context(checked_target(bundle / target.file, target.builder.facts)),
-                heldout, prompt_ids, new_tokens, drafts)
+        report = quality_report(reference, lambda: checked_target(bundle / target.file, target.builder.facts),
+                                heldout, prompt_ids, new_tokens, drafts)
     (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

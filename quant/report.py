@@ -85,24 +85,32 @@ def agreement_by_rank(runner: ModelRunner, prompt: list[int], continuation: list
     return [float(np.mean(order[:, r] == np.asarray(continuation))) for r in range(ranks)]
 
 
+def _quantized_side(open_quantized, heldout: list[int], prompts: list[list[int]], new_tokens: int, drafts):
+    """The quantized graph's perplexity and greedy continuations, and the draft's agreement with them; the
+    graph is let go on return (a function's locals go with it, a `with` block's name would stay)."""
+    with open_quantized() as quantized:
+        ppl_q = perplexity(quantized, heldout)
+        continuations = [greedy_continuation(quantized, p, new_tokens) for p in prompts]
+        draft_quantized = by_rank = None
+        if drafts is not None:
+            draft_quantized = float(np.mean([agreement(drafts[1], p, c, target=quantized)
+                                             for p, c in zip(prompts, continuations)]))
+            # the quantized draft's agreement by rank: what a tree's second and later siblings add, for the
+            # tree a budget's streamed pass pays for (runtime/decoding/streamed_tree.py, history.md §64)
+            by_rank = np.mean([agreement_by_rank(drafts[1], p, c, DRAFT_RANKS, target=quantized)
+                               for p, c in zip(prompts, continuations)], axis=0)
+    return ppl_q, continuations, draft_quantized, by_rank
+
+
 def quality_report(reference, open_quantized, heldout: list[int], prompts: list[list[int]],
                    new_tokens: int = 128, drafts: tuple[ModelRunner, ModelRunner] | None = None) -> dict:
     """`reference(sequences, features)`: the float32 model's teacher-forced rows over each sequence
     (exporters/reference.py: ReferenceRows), with its final hidden states when `features`;
-    `open_quantized()`: the quantized graph's runner, closed before the reference runs so the two are
-    never resident together; `drafts` is (fp32 draft, quantized draft) when the bundle has a draft model."""
-    quantized = open_quantized()
-    ppl_q = perplexity(quantized, heldout)
-    continuations = [greedy_continuation(quantized, p, new_tokens) for p in prompts]
-    draft_quantized = by_rank = None
-    if drafts is not None:
-        draft_quantized = float(np.mean([agreement(drafts[1], p, c, target=quantized)
-                                         for p, c in zip(prompts, continuations)]))
-        # the quantized draft's agreement by rank: what a tree's second and later siblings add, for the
-        # tree a budget's streamed pass pays for (runtime/decoding/streamed_tree.py, history.md §64)
-        by_rank = np.mean([agreement_by_rank(drafts[1], p, c, DRAFT_RANKS, target=quantized)
-                           for p, c in zip(prompts, continuations)], axis=0)
-    del quantized
+    `open_quantized()`: a context manager giving the quantized graph's runner, closed before the reference
+    runs so the two are never resident together; `drafts` is (fp32 draft, quantized draft) when the bundle
+    has a draft model."""
+    ppl_q, continuations, draft_quantized, by_rank = _quantized_side(open_quantized, heldout, prompts, new_tokens,
+                                                                     drafts)
     reads_features = drafts is not None and drafts[0].reads_features
     rows = reference([list(heldout)] + [list(p) + c for p, c in zip(prompts, continuations)], reads_features)
     ppl_ref = float(np.exp(-np.mean(rows[0].next_log_prob[: len(heldout) - 1])))
