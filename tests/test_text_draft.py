@@ -236,3 +236,12 @@ def test_the_manifest_holds_a_text_drafts_tokenizer_and_only_its(text_bundles, t
     (copy / "draft_tokenizer.json").write_text("{}")
     with pytest.raises(BundleError, match="draft_tokenizer.json"):
         Pipeline(copy)
+
+
+def test_inspect_names_the_drafts_tokenizer_and_tune_keeps_its_chain(text_bundles, capsys):
+    from edgespec.cli import main
+
+    assert main(["inspect", str(text_bundles["other"])]) == 0
+    assert "drafter: text (the draft's own tokenizer draft_tokenizer.json" in capsys.readouterr().out
+    assert main(["tune", str(text_bundles["other"])]) == 2
+    assert "drafts a chain through text" in capsys.readouterr().err
