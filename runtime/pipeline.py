@@ -386,9 +386,10 @@ class Pipeline:
 
     def overlaps(self, drafter: Drafter) -> bool:
         """Whether `drafter` drafts while the target verifies: the placement says so and a draft model proposes
-        (a training-free drafter costs too little to hide; the step controller times each pass alone)."""
+        (a training-free drafter costs too little to hide; the step controller times each pass alone; a text draft
+        is not drafted ahead: its guess of the committed text would be re-encoded on every miss)."""
         return bool(self.placement and self.placement.overlap and self.draft is not None
-                    and not isinstance(drafter, (NoDrafter, Controller)))
+                    and not isinstance(drafter, (NoDrafter, Controller, TextDrafter)))
 
 
 def _backend(asked: str, manifest: Manifest, predictor: Predictor | None) -> str:

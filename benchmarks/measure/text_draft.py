@@ -79,6 +79,19 @@ def timed(self, *a, **k):
 
 
 text_draft.TextDrafter.propose = timed
+prefill = text_draft.prefill
+
+
+def timed_prefill(*a, **k):  # the draft's passes, with the Python that feeds them
+    started = time.perf_counter()
+    try:
+        return prefill(*a, **k)
+    finally:
+        drafting["passes"] += time.perf_counter() - started
+
+
+drafting["passes"] = 0.0
+text_draft.prefill = timed_prefill
 config = GenerationConfig(max_new_tokens=args.tokens, stop_at_eos=False)
 items = [json.loads(line) for line in Path(args.workload).read_text().splitlines()[: args.prompts]]
 same, passes, tokens, plain_s, spec_s = 0, 0, 0, 0.0, 0.0
@@ -97,5 +110,6 @@ print(json.dumps({"identical_to_plain": f"{same}/{len(items)}", "tokens_per_targ
                   "speculative_over_plain_decode_time": round(spec_s / plain_s, 3),
                   "drafting_ms_per_step": round(1e3 * drafting["seconds"] / steps, 2),
                   "draft_passes_ms_per_step": round(1e3 * draft_runs / steps, 2),
-                  "drafting_outside_onnxruntime_ms_per_step": round(1e3 * (drafting["seconds"] - draft_runs) / steps, 2),
+                  "draft_passes_with_their_python_ms_per_step": round(1e3 * drafting["passes"] / steps, 2),
+                  "text_bridge_ms_per_step": round(1e3 * (drafting["seconds"] - drafting["passes"]) / steps, 2),
                   "plain_ms_per_token": round(1e3 * plain_s / max(tokens, 1), 2)}))
