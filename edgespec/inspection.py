@@ -39,6 +39,9 @@ def print_bundle(folder: Path) -> None:
             print(_described(f"      out {name:16s} ", _io, spec))
     if manifest.draft is None:
         print(f"  drafter: {manifest.drafter.value} (training-free)")
+    elif manifest.draft.tokenizer is not None:
+        print(f"  drafter: {manifest.drafter.value} (the draft's own tokenizer {manifest.draft.tokenizer.file}: "
+              "its tokens are decoded to text and encoded with the target's)")
     if manifest.quality:
         print(_described("  quality vs the fp32 export ", _quality, manifest.quality))
     recorded = manifest.exactness

@@ -133,6 +133,9 @@ def tune(folder: Path, prompts_file: Path | None, max_nodes: int, max_new_tokens
     if pipeline.manifest.dynamic is not None:
         raise InputError(f"{folder} grows a dynamic tree each step (dynamic:{pipeline.manifest.dynamic.budget}); tune "
                          "chooses a static one: export the bundle with --tree auto or a static tree to tune it")
+    if pipeline.manifest.drafter is DrafterKind.TEXT:
+        raise InputError(f"{folder} drafts a chain through text (a draft of another tokenizer), whose length is "
+                         "set at export: export it again with --tree chain:N to change it")
     if pipeline.manifest.drafter is DrafterKind.SUFFIX:
         raise InputError(f"{folder} drafts by suffix alone, whose tree the step controller chooses each step from "
                          "this device's measured pass costs: there is no static tree to tune")

@@ -206,19 +206,17 @@ def write_tokenizer(folder: Path, tokenizer, model) -> TokenizerSpec:
 PROBE_TEXT = "Speculative decoding: <tool_call>{\"name\": \"f\"}</tool_call> 1234 héllo 世界\n\tdef f(x):"
 
 
-def check_compatible(target_tok, draft_tok) -> None:
-    """A draft must give every text the target's token ids, special tokens included: the same vocabulary
-    (the first token that differs is named) and the same splitting of a probe text."""
+def tokenizer_difference(target_tok, draft_tok) -> str | None:
+    """How a draft's tokenizer fails to give every text the target's token ids, special tokens included (the
+    first token that differs, or the splitting of a probe text); None where it gives the same ids."""
     target_ids = {i: t for t, i in target_tok.get_vocab().items()}
     draft_ids = {i: t for t, i in draft_tok.get_vocab().items()}
     for i in sorted(set(target_ids) | set(draft_ids)):
         if target_ids.get(i) != draft_ids.get(i):
-            raise ExportError(f"the draft's tokenizer differs from the target's at id {i}: the target has "
-                              f"{target_ids.get(i)!r}, the draft {draft_ids.get(i)!r}; a draft must share the "
-                              "target's vocabulary (pick a draft of the same model family and version)")
+            return f"at id {i} the target has {target_ids.get(i)!r}, the draft {draft_ids.get(i)!r}"
     if target_tok(PROBE_TEXT)["input_ids"] != draft_tok(PROBE_TEXT)["input_ids"]:
-        raise ExportError("the draft's tokenizer splits text differently from the target's (same vocabulary, "
-                          "other rules): a draft must give every text the target's token ids")
+        return "it splits text differently (same vocabulary, other rules)"
+    return None
 
 
 @dataclass(frozen=True)

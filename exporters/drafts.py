@@ -12,7 +12,8 @@ from edgespec.runtime.contract.errors import ExportError
 from edgespec.runtime.execution.features import draft_inputs
 
 from .architectures import builder_for
-from .bundle_writer import calibrate, check_compatible
+from .bundle_writer import calibrate, tokenizer_difference
+from .text_draft import through_text
 
 DRAFT_HEAD_FILE = "draft_head_tokens.json"
 DRAFT_INFO = "edgespec_draft.json"  # written by `edgespec distill` next to the draft's config.json
@@ -44,9 +45,13 @@ def read_draft_info(source) -> DraftInfo:
 
 
 def draft_builder_for(source, info: DraftInfo, tokenizer, target_builder, context: int):
-    """The draft model's graph builder, checked against the target it will draft for."""
+    """The draft model's graph builder, checked against the target it will draft for, and how it drafts
+    through text where its tokenizer differs from the target's (else None)."""
     draft, draft_tokenizer = source.load()
-    check_compatible(tokenizer, draft_tokenizer)
+    difference = tokenizer_difference(tokenizer, draft_tokenizer)
+    if difference is not None:  # its own vocabulary: its logits are laid out as its tokenizer's ids
+        trained = info.head_tokens is not None or info.feature_fc is not None
+        return builder_for(draft, context), through_text(draft, draft_tokenizer, tokenizer, difference, trained)
     head_tokens, vocab = info.head_tokens, target_builder.facts.vocab_size
     rows = draft.config.vocab_size
     if rows != vocab:
@@ -63,7 +68,7 @@ def draft_builder_for(source, info: DraftInfo, tokenizer, target_builder, contex
         raise ExportError(f"the draft reads the target's features but its hidden size "
                           f"({builder.facts.hidden_size}) differs from the target's "
                           f"({target_builder.facts.hidden_size}): it was trained for another target")
-    return builder
+    return builder, None
 
 
 def draft_calibration_from(draft_builder, target_calibration: Calibration | None) -> Calibration | None:

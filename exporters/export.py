@@ -41,6 +41,7 @@ from .medusa import MedusaBuilder, is_medusa_head, read_medusa_head
 from .gguf_weights import kept_blocks
 from .memory_check import check_memory
 from .quality import Written, write_quality_report
+from .text_draft import check_text_plan, write_draft_tokenizer
 from .sources import resolve_source
 
 
@@ -298,7 +299,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         say(f"writing target graph with {config.slots} slots (conversations per pass)")
         target_entry = replace(target_entry, slots=write_slots(folder, target_builder, plan.target_policy, config.slots,
                                                                calibration, grids))
-    draft_entry, draft_builder, draft_calibration = None, None, None
+    draft_entry, draft_builder, draft_calibration, text_draft = None, None, None, None
     if draft_source is not None:
         say(f"loading draft: {draft_source.description}")
         if medusa:
@@ -306,10 +307,15 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         elif eagle3 is not None:
             draft_builder = Eagle3Builder(eagle3, target_builder, config.context)
         else:
-            draft_builder = draft_builder_for(draft_source, draft_info, tokenizer, target_builder, config.context)
+            draft_builder, text_draft = draft_builder_for(draft_source, draft_info, tokenizer, target_builder,
+                                                          config.context)
+        if text_draft is not None:
+            check_text_plan(plan, config.suffix, text_draft)
+            say(f"the draft's tokenizer differs from the target's ({text_draft.difference}): it drafts through text")
         draft_builder.rope_slack = target_builder.rope_slack
         say(f"writing draft graph ({plan.draft_scheme.name})")
-        draft_calibration = draft_calibration_from(draft_builder, calibration) if plan.draft_scheme.bits else None
+        draft_calibration = None if not plan.draft_scheme.bits else draft_calibration_from(draft_builder, calibration) \
+            if text_draft is None else calibrate(draft_builder, text_draft.tokenizer(calibration_text())["input_ids"])
         # a static draft is for an NPU: its attention in standard operators (no contrib op to compile)
         draft_builder.portable_attention = plan.main_static[1]
         draft_entry = write_model(folder, "draft", draft_builder, draft_source.description,
@@ -318,10 +324,13 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         if draft_builder.head_tokens is not None:
             (folder / DRAFT_HEAD_FILE).write_text(json.dumps([int(t) for t in draft_builder.head_tokens]))
             draft_entry = replace(draft_entry, head_tokens=DRAFT_HEAD_FILE)
+        if text_draft is not None:
+            draft_entry = replace(draft_entry, tokenizer=write_draft_tokenizer(folder, text_draft))
     quality = None
     if plan.target_policy.quantizes() or (draft_builder is not None and plan.draft_scheme.name != "fp32"):
         say("measuring quality against the float32 model (perplexity, greedy agreement)")
-        draft_written = None if draft_entry is None or medusa else \
+        # Medusa heads, and a text draft (it reads its own tokens), have no agreement in the target's tokens here
+        draft_written = None if draft_entry is None or medusa or text_draft is not None else \
             Written(draft_builder, draft_entry.graph.file, static if plan.main_static[1] else None)
         quality = {"file": "quality.json", **write_quality_report(
             folder, tokenizer_spec, Written(target_builder, target_entry.graph.file,
@@ -336,7 +345,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
         others = _other_profiles(folder, config, plan, static, (target_builder, target_entry), (draft_builder, draft_entry),
                                  (calibration, draft_calibration), say)
     kind = DrafterKind.training_free(config.draft) if draft_entry is None else \
-        DrafterKind.MEDUSA if medusa else DrafterKind.MODEL
+        DrafterKind.MEDUSA if medusa else DrafterKind.TEXT if text_draft is not None else DrafterKind.MODEL
     return BundleContents(tokenizer_spec, target_entry, kind, draft_entry, quality, exactness, coreml, others)
 
 

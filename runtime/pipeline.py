@@ -25,6 +25,7 @@ from .decoding.overlap import Overlap
 from .decoding.streamed_tree import tree_under_budget
 from .decoding.suffix import SuffixDrafter, SuffixStore
 from .decoding.text import TextCodec
+from .decoding.text_draft import TextDrafter
 from .execution import prepacked
 from .execution.budget import parse_size
 from .execution.coreml import Predictor, open_coreml
@@ -131,6 +132,7 @@ class Pipeline:
         if self.backend == "coreml":  # the verify function's chain: a grafted lookup chain would branch it
             self.tree, self.lookup = coreml_tree, None
         self.draft = None
+        self.draft_codec = None  # a text draft's own tokenizer (runtime/decoding/text_draft.py): read on first use
         self.recycling_table = None  # Token Recycling's successor table: one per target, shared by its drafters
         # earlier outputs that suffix drafting continues from: one store per pipeline, for all its requests
         self.suffix_store = SuffixStore(m.suffix.store_tokens) if m.suffix is not None else None
@@ -141,7 +143,7 @@ class Pipeline:
                 raise BundleError("the manifest names a draft model but the bundle has no CoreML draft package: "
                                   "export it again with --format onnx,coreml, or run the ONNX backend")
             self.draft = coreml_draft
-        elif m.drafter is DrafterKind.MODEL:
+        elif m.drafter.has_model:
             if m.draft is None:
                 raise BundleError("the manifest names a draft model but no draft graph")
             self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file,
@@ -255,6 +257,11 @@ class Pipeline:
         if m.drafter is DrafterKind.MEDUSA:
             return MedusaDrafter(self.draft, self.tree)
         cache = self.new_draft_cache()
+        if m.drafter is DrafterKind.TEXT:
+            if self.draft_codec is None:  # read once: every conversation's drafter shares it
+                self.draft_codec = TextCodec(self.folder, m.draft.tokenizer)
+            return TextDrafter(self.draft, cache, self.tree.max_depth, m.prefill_chunk, self.codec.tokenizer,
+                               self.draft_codec.tokenizer, m.draft.tokenizer.eos_token_ids)
         if m.dynamic is not None:
             drafter = DynamicDrafter(self.draft, cache, m.dynamic, m.prefill_chunk)
         else:
@@ -388,9 +395,10 @@ class Pipeline:
 
     def overlaps(self, drafter: Drafter) -> bool:
         """Whether `drafter` drafts while the target verifies: the placement says so and a draft model proposes
-        (a training-free drafter costs too little to hide; the step controller times each pass alone)."""
+        (a training-free drafter costs too little to hide; the step controller times each pass alone; a text draft
+        is not drafted ahead: its guess of the committed text would be re-encoded on every miss)."""
         return bool(self.placement and self.placement.overlap and self.draft is not None
-                    and not isinstance(drafter, (NoDrafter, Controller)))
+                    and not isinstance(drafter, (NoDrafter, Controller, TextDrafter)))
 
 
 def _backend(asked: str, manifest: Manifest, predictor: Predictor | None) -> str:

@@ -11,6 +11,7 @@ class DrafterKind(Enum):
     """What proposes a bundle's tokens: the manifest's `draft.kind`, and `export --draft`'s training-free names."""
 
     MODEL = "model"  # a draft model's graph
+    TEXT = "text"  # a draft model with a tokenizer of its own, drafting through text (runtime/decoding/text_draft.py)
     NGRAM = "ngram"  # prompt lookup over the context
     RECYCLING = "recycling"  # Token Recycling: the target's own recent successors
     NGRAM_RECYCLING = "ngram+recycling"  # context matches first, recycled candidates fill the other branches
@@ -21,7 +22,7 @@ class DrafterKind(Enum):
     def training_free(cls, name: str) -> "DrafterKind | None":
         """The training-free drafter `name` names, or None (then it names a draft model)."""
         kind = next((k for k in cls if k.value == name), None)
-        return None if kind in (cls.MODEL, cls.MEDUSA) else kind
+        return None if kind is not None and (kind.has_model or kind is cls.MEDUSA) else kind
 
     @classmethod
     def named(cls, name: str) -> "DrafterKind":
@@ -29,6 +30,11 @@ class DrafterKind(Enum):
         if kind is None:
             raise InputError(f"unknown drafter {name!r}: one of {', '.join(k.value for k in cls)}")
         return kind
+
+    @property
+    def has_model(self) -> bool:
+        """Whether a draft model's graph proposes (the bundle's `draft` entry holds it)."""
+        return self in (DrafterKind.MODEL, DrafterKind.TEXT)
 
     @property
     def looks_up_ngrams(self) -> bool:

@@ -78,6 +78,7 @@ class ModelEntry:
     stages: tuple[GraphSpec, ...] = ()  # the same model as stages run in order (embedding, layer groups, head)
     # the target again as a slots graph (exporters/slots.py): several conversations per pass, each with its bits
     slots: GraphSpec | None = None
+    tokenizer: TokenizerSpec | None = None  # a draft's own tokenizer, when it drafts through text (kind "text")
 
     @property
     def lanes(self) -> int:
@@ -98,7 +99,8 @@ class ModelEntry:
         entry = cls(facts=ModelFacts.from_dict(data["facts"]), graph=GraphSpec.from_dict(data["graph"]),
                     source=data.get("source", ""), head_tokens=data.get("head_tokens"),
                     stages=tuple(GraphSpec.from_dict(s) for s in data.get("stages", ())),
-                    slots=GraphSpec.from_dict(data["slots"]) if data.get("slots") is not None else None)
+                    slots=GraphSpec.from_dict(data["slots"]) if data.get("slots") is not None else None,
+                    tokenizer=TokenizerSpec.from_dict(data["tokenizer"]) if data.get("tokenizer") is not None else None)
         entry.check_graphs(kv)
         return entry
 
@@ -135,7 +137,8 @@ class ModelEntry:
         return {"facts": self.facts.to_dict(), "source": self.source, "graph": self.graph.to_dict(),
                 **({"stages": [stage.to_dict() for stage in self.stages]} if self.stages else {}),
                 **({"slots": self.slots.to_dict()} if self.slots is not None else {}),
-                **({"head_tokens": self.head_tokens} if self.head_tokens is not None else {})}
+                **({"head_tokens": self.head_tokens} if self.head_tokens is not None else {}),
+                **({"tokenizer": self.tokenizer.to_dict()} if self.tokenizer is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,11 @@ class Manifest:
                 raise BundleError("the manifest names the suffix drafter but gives no tree.suffix settings")
             if data["tree"].get("suffix") and data["tree"].get("lookup"):
                 raise BundleError("the manifest gives both prompt lookup and suffix drafting: suffix drafting replaces it")
+            if drafter is DrafterKind.TEXT and (not draft.get("tokenizer") or data["tree"].get("dynamic")):
+                raise BundleError("the manifest's text draft needs its own tokenizer and drafts a chain, not a dynamic tree")
+            if drafter is not DrafterKind.TEXT and draft and draft.get("tokenizer"):
+                raise BundleError(f"the manifest gives the {drafter.value!r} drafter a tokenizer of its own: only a "
+                                  "text draft has one")
             if data["tree"].get("ngram") and not drafter.looks_up_ngrams:
                 raise BundleError(f"the manifest gives n-gram settings to the {drafter.value!r} drafter, which has no "
                                   "n-grams")
@@ -356,6 +364,7 @@ def used_files(manifest: Manifest) -> list[str]:
             names += [entry.graph.file, *entry.graph.weights] + ([entry.head_tokens] if entry.head_tokens else [])
             names += [name for stage in entry.stages for name in (stage.file, *stage.weights)]
             names += [entry.slots.file, *entry.slots.weights] if entry.slots is not None else []
+            names += [entry.tokenizer.file] if entry.tokenizer is not None else []
     for other in manifest.other_profiles:
         names += [name for graph in (other.target, other.draft) if graph is not None
                   for name in (graph.file, *graph.weights)]

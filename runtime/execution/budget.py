@@ -25,7 +25,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..contract.drafting import DrafterKind
 from ..contract.errors import BudgetError
 from ..contract.manifest import Manifest
 from .embedding import MappedEmbedding
@@ -246,7 +245,7 @@ class _Split:
         draft_weights, draft_kv_token = 0, 0
         if manifest.draft is not None:
             draft_weights = _files_bytes(folder, [manifest.draft.graph.file, *manifest.draft.graph.weights])
-            if manifest.drafter is DrafterKind.MODEL:  # Medusa heads keep no cache
+            if manifest.drafter.has_model:  # Medusa heads keep no cache
                 draft_kv_token = manifest.draft.facts.kv_bytes_per_token() + 4 * manifest.draft.feature_size
         target_kv_token = target.facts.kv_bytes_per_token() * target.lanes + 4 * target.feature_size
         self.per_token = target_kv_token + draft_kv_token
