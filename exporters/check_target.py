@@ -22,7 +22,7 @@ from edgespec.runtime.execution.staged import LoadedStage, StagedRunner, StageWi
 from edgespec.runtime.pipeline import default_threads
 
 from .bundle_writer import stage_plan
-from .restage import boundaries_of, cut_stage, external_bytes
+from .restage import boundaries_of, cut_stage, external_bytes, load_graph
 
 PROVIDERS = ("CPUExecutionProvider",)
 
@@ -31,16 +31,24 @@ PROVIDERS = ("CPUExecutionProvider",)
 class CheckMemory:
     stream_above: int = 2 << 30  # weight bytes above which the checks stream the target (3B int4 stays whole)
     stage_bytes: int = 384 << 20  # about what one streamed stage holds
-    resident_bytes: int = 1 << 30  # stages the checks keep loaded, besides the two they stream through
+    resident_bytes: int = 1792 << 20  # stages the checks keep loaded, besides the two they stream through
+
+
+CHECKS = CheckMemory()
+
+
+def streams(graph: Path, memory: CheckMemory | None = None) -> bool:
+    """Whether the checks stream `graph` (its weights above `memory.stream_above`)."""
+    return external_bytes(load_graph(Path(graph).parent, Path(graph).name)) > (memory or CHECKS).stream_above
 
 
 @contextlib.contextmanager
-def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory = CheckMemory()):
+def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory | None = None):
     """A runner of `graph` (ModelRunner's forward) for the export's checks: resident up to
     `memory.stream_above` bytes of weights, else streamed in stages. The stages' files are removed when
     the block ends."""
-    graph = Path(graph)
-    whole = onnx.load(str(graph), load_external_data=False)
+    graph, memory = Path(graph), memory or CHECKS
+    whole = load_graph(graph.parent, graph.name)
     weights = external_bytes(whole)
     if weights <= memory.stream_above:
         yield ModelRunner(make_session(graph, PROVIDERS, default_threads()), facts)

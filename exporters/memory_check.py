@@ -14,14 +14,13 @@ from pathlib import Path
 from edgespec.runtime.contract.errors import ExportError
 from edgespec.runtime.contract.facts import ModelFacts
 
-from .check_target import CheckMemory
+from .check_target import CHECKS
 
 GiB = 1 << 30
 # python with torch, transformers and onnxruntime loaded, and the tokenizer (measured, history.md §78)
 BASE_BYTES = 0.9 * GiB
 BITS = {"fp32": 32, "fp16": 16, "int8": 8.5, "int4": 4.5}  # with the block scales
 MEMINFO = Path("/proc/meminfo")
-CHECKS = CheckMemory()
 
 
 def layer_parameters(facts: ModelFacts) -> int:

@@ -17,7 +17,7 @@ from edgespec.runtime.execution.sessions import make_session
 from edgespec.runtime.pipeline import default_threads
 
 from .bundle_writer import save_graph
-from .check_target import checked_target
+from .check_target import checked_target, streams
 from .llama import LlamaBuilder
 from .reference import reference_rows
 
@@ -25,6 +25,10 @@ from .reference import reference_rows
 # enough that at 8B the check costs a minute or two of the export, not most of it
 PROMPTS = 2
 NEW_TOKENS = 64
+# a target the checks stream (exporters/check_target.py) reads its weights again at every pass: a shorter
+# answer, and the prefills in as few passes as the sample allows (history.md §80)
+STREAMED_NEW_TOKENS = 16
+STREAMED_CHUNK = 512
 HELDOUT_TOKENS = 256
 
 
@@ -53,7 +57,8 @@ def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written
     prompt_ids = [codec.encode_chat(m) if codec.has_chat_template else codec.encode(m[0]["content"]) for m in prompts]
     context = facts.max_context
     prompt_ids = [ids[-(context // 2):] for ids in prompt_ids]  # leave room for the continuation
-    new_tokens = min(NEW_TOKENS, context - max(len(ids) for ids in prompt_ids) - 2)
+    streamed = streams(bundle / target.file)
+    new_tokens = min(STREAMED_NEW_TOKENS if streamed else NEW_TOKENS, context - max(len(ids) for ids in prompt_ids) - 2)
     with tempfile.TemporaryDirectory(prefix="edgespec-fp32-") as scratch:
         scratch = Path(scratch)
 
@@ -66,6 +71,6 @@ def write_quality_report(bundle: Path, tokenizer: TokenizerSpec, target: Written
             save_graph(scratch, "draft", draft.builder, QuantPolicy(), static=draft.static)
             drafts = (_runner(scratch / "draft.onnx", draft.builder), _runner(bundle / draft.file, draft.builder))
         report = quality_report(reference, lambda: checked_target(bundle / target.file, target.builder.facts),
-                                heldout, prompt_ids, new_tokens, drafts)
+                                heldout, prompt_ids, new_tokens, drafts, STREAMED_CHUNK if streamed else 64)
     (bundle / "quality.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report

@@ -36,7 +36,7 @@ def restage(folder: Path, groups: int, say) -> Manifest:
     manifest = open_bundle(folder)  # every file checked against its checksum before anything is read
     entry = manifest.target
     graphs = _bundle_graphs(manifest)
-    whole = _load(folder, entry.graph.file)
+    whole = load_graph(folder, entry.graph.file)
     boundaries = boundaries_of(whole, entry.graph.file)
     plan = stage_plan(entry.facts.num_layers, groups) if groups else []
     with staged_bundle(folder, force=True) as out:
@@ -52,7 +52,7 @@ def restage(folder: Path, groups: int, say) -> Manifest:
             say(f"wrote {name} ({_span(layers, embed, head)})")
         specs = {}
         for name in graphs:  # the whole graph and every other graph of the bundle: read from where weights now lie
-            model = whole if name == entry.graph.file else _load(folder, name)
+            model = whole if name == entry.graph.file else load_graph(folder, name)
             stored.read_from_stages(model, name.removesuffix(".onnx") + ".weights")
             onnx.save_model(model, out / name)
             specs[name] = _weights(model, name.removesuffix(".onnx") + ".weights")
@@ -229,7 +229,7 @@ def _like_hidden(whole: onnx.ModelProto, name: str, hidden_size: int) -> onnx.Va
     return onnx.helper.make_tensor_value_info(name, FLOAT, [1, rows.dim_param or rows.dim_value, hidden_size])
 
 
-def _load(folder: Path, name: str) -> onnx.ModelProto:
+def load_graph(folder: Path, name: str) -> onnx.ModelProto:
     try:
         return onnx.load(str(folder / name), load_external_data=False)
     except (OSError, onnx.onnx_cpp2py_export.checker.ValidationError, ValueError) as err:

@@ -85,12 +85,13 @@ def agreement_by_rank(runner: ModelRunner, prompt: list[int], continuation: list
     return [float(np.mean(order[:, r] == np.asarray(continuation))) for r in range(ranks)]
 
 
-def _quantized_side(open_quantized, heldout: list[int], prompts: list[list[int]], new_tokens: int, drafts):
+def _quantized_side(open_quantized, heldout: list[int], prompts: list[list[int]], new_tokens: int, drafts,
+                    chunk: int):
     """The quantized graph's perplexity and greedy continuations, and the draft's agreement with them; the
     graph is let go on return (a function's locals go with it, a `with` block's name would stay)."""
     with open_quantized() as quantized:
-        ppl_q = perplexity(quantized, heldout)
-        continuations = [greedy_continuation(quantized, p, new_tokens) for p in prompts]
+        ppl_q = perplexity(quantized, heldout, chunk)
+        continuations = [greedy_continuation(quantized, p, new_tokens, chunk) for p in prompts]
         draft_quantized = by_rank = None
         if drafts is not None:
             draft_quantized = float(np.mean([agreement(drafts[1], p, c, target=quantized)
@@ -103,14 +104,15 @@ def _quantized_side(open_quantized, heldout: list[int], prompts: list[list[int]]
 
 
 def quality_report(reference, open_quantized, heldout: list[int], prompts: list[list[int]],
-                   new_tokens: int = 128, drafts: tuple[ModelRunner, ModelRunner] | None = None) -> dict:
+                   new_tokens: int = 128, drafts: tuple[ModelRunner, ModelRunner] | None = None,
+                   chunk: int = 64) -> dict:
     """`reference(sequences, features)`: the float32 model's teacher-forced rows over each sequence
     (exporters/reference.py: ReferenceRows), with its final hidden states when `features`;
     `open_quantized()`: a context manager giving the quantized graph's runner, closed before the reference
     runs so the two are never resident together; `drafts` is (fp32 draft, quantized draft) when the bundle
-    has a draft model."""
+    has a draft model. `chunk`: the quantized graph's tokens per prefill pass."""
     ppl_q, continuations, draft_quantized, by_rank = _quantized_side(open_quantized, heldout, prompts, new_tokens,
-                                                                     drafts)
+                                                                     drafts, chunk)
     reads_features = drafts is not None and drafts[0].reads_features
     rows = reference([list(heldout)] + [list(p) + c for p, c in zip(prompts, continuations)], reads_features)
     ppl_ref = float(np.exp(-np.mean(rows[0].next_log_prob[: len(heldout) - 1])))

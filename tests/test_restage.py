@@ -168,3 +168,23 @@ def test_the_export_checks_streamed_in_stages_give_the_whole_graphs_verdicts(exp
         assert np.array_equal(expected[0], actual[0]) and np.array_equal(expected[1], actual[1])
         assert fewest_exact_rows(streamed)[:2] == fewest_exact_rows(resident)[:2]
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_an_export_whose_checks_stream_records_the_same_verdict(models, exported, tmp_path, monkeypatch):
+    """With the target above the checks' streaming size, the export still checks it (in stages, a shorter
+    sample) and records the same exactness verdict as checking it whole; nothing of the stages is left."""
+    from edgespec.exporters import check_target
+    from edgespec.exporters.export import ExportConfig, export
+
+    monkeypatch.setattr(check_target, "CHECKS", check_target.CheckMemory(0, 1, 1))
+    folder = export(ExportConfig(model=str(exported[0].parent / "deep"), draft=str(models["draft"]),
+                                 tree="topk:2x2", out=tmp_path / "b", context=128, quant="int4"))
+    streamed, whole = (json.loads((f / "manifest.json").read_text()) for f in (folder, exported[0]))
+    assert streamed["exactness"]["exact"] == whole["exactness"]["exact"]
+    assert streamed["exactness"]["min_rows"] == whole["exactness"]["min_rows"]
+    quality = json.loads((folder / "quality.json").read_text())
+    from edgespec.exporters.quality import PROMPTS, STREAMED_NEW_TOKENS
+
+    assert quality["greedy_agreement"]["tokens"] == PROMPTS * STREAMED_NEW_TOKENS
+    assert not list(folder.glob(".*")) and (folder / "target.weights").read_bytes() == \
+        (exported[0] / "target.weights").read_bytes()
