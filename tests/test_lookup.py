@@ -173,7 +173,7 @@ def test_a_lookup_only_while_quoting_stands_alone_and_the_model_rests_meanwhile(
 
 
 def test_the_target_graph_gets_a_lane_for_the_lookup_only_where_it_is_grafted():
-    from edgespec.exporters.export import graph_lanes
+    from edgespec.exporters.export_plan import graph_lanes
     chain = Topology((-1, 0))
     assert graph_lanes(chain, None, grafted_lookup=True) == 2
     assert graph_lanes(chain, None, grafted_lookup=False) == 1
