@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import warnings
 from functools import lru_cache, partial
@@ -22,6 +23,7 @@ from .decoding.exactness import RowMismatch, Verdict, fewest_exact_rows, verdict
 from .decoding.logprobs import Scores
 from .decoding.lookup import WithLookup
 from .decoding.overlap import Overlap
+from .decoding.sampling import conversation_defaults
 from .decoding.streamed_tree import tree_under_budget
 from .decoding.suffix import SuffixDrafter, SuffixStore
 from .decoding.text import TextCodec
@@ -163,6 +165,19 @@ class Pipeline:
     @property
     def context(self) -> int:
         return self.memory.context
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """What a conversation samples with where it leaves a setting unset: the model's generation_config
+        (the bundle's generation_config.json, where the exporter found one) over llama.cpp's defaults."""
+        path = self.folder / "generation_config.json"
+        try:
+            generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, ValueError) as err:
+            raise BundleError(f"{path}: cannot be read as JSON ({err}); export the bundle again") from err
+        if generation_config is not None and not isinstance(generation_config, dict):
+            raise BundleError(f"{path}: not a JSON object; export the bundle again")
+        return conversation_defaults(generation_config)
 
     def new_session(self, speculate: bool = True, *, drafter: Drafter | None = None,
                     suffix_store: SuffixStore | None = None, recycling_table: np.ndarray | None = None) -> Session:

@@ -226,3 +226,31 @@ class LazyRows:
 
     def __getitem__(self, row: int) -> np.ndarray:
         return self.compute(row)
+
+
+# what a conversation samples with where the model's generation_config says nothing: llama.cpp's sampler
+# defaults (common_params_sampling: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) with Ollama's repeat
+# penalty 1.1 (llama.cpp's is now off); greedy decoding of a small chat model loops (docs/cli.md)
+CONVERSATION_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.1}
+GENERATION_CONFIG_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def conversation_defaults(generation_config: dict | None) -> dict:
+    """The sampling a conversation uses for what it leaves unset: the model's generation_config (its
+    sampling keys, where it samples: do_sample not false) over CONVERSATION_DEFAULTS."""
+    defaults = dict(CONVERSATION_DEFAULTS)
+    if generation_config and generation_config.get("do_sample", True) is not False:
+        defaults.update({key: generation_config[key] for key in GENERATION_CONFIG_KEYS
+                         if generation_config.get(key) is not None})
+    return defaults
+
+
+def with_defaults(given: dict, defaults: dict) -> SamplingConfig:
+    """A SamplingConfig of the settings `given` (None: unset), the unset ones from `defaults`; a temperature of
+    0, given or defaulted, is greedy decoding, which takes no defaults (a penalty given with it is refused)."""
+    temperature = given.get("temperature")
+    temperature = defaults.get("temperature", 0.0) if temperature is None else temperature
+    base = {} if temperature == 0 else defaults
+    settings = {name: value if value is not None else base.get(name) for name, value in given.items()}
+    settings["temperature"] = temperature
+    return SamplingConfig(**{name: value for name, value in settings.items() if value is not None})
