@@ -235,7 +235,8 @@ def _sampling(body: dict, defaults: dict) -> SamplingConfig:
     try:
         return with_defaults(given, defaults)
     except InputError as err:
-        name = next((n for n in given if n in str(err)), None)
+        named = [(str(err).find(n), n) for n in given if n in str(err)]  # the setting the message is about
+        name = min(named)[1] if named else None
         raise APIError(str(err), name) from err
 
 

@@ -406,16 +406,22 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
 
     try:
         yield event(chunk(request_id, chat, model, first=True))
+        def shaped(scored):
+            return None if not scored else chat_logprobs(scored, token_text) if chat else \
+                completion_logprobs(scored, token_text)
+
+        sent = 0  # tokens whose logprobs went with their text
         while (piece := await pieces.get()) is not None:
             text, scored = piece
-            logprobs = None if not scored else chat_logprobs(scored, token_text) if chat else \
-                completion_logprobs(scored, token_text)
-            yield event(chunk(request_id, chat, model, text=text, logprobs=logprobs))
+            sent += len(scored or ())
+            yield event(chunk(request_id, chat, model, text=text, logprobs=shaped(scored)))
         try:
             result = task.result()
         except EdgespecError as err:
             yield event(APIError(str(err), code="generation_failed").body())
             return
+        if result.logprobs and sent < len(result.logprobs):  # tokens of no text of their own (a split character)
+            yield event(chunk(request_id, chat, model, text="", logprobs=shaped(result.logprobs[sent:])))
         calls = read_call(result.text) if completion.tool_choice else None
         if calls:
             yield event(chunk(request_id, chat, model, tool_calls=calls))

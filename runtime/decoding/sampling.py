@@ -251,6 +251,6 @@ def with_defaults(given: dict, defaults: dict) -> SamplingConfig:
     temperature = given.get("temperature")
     temperature = defaults.get("temperature", 0.0) if temperature is None else temperature
     base = {} if temperature == 0 else defaults
-    settings = {name: value if value is not None else base.get(name) for name, value in given.items()}
+    settings = {**base, **{name: value for name, value in given.items() if value is not None}}
     settings["temperature"] = temperature
     return SamplingConfig(**{name: value for name, value in settings.items() if value is not None})
