@@ -119,3 +119,38 @@ def test_a_banned_token_never_comes(bundle_factory):
     banned = tuple((t, -100.0) for t in set(greedy))
     for seed in (0, 1):
         assert not set(generated(pipeline, seed, top_k=1, logit_bias=banned)) & set(greedy)
+
+
+def test_conversation_defaults_take_the_models_generation_config_else_llama_cpps():
+    from edgespec.runtime.decoding.sampling import CONVERSATION_DEFAULTS, conversation_defaults, with_defaults
+
+    assert conversation_defaults(None) == CONVERSATION_DEFAULTS
+    assert conversation_defaults({"temperature": 0.6, "top_p": 0.9})["temperature"] == 0.6
+    assert conversation_defaults({"do_sample": False, "temperature": 0.6}) == CONVERSATION_DEFAULTS
+    chat = with_defaults({"seed": 3, "top_k": None}, CONVERSATION_DEFAULTS)
+    assert (chat.temperature, chat.top_k, chat.min_p, chat.repetition_penalty, chat.seed) == (0.8, 40, 0.05, 1.1, 3)
+    assert with_defaults({"temperature": 0.0}, CONVERSATION_DEFAULTS).greedy  # no penalty comes with greedy
+    assert with_defaults({}, {}).greedy  # generate and bench: greedy
+    with pytest.raises(InputError, match="repetition_penalty"):
+        with_defaults({"temperature": 0.0, "repetition_penalty": 1.2}, CONVERSATION_DEFAULTS)
+
+
+def test_the_cli_samples_conversations_and_keeps_bench_greedy(bundle_factory, capsys):
+    import json
+
+    from edgespec.cli import main
+
+    bundle = str(bundle_factory(draft="draft", tree="topk:2x2"))
+    base = ["generate", bundle, "--prompt", "The quick", "--max-new-tokens", "12", "--json"]
+    assert main(base + ["--seed", "1"]) == 0
+    greedy = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(base + ["--temperature", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == greedy  # unset: greedy, as --temperature 0
+    pipeline = Pipeline(bundle_factory(draft="draft", tree="topk:2x2"))
+    sampled = pipeline.generate("The quick", config=GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(
+        temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1, seed=1, frequency_penalty=0.2)))
+    assert main(base + ["--seed", "1", "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05",
+                        "--repetition-penalty", "1.1", "--frequency-penalty", "0.2"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == sampled.token_ids
+    assert main(base + ["--frequency-penalty", "0.5"]) == 2  # greedy would ignore it
+    assert "--frequency-penalty applies when sampling" in capsys.readouterr().err
