@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from edgespec.bench import load_prompts, one_prompt, print_report, run_bench
@@ -18,7 +19,7 @@ from edgespec.runtime.contract.errors import BudgetError, ContextOverflowError, 
 from edgespec.runtime.contract.manifest import open_bundle
 from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.decoding.engine import GenerationConfig
-from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.decoding.sampling import CONVERSATION_DEFAULTS, with_defaults
 from edgespec.runtime.execution import prepacked, stream_costs
 from edgespec.runtime.execution.budget import DEFAULT_CONTEXT, MemoryPlan, mib, parse_size, plan_memory, trade_offs
 from edgespec.runtime.execution.paths import cache_dir
@@ -101,7 +102,10 @@ def cmd_export(args) -> None:
 
 # the settings' names as the command line spells them, for errors raised by the configs themselves
 FLAGS = {name: "--" + name.replace("_", "-") for name in ("max_new_tokens", "top_p", "top_k", "min_p", "temperature",
-                                                           "repetition_penalty", "seed", "kv_policy")}
+                                                           "repetition_penalty", "frequency_penalty",
+                                                           "presence_penalty", "seed", "kv_policy")}
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty", "seed")
 
 
 def _as_flags(err: ValueError) -> InputError:
@@ -111,21 +115,27 @@ def _as_flags(err: ValueError) -> InputError:
     return InputError(message)
 
 
-def _sampling_config(args):
+def _sampling_config(args, defaults: dict | None = None):
+    """The flags given, the others from `defaults` (a conversation's: Pipeline.sampling_defaults); none: greedy."""
     try:
-        return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+        return with_defaults({name: getattr(args, name) for name in SAMPLING_FLAGS}, defaults or {})
     except ValueError as err:
         raise _as_flags(err) from None
 
 
-def _generation_config(args):
+def _generation_config(args, defaults: dict | None = None):
     constraint = _constraint(args)
     try:
         return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop or ()),
-                                sampling=_sampling_config(args), kv_policy=args.kv_policy, constraint=constraint)
+                                sampling=_sampling_config(args, defaults), kv_policy=args.kv_policy,
+                                constraint=constraint)
     except ValueError as err:
         raise _as_flags(err) from None
+
+
+def _conversation_config(args, pipeline, config):
+    """`config` with the model's own sampling defaults (checked before loading with llama.cpp's)."""
+    return replace(config, sampling=_sampling_config(args, pipeline.sampling_defaults))
 
 
 def _constraint(args) -> ConstraintSpec | None:
@@ -156,8 +166,10 @@ def _result_json(result) -> dict:
 
 
 def cmd_generate(args) -> None:
-    config = _generation_config(args)  # before minutes of loading
+    config = _generation_config(args, CONVERSATION_DEFAULTS if args.chat else None)  # before minutes of loading
     pipeline = _pipeline(args)
+    if args.chat:
+        config = _conversation_config(args, pipeline, config)
     ask = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.json:
         try:
@@ -174,8 +186,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    config = _generation_config(args)
+    config = _generation_config(args, CONVERSATION_DEFAULTS)
     pipeline = _pipeline(args)
+    config = _conversation_config(args, pipeline, config)
     if config.constraint is not None and config.close_within_budget:  # up front, not at the first turn
         pipeline.grammars.within(config.constraint, config.max_new_tokens)
     session = pipeline.new_session(not args.no_speculate)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from edgespec.runtime.contract.errors import InputError
 from edgespec.runtime.decoding.constraints import ConstraintSpec
 from edgespec.runtime.decoding.engine import GenerationConfig, Result
-from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.decoding.logprobs import Scores
+from edgespec.runtime.decoding.sampling import SamplingConfig, with_defaults
 from edgespec.tool_calls import ToolsError, read_tools, response_format_constraint, tool_constraint, written_call
 
 # "closed": the budget closed a constrained output (complete and valid, but ended by max_tokens): "length"
@@ -25,9 +26,7 @@ FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "lengt
                   "closed": "length"}
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 # fields a client may send with the value that means "not used" (OpenAI's defaults); any other value is refused
-INERT_FIELDS = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False, None),
-                "top_logprobs": (None, 0), "n": (1, None), "logit_bias": (None, {}), "echo": (False, None),
-                "best_of": (1, None),
+INERT_FIELDS = {"n": (1, None), "best_of": (1, None),
                 "suffix": (None, ""), "service_tier": (None, "auto"), "store": (False, None), "metadata": (None,),
                 "user": None, "cache_salt": None}  # None: any string (a label, or whose cache a request may use)
 # what a client that sends these expects and would not get: said in the 400, so that it does not retry as is
@@ -37,7 +36,9 @@ NOT_BUILT = {"tools": "tools are for /v1/chat/completions", "tool_choice": "tool
 # chat's structured output (edgespec/tool_calls.py)
 STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 SAMPLING_FIELDS = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-                   "top_p", "seed", "stop")
+                   "top_p", "seed", "stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty", "logit_bias")
+MOST_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions): alternatives per token, as vLLM allows
 
 
 class APIError(Exception):
@@ -69,6 +70,12 @@ class Completion:
     constraint: ConstraintSpec | None = None  # response_format, or the tools' call grammar
     tools: tuple[dict, ...] = ()  # the functions offered (edgespec/tool_calls.py)
     tool_choice: str | None = None  # "auto", "required", a function's name; None: no call
+    logprobs: int | None = None  # alternatives per token with each token's log-probability; None: none asked
+    echo: bool = False  # completions: the prompt leads the text (and its tokens the logprobs)
+
+    def scores(self) -> Scores | None:
+        """Where the generation puts the log-probabilities asked for (None: none)."""
+        return None if self.logprobs is None else Scores(top=self.logprobs, prompt=self.echo)
 
     @property
     def characters(self) -> int:
@@ -86,8 +93,9 @@ class Completion:
                                 constraint=self.constraint)
 
 
-def parse_chat(body, model: str) -> Completion:
-    _check_fields(body, ("messages", *STRUCTURED_FIELDS))
+def parse_chat(body, model: str, defaults: dict | None = None) -> Completion:
+    """`defaults`: the sampling a request leaves unset takes (Pipeline.sampling_defaults; none: OpenAI's)."""
+    _check_fields(body, ("messages", "logprobs", "top_logprobs", *STRUCTURED_FIELDS))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -107,18 +115,31 @@ def parse_chat(body, model: str) -> Completion:
         raise APIError(f"'response_format': {err}", "response_format") from err
     if choice is not None:
         constraint = tool_constraint(tools, choice, parallel=parallel is True)  # several calls when asked
-    return Completion(messages=tuple(messages), **_generation(body, model), constraint=constraint, tools=tools,
-                      tool_choice=choice)
+    wanted = _typed(body, "logprobs", bool, False)
+    top = _typed(body, "top_logprobs", int, None)
+    if top is not None and not wanted:
+        raise APIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if top is not None and not 0 <= top <= MOST_LOGPROBS:
+        raise APIError(f"'top_logprobs' must be in 0..{MOST_LOGPROBS}", "top_logprobs")
+    return Completion(messages=tuple(messages), **_generation(body, model, defaults), constraint=constraint,
+                      tools=tools, tool_choice=choice, logprobs=(top or 0) if wanted else None)
 
 
-def parse_completion(body, model: str) -> Completion:
-    _check_fields(body, ("prompt",))
+def parse_completion(body, model: str, defaults: dict | None = None) -> Completion:
+    _check_fields(body, ("prompt", "logprobs", "echo"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise APIError("'prompt' must be a non-empty string (one prompt per request)", "prompt")
-    return Completion(prompt=prompt, **_generation(body, model))
+    logprobs = _typed(body, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MOST_LOGPROBS:
+        raise APIError(f"'logprobs' must be in 0..{MOST_LOGPROBS}", "logprobs")
+    generation = _generation(body, model, defaults)
+    echo = _typed(body, "echo", bool, False)
+    if echo and generation["stream"]:
+        raise APIError("'echo' is for requests that are not streamed", "echo", "unsupported_parameter")
+    return Completion(prompt=prompt, **generation, logprobs=logprobs, echo=echo)
 
 
 def _check_fields(body, own: tuple[str, ...]) -> None:
@@ -167,7 +188,7 @@ def _message(message, index: int) -> dict:
     return {"role": "system" if message["role"] == "developer" else message["role"], "content": content}
 
 
-def _generation(body: dict, model: str) -> dict:
+def _generation(body: dict, model: str, defaults: dict | None) -> dict:
     if not isinstance(body.get("model"), str):
         raise APIError("'model' is required: a string", "model")
     if body["model"] != model:  # OpenAI's answer to a model it does not have: 404, not a malformed request
@@ -181,18 +202,56 @@ def _generation(body: dict, model: str) -> dict:
         raise APIError("'stream_options' supports 'include_usage' only", "stream_options", "unsupported_parameter")
     include_usage = _typed(options, "include_usage", bool, False)
     max_tokens = _max_tokens(body)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    stop = _stop(body.get("stop"))
+    sampling = _sampling(body, {"temperature": 1.0} if defaults is None else defaults)
+    return dict(sampling=sampling, stop=stop, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
+                user=body.get("user") or None, cache_salt=body.get("cache_salt") or None)
+
+
+def _sampling(body: dict, defaults: dict) -> SamplingConfig:
+    """The request's sampling fields over `defaults` (what a field left unset takes)."""
+    temperature = _number(body, "temperature", None, 0.0, 2.0)
+    top_p = _number(body, "top_p", None, 0.0, 1.0)
     if top_p == 0:
         raise APIError("'top_p' must be in (0, 1]", "top_p")
+    top_k = _typed(body, "top_k", int, None)
+    if top_k is not None and top_k < -1:
+        raise APIError("'top_k' must be >= 0 (0 or -1: all tokens)", "top_k")
     seed = _typed(body, "seed", int, None)
     if seed is not None and seed < 0:
         raise APIError("'seed' must be >= 0", "seed")
-    stop = _stop(body.get("stop"))
-    # temperatures below the runtime's smallest are greedy, as a tiny temperature is in effect
-    sampling = SamplingConfig(temperature=temperature if temperature >= 1e-3 else 0.0, top_p=top_p, seed=seed)
-    return dict(sampling=sampling, stop=stop, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                user=body.get("user") or None, cache_salt=body.get("cache_salt") or None)
+    given = {"temperature": None if temperature is None else temperature if temperature >= 1e-3 else 0.0,
+             # temperatures below the runtime's smallest are greedy, as a tiny temperature is in effect
+             "top_p": top_p, "top_k": None if top_k is None else max(top_k, 0), "seed": seed,
+             "min_p": _number(body, "min_p", None, 0.0, 1.0),
+             "repetition_penalty": _number(body, "repetition_penalty", None, 0.0, 10.0),
+             "frequency_penalty": _number(body, "frequency_penalty", None, -2.0, 2.0),
+             "presence_penalty": _number(body, "presence_penalty", None, -2.0, 2.0),
+             "logit_bias": _logit_bias(body.get("logit_bias"))}
+    if given["temperature"] == 0:  # greedy: a penalty at its neutral value is no request for one
+        given = {name: value for name, value in given.items()
+                 if value not in ({"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+                                  .get(name, object()),)}
+    try:
+        return with_defaults(given, defaults)
+    except InputError as err:
+        named = [(str(err).find(n), n) for n in given if n in str(err)]  # the setting the message is about
+        name = min(named)[1] if named else None
+        raise APIError(str(err), name) from err
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; None or {} for none."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise APIError("'logit_bias' must map token ids to numbers from -100 to 100", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(f"'logit_bias': {key!r}: {value!r} must map a token id to a number", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _typed(body: dict, name: str, kind: type, default):
@@ -260,20 +319,22 @@ def speculation(result: Result) -> dict:
             "stop_reason": result.stop_reason}
 
 
-def response(request_id: str, chat: bool, model: str, result: Result, tool_calls: list[dict] | None = None) -> dict:
-    """`tool_calls`: the calls the answer made (edgespec/tool_calls.py: read_call), which they are instead of text."""
+def response(request_id: str, chat: bool, model: str, result: Result, tool_calls: list[dict] | None = None,
+             logprobs: dict | None = None, echoed: str = "") -> dict:
+    """`tool_calls`: the calls the answer made (edgespec/tool_calls.py: read_call), which they are instead of text;
+    `logprobs`: the choice's (edgespec/openai_logprobs.py); `echoed`: the prompt, before a completion's text."""
     finish = "tool_calls" if tool_calls else FINISH_REASONS[result.stop_reason]
     message = {"role": "assistant", "content": None, "tool_calls": tool_calls} if tool_calls else \
         {"role": "assistant", "content": result.text}
-    choice = ({"index": 0, "message": message, "finish_reason": finish}
-              if chat else {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None})
+    choice = ({"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
+              if chat else {"index": 0, "text": echoed + result.text, "finish_reason": finish, "logprobs": logprobs})
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage(result), "edgespec": speculation(result)}
 
 
 def chunk(request_id: str, chat: bool, model: str, text: str | None = None, result: Result | None = None,
           first: bool = False, usage_only: bool = False, tool_calls: list[dict] | None = None,
-          called: bool = False) -> dict:
+          called: bool = False, logprobs: dict | None = None) -> dict:
     """A stream chunk: text (the first chat chunk also names the role), a tool call (whole, in one chunk),
     the last one (finish reason, "tool_calls" when `called`, and the extension field), or the usage-only chunk of
     `stream_options.include_usage`. Usage is on that chunk alone: clients that add up usage over chunks
@@ -288,8 +349,8 @@ def chunk(request_id: str, chat: bool, model: str, text: str | None = None, resu
         choice = {"index": 0, "delta": delta, "finish_reason": None}
     elif chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, **({"logprobs": logprobs} if logprobs else {})}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
     extra = {"edgespec": speculation(result)} if result is not None else {}
     return {**base, "choices": [choice], **extra}

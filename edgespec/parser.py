@@ -60,12 +60,18 @@ def _placement_arg(p):
 
 
 def _sampling_args(p):
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    # unset: greedy for generate and bench; chat and generate --chat take the model's generation_config,
+    # else llama.cpp's defaults (docs/cli.md, "Sampling defaults")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: greedy, but for chat)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=None,
                    help="CTRL-style penalty on tokens already in the context (sampling: needs --temperature > 0)")
+    p.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtracted from a token's logit per time it is in the output (-2..2; sampling)")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtracted from a token's logit once it is in the output (-2..2; sampling)")
     p.add_argument("--seed", type=int, default=None, help="the same seed reproduces the same output")
 
 

@@ -40,7 +40,9 @@ from edgespec.openai_api import (
     response,
 )
 from edgespec.runtime.contract.errors import ConstraintError, EdgespecError, InputError
+from edgespec.openai_logprobs import chat_logprobs, completion_logprobs, detokenized, tokenized
 from edgespec.runtime.decoding.engine import GenerationConfig, Result
+from edgespec.runtime.decoding.logprobs import Scores
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
 from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
@@ -111,6 +113,7 @@ class Generations:
         self.batch_priced = config.shared_speculation == "batch"
         self.book = threading.Lock()  # with shared passes: the kept conversations and the mean
         self.longest_token = longest_token(pipeline.codec.tokenizer)
+        self.sampling_defaults = pipeline.sampling_defaults  # what a request leaves unset takes
 
     def admit(self) -> None:
         """Takes a place in the queue, or refuses with 429. The generation `start` begins gives it back
@@ -173,19 +176,20 @@ class Generations:
                            "messages" if completion.messages else "prompt") from err
 
     def start(self, ids: list[int], config: GenerationConfig, client: str | None, on_text,
-              cancel: threading.Event) -> asyncio.Future:
+              cancel: threading.Event, scores: Scores | None = None) -> asyncio.Future:
         """The generation after the prompt's `ids` on the worker thread, in turn (None when `cancel` was set
-        before its turn came); its end gives the queue place back, whatever the client does meanwhile."""
+        before its turn came); its end gives the queue place back, whatever the client does meanwhile.
+        `scores`: where its log-probabilities go, when asked."""
         task = asyncio.get_running_loop().run_in_executor(self.worker, self._generate, ids, config, client,
-                                                          on_text, cancel)
+                                                          on_text, cancel, scores)
         task.add_done_callback(lambda _: self.release())
         return task
 
-    def _generate(self, ids: list[int], config, client, on_text, cancel) -> Result | None:
+    def _generate(self, ids: list[int], config, client, on_text, cancel, scores=None) -> Result | None:
         """Holds the turn from the start to the end, but for the passes of the others between its own; the
         kept conversations and the mean are touched only under it. With shared passes: `_generate_shared`."""
         if self.shared is not None:
-            return self._generate_shared(ids, config, client, on_text, cancel)
+            return self._generate_shared(ids, config, client, on_text, cancel, scores)
         turn = Turn(self.turns)
 
         def should_stop() -> bool:  # asked before each target pass
@@ -198,7 +202,7 @@ class Generations:
             # no one's request gets a conversation of its own too: what drafters learn is never shared
             conversation = self.conversations.take(client) if client is not None else self.conversations.new()
             result = self.pipeline.generate(ids=ids, config=config, session=conversation.session, on_text=on_text,
-                                            should_stop=should_stop)
+                                            should_stop=should_stop, scores=scores)
             # only now: a generation that failed midway leaves a conversation no one should continue
             if client is not None:
                 self.conversations.keep(client, conversation)
@@ -208,7 +212,7 @@ class Generations:
         return result
 
 
-    def _generate_shared(self, ids: list[int], config, client, on_text, cancel) -> Result | None:
+    def _generate_shared(self, ids: list[int], config, client, on_text, cancel, scores=None) -> Result | None:
         """Generates beside the others in flight, its target passes shared with theirs; the kept
         conversations and the mean are touched under `book`. A generation's cost to the queue: its seconds
         over the conversations a pass holds."""
@@ -219,7 +223,7 @@ class Generations:
         started = time.perf_counter()
         result = generate_sharing(self.pipeline, self.shared, ids=ids, config=config, session=conversation.session,
                                   on_text=on_text, should_stop=cancel.is_set,
-                                  batch_priced=self.batch_priced)
+                                  batch_priced=self.batch_priced, scores=scores)
         with self.book:
             if client is not None:
                 self.conversations.keep(client, conversation)
@@ -260,26 +264,37 @@ class Routes:
             config, ids = await self.generations.prepare(completion)
             # a tool call is sent whole once the answer is known to be one: text is held until the end
             streams_text = completion.stream and completion.tool_choice is None
-            on_text = (lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)) if streams_text else None
+            scores = completion.scores()
+            on_text = (lambda text: loop.call_soon_threadsafe(
+                pieces.put_nowait, (text, scores.take_shown() if scores is not None else None))) if streams_text else None
             task = self.generations.start(ids, config, client_of(key, completion.user, completion.cache_salt),
-                                          on_text, cancel)
+                                          on_text, cancel, scores)
         except BaseException:
             self.generations.release()
             raise
         request_id = new_id(chat)
         if completion.stream:
             task.add_done_callback(lambda _: pieces.put_nowait(None))
-            events = stream_events(task, pieces, cancel, completion, request_id, chat, self.config.model)
+            events = stream_events(task, pieces, cancel, completion, request_id, chat, self.config.model,
+                                   self.token_text)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             result = await self.answer(request, task, cancel)
         except EdgespecError as err:
             raise APIError(str(err), code="generation_failed") from err
         calls = read_call(result.text) if completion.tool_choice else None
-        return JSONResponse(response(request_id, chat, self.config.model, result, calls))
+        logprobs = None if result.logprobs is None else chat_logprobs(result.logprobs, self.token_text) if chat else \
+            completion_logprobs(result.logprobs, self.token_text, ids if completion.echo else None,
+                                result.prompt_logprobs, len(completion.prompt) if completion.echo else 0)
+        return JSONResponse(response(request_id, chat, self.config.model, result, calls, logprobs,
+                                     completion.prompt if completion.echo else ""))
+
+    def token_text(self, token: int) -> str:
+        return self.generations.pipeline.codec.tokenizer.decode([token], skip_special_tokens=False)
 
     def parse(self, body: bytes, chat: bool) -> Completion:
-        return (parse_chat if chat else parse_completion)(parse_json(body), self.config.model)
+        return (parse_chat if chat else parse_completion)(parse_json(body), self.config.model,
+                                                          self.generations.sampling_defaults)
 
     @staticmethod
     async def answer(request: Request, task: asyncio.Future, cancel: threading.Event) -> Result:
@@ -310,6 +325,28 @@ class Routes:
         self.authorize(request)
         return JSONResponse({"object": "list", "data": [{"id": self.config.model, "object": "model", "created": 0,
                                                          "owned_by": "edgespec"}]})
+
+    async def model(self, request: Request):
+        """GET /v1/models/{id}: this server's model, or OpenAI's 404 for another."""
+        self.authorize(request)
+        if request.path_params["model_id"] != self.config.model:
+            raise APIError(f"the model {request.path_params['model_id']!r} does not exist here: this server serves "
+                           f"{self.config.model!r}", "model", "model_not_found", status=404)
+        return JSONResponse({"id": self.config.model, "object": "model", "created": 0, "owned_by": "edgespec"})
+
+    async def tokenize(self, request: Request):
+        """POST /tokenize as llama.cpp's server has it: {"content", "add_special", "with_pieces"} -> {"tokens"}."""
+        self.authorize(request)
+        body = parse_json(await read_body(request, self.config.max_body_bytes))
+        ids, pieces = await self.generations.off_loop(tokenized, self.generations.pipeline.codec, body)
+        return JSONResponse({"tokens": [{"id": t, "piece": p} for t, p in zip(ids, pieces)] if pieces else ids})
+
+    async def detokenize(self, request: Request):
+        """POST /detokenize as llama.cpp's server has it: {"tokens": [ids]} -> {"content"}."""
+        self.authorize(request)
+        body = parse_json(await read_body(request, self.config.max_body_bytes))
+        codec = self.generations.pipeline.codec
+        return JSONResponse({"content": detokenized(codec, body, self.generations.pipeline.manifest.target.facts.vocab_size)})
 
     async def health(self, request: Request):
         return JSONResponse({"status": "ok", "model": self.config.model, "pending": self.generations.pending})
@@ -349,6 +386,9 @@ def make_app(pipeline: Pipeline, config: ServeConfig) -> Starlette:
     app = Starlette(routes=[Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
                             Route("/v1/completions", routes.text_completions, methods=["POST"]),
                             Route("/v1/models", routes.models, methods=["GET"]),
+                            Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
+                            Route("/tokenize", routes.tokenize, methods=["POST"]),
+                            Route("/detokenize", routes.detokenize, methods=["POST"]),
                             Route("/health", routes.health, methods=["GET"])],
                     exception_handlers={APIError: routes.api_error, HTTPException: routes.http_error,
                                         ClientDisconnect: routes.client_left},
@@ -358,7 +398,7 @@ def make_app(pipeline: Pipeline, config: ServeConfig) -> Starlette:
 
 
 async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: threading.Event, completion: Completion,
-                        request_id: str, chat: bool, model: str):
+                        request_id: str, chat: bool, model: str, token_text=None):
     """Server-sent events: the text as it comes, the last chunk with the finish reason, the usage chunk if
     asked, then [DONE]. A client that goes away cancels the generation at its next target pass."""
     def event(payload) -> str:
@@ -366,13 +406,22 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
 
     try:
         yield event(chunk(request_id, chat, model, first=True))
-        while (text := await pieces.get()) is not None:
-            yield event(chunk(request_id, chat, model, text=text))
+        def shaped(scored):
+            return None if not scored else chat_logprobs(scored, token_text) if chat else \
+                completion_logprobs(scored, token_text)
+
+        sent = 0  # tokens whose logprobs went with their text
+        while (piece := await pieces.get()) is not None:
+            text, scored = piece
+            sent += len(scored or ())
+            yield event(chunk(request_id, chat, model, text=text, logprobs=shaped(scored)))
         try:
             result = task.result()
         except EdgespecError as err:
             yield event(APIError(str(err), code="generation_failed").body())
             return
+        if result.logprobs and sent < len(result.logprobs):  # tokens of no text of their own (a split character)
+            yield event(chunk(request_id, chat, model, text="", logprobs=shaped(result.logprobs[sent:])))
         calls = read_call(result.text) if completion.tool_choice else None
         if calls:
             yield event(chunk(request_id, chat, model, tool_calls=calls))

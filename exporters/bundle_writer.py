@@ -34,6 +34,7 @@ from edgespec.runtime.contract.manifest import (
 )
 from edgespec.runtime.contract.tokenizer import TokenizerSpec
 from edgespec.runtime.contract.topology import Topology
+from edgespec.runtime.decoding.sampling import GENERATION_CONFIG_KEYS
 from edgespec.targets.profiles import DeviceProfile
 
 from .llama import LlamaBuilder
@@ -188,6 +189,7 @@ def write_tokenizer(folder: Path, tokenizer, model) -> TokenizerSpec:
         template = template.get("default")
     if template:
         (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    write_sampling(folder, getattr(model, "generation_config", None))
     eos = set()
     for source in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
                    tokenizer.eos_token_id):
@@ -201,6 +203,18 @@ def write_tokenizer(folder: Path, tokenizer, model) -> TokenizerSpec:
     return TokenizerSpec(file="tokenizer.json", chat_template="chat_template.jinja" if template else None,
                          bos_token=tokenizer.bos_token, eos_token_ids=tuple(sorted(int(e) for e in eos)),
                          add_bos_token=add_bos)
+
+
+def write_sampling(folder: Path, generation_config) -> None:
+    """The model's own sampling settings (those its generation_config sets), which conversations use where a
+    request leaves them unset (Pipeline.sampling_defaults); nothing where it sets none."""
+    if generation_config is None:
+        return
+    given = generation_config.to_diff_dict()  # what differs from transformers' defaults: what the model chose
+    keys = ("do_sample", *GENERATION_CONFIG_KEYS)
+    sampling = {key: given[key] for key in keys if given.get(key) is not None}
+    if set(sampling) - {"do_sample"}:
+        (folder / "generation_config.json").write_text(json.dumps(sampling, indent=1), encoding="utf-8")
 
 
 PROBE_TEXT = "Speculative decoding: <tool_call>{\"name\": \"f\"}</tool_call> 1234 héllo 世界\n\tdef f(x):"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import warnings
 from functools import lru_cache, partial
@@ -19,9 +20,11 @@ from .decoding.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, R
 from .decoding.dynamic_tree import DynamicDrafter
 from .decoding.engine import GenerationConfig, Result, Session, generate, speculative_step
 from .decoding.exactness import RowMismatch, Verdict, fewest_exact_rows, verdict_here
+from .decoding.logprobs import Scores
 from .decoding.lookup import WithLookup
 from .decoding.medusa import MedusaDrafter
 from .decoding.overlap import Overlap
+from .decoding.sampling import conversation_defaults
 from .decoding.streamed_tree import tree_under_budget
 from .decoding.suffix import SuffixDrafter, SuffixStore
 from .decoding.text import TextCodec
@@ -172,6 +175,19 @@ class Pipeline:
     def context(self) -> int:
         return self.memory.context
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """What a conversation samples with where it leaves a setting unset: the model's generation_config
+        (the bundle's generation_config.json, where the exporter found one) over llama.cpp's defaults."""
+        path = self.folder / "generation_config.json"
+        try:
+            generation_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, ValueError) as err:
+            raise BundleError(f"{path}: cannot be read as JSON ({err}); export the bundle again") from err
+        if generation_config is not None and not isinstance(generation_config, dict):
+            raise BundleError(f"{path}: not a JSON object; export the bundle again")
+        return conversation_defaults(generation_config)
+
     def new_session(self, speculate: bool = True, *, drafter: Drafter | None = None,
                     suffix_store: SuffixStore | None = None, recycling_table: np.ndarray | None = None) -> Session:
         """A conversation's state, kept by the caller between turns: the target's cache (a lane per
@@ -318,13 +334,14 @@ class Pipeline:
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  ids: list[int] | None = None, config: GenerationConfig = GenerationConfig(),
                  speculate: bool = True, session: Session | None = None, on_text=None, should_stop=None,
-                 remember: bool = True) -> Result:
+                 remember: bool = True, scores: Scores | None = None) -> Result:
         """Generates after a prompt, chat messages, or `ids` (the conversation already encoded, as `encode`
         gives it: a caller that had to count its tokens does not encode it twice). `session`: a conversation
         kept between turns (`new_session`), its caches and drafter reused; default: one for this request,
         speculative unless not `speculate`. `remember`: the output joins the earlier outputs suffix drafting
         continues from (the session's store, where the bundle has it); a benchmark's reference runs pass
-        False, so that no measured run copies its own answer."""
+        False, so that no measured run copies its own answer. `scores`: where the log-probabilities go
+        (runtime/decoding/logprobs.py; None: not computed)."""
         if ids is not None and (prompt is not None or messages is not None):
             raise InputError("give a prompt, chat messages or token ids, one of them")
         ids = self.encode(prompt, messages) if ids is None else _checked_ids(ids, self.manifest.target.facts.vocab_size)
@@ -338,7 +355,8 @@ class Pipeline:
         counted = drafter.counts.copy() if isinstance(drafter, Controller) else None
         try:
             result = generate(self.target, self.codec, session, ids, config, self.manifest.prefill_chunk,
-                              on_text, should_stop, step=overlap.step if overlap else speculative_step, guide=guide)
+                              on_text, should_stop, step=overlap.step if overlap else speculative_step, guide=guide,
+                              scores=scores)
             if overlap:
                 result.stats.drafted_ahead, result.stats.kept_ahead = overlap.drafted_ahead, overlap.kept
             if isinstance(drafter, Controller):

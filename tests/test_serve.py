@@ -15,7 +15,7 @@ import openai
 import pytest
 import uvicorn
 from edgespec.runtime.decoding.engine import GenerationConfig
-from edgespec.runtime.decoding.sampling import SamplingConfig
+from edgespec.runtime.decoding.sampling import SamplingConfig, with_defaults
 from edgespec.runtime.pipeline import Pipeline
 
 from edgespec.cli import main
@@ -132,7 +132,10 @@ def test_sampling_with_a_seed_is_reproducible_and_matches_the_pipeline(served):
     first = client.chat.completions.create(**settings).choices[0].message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**settings, stream=True)
                        if c.choices)
-    config = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, top_p=0.9, seed=7))
+    # the fields left unset take the conversation defaults (Pipeline.sampling_defaults: top-k, min-p, repetition)
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, seed=7, top_k=40, min_p=0.05, repetition_penalty=1.1)
+    assert with_defaults({"temperature": 0.8, "top_p": 0.9, "seed": 7}, pipeline.sampling_defaults) == sampling
+    config = GenerationConfig(max_new_tokens=20, sampling=sampling)
     assert first == streamed == pipeline.generate(messages=MESSAGES, config=config).text
 
 

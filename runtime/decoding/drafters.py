@@ -16,7 +16,7 @@ from ..contract.topology import Topology, path_from_root
 from ..execution.features import draft_inputs
 from ..execution.model import commit, prefill
 from ..execution.runner import Cache, Runner
-from .sampling import Sampler, sample_without_replacement
+from .sampling import Sampler
 from .tree import Tree
 
 
@@ -206,7 +206,7 @@ class ModelDrafter:
                     else:
                         path = [int(tokens[i]) for i in topo.path_to(parent)[1:]]
                         q_draft[parent] = sampler.distributions(node_logits[parent][None], committed, [path])[0]
-                        drawn = sample_without_replacement(q_draft[parent], len(kids), sampler.rng)
+                        drawn = sampler.draw_distinct(q_draft[parent], len(kids), len(committed) + len(path))
                         drawn += [drawn[-1]] * (len(kids) - len(drawn))  # support smaller than the fan-out
                         tokens[kids] = drawn
                 if depth == topo.max_depth:

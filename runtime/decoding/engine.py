@@ -11,6 +11,7 @@ State ownership (who holds what):
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +23,8 @@ from ..execution.runner import Cache, Runner
 from .accept import accept_greedy, accept_sampled
 from .constraints import ConstraintSpec, Guide
 from .drafters import Drafter, NoDrafter
-from .sampling import Sampler, SamplingConfig, sample
+from .logprobs import Scores, TokenLogprob
+from .sampling import Sampler, SamplingConfig
 from .suffix import SuffixStore
 from .text import TextCodec, TextStream
 from .tree import Tree
@@ -115,6 +117,9 @@ class Result:
     stats: Stats
     stop_reason: str  # "eos", "stop_string", "max_new_tokens", "cancelled", "closed" (the budget ended a constrained
     # output: complete, its end chosen by closing); "context_full" on an error's partial
+    # with a Scores (runtime/decoding/logprobs.py): each token's log-probability; the prompt's from its second token
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -135,9 +140,10 @@ class Session:
 
 
 def speculative_step(target: Runner, session: Session, sampler: Sampler | None = None,
-                     guide: Guide | None = None) -> tuple[list[int], int]:
+                     guide: Guide | None = None, scores: Scores | None = None) -> tuple[list[int], int]:
     """One target pass. Returns (new committed tokens, number of accepted draft tokens). `guide`: the
-    constraint's parser state at the committed tokens (runtime/decoding/constraints.py), advanced here."""
+    constraint's parser state at the committed tokens (runtime/decoding/constraints.py), advanced here;
+    `scores`: where the new tokens' log-probabilities go (None: not asked)."""
     cache, drafter = session.cache, session.drafter
     forced, room = _forced(target, cache, guide)                              # 1. the grammar's forced tokens,
     committed = session.window + forced if forced else session.window       #    then what the drafter drafts
@@ -147,7 +153,7 @@ def speculative_step(target: Runner, session: Session, sampler: Sampler | None =
     masks = None
     if guide is not None:                                                     #    each node masked by its path
         tree, masks = guide.admit(tree, sampler is not None)
-    new_tokens, accepted, logits = verify(target, session, tree, sampler, masks)  # 2.-4.
+    new_tokens, accepted, logits = verify(target, session, tree, sampler, masks, scores)  # 2.-4.
     if guide is not None:
         guide.advance(new_tokens)
     if forced and accepted >= len(forced):  # the drafter took the forced tokens as committed: the rest is its step
@@ -170,21 +176,27 @@ def _forced(target: Runner, cache: Cache, guide: Guide | None) -> tuple[list[int
 
 
 def verify(target: Runner, session: Session, tree: Tree, sampler: Sampler | None,
-           masks: np.ndarray | None = None) -> tuple[list[int], int, np.ndarray]:
+           masks: np.ndarray | None = None, scores: Scores | None = None) -> tuple[list[int], int, np.ndarray]:
     """Verifies `tree` in one target pass and commits what it accepts. Returns (new committed tokens,
     accepted draft tokens, the target's logits at the tree's nodes). `masks` [N, V]: the tokens a
-    constraint admits after each node (None: all)."""
+    constraint admits after each node (None: all). Seeded sampling accepts as greedy does, the target's
+    choice being its seeded draw (runtime/decoding/seeded.py); unseeded, by rejection sampling."""
     cache, topo = session.cache, tree.topology
     out = target.forward(cache, tree.tokens, cache.length + topo.depths,      # 2. verify in one pass
                          topo.ancestor_mask, range(tree.size))
     logits = out.logits if masks is None else np.where(masks, out.logits, -np.inf)
     if sampler is None:                                                       # 3. accept
         path, bonus = accept_greedy(tree.tokens, topo.children, logits.argmax(-1))
+    elif sampler.seeded:
+        choices = sampler.choices(sampler.rows(logits, session.committed, tree), tree, len(session.window))
+        path, bonus = accept_greedy(tree.tokens, topo.children, choices)
     else:
         p_target = sampler.rows(logits, session.committed, tree)
         path, bonus = accept_sampled(tree.tokens, topo.children, p_target, tree.q_draft, sampler.rng, tree.drawn)
-    commit(cache, out, path)                                                  # 4. keep the accepted path
     new_tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
+    if scores is not None:                                                    #    the rows that chose them
+        scores.record(out.logits[path], new_tokens)
+    commit(cache, out, path)                                                  # 4. keep the accepted path
     session.committed.extend(new_tokens)
     session.window.extend(new_tokens)
     return new_tokens, len(path) - 1, out.logits
@@ -193,8 +205,9 @@ def verify(target: Runner, session: Session, tree: Tree, sampler: Sampler | None
 class TextSink:
     """Streams text as tokens arrive, cutting at the first stop string and never showing any part of it."""
 
-    def __init__(self, stream: TextStream, stop_strings: tuple[str, ...], on_text):
-        self.stream, self.stops, self.on_text = stream, stop_strings, on_text
+    def __init__(self, stream: TextStream, stop_strings: tuple[str, ...], on_text, on_shown=None):
+        """`on_shown(tokens)`, before each on_text: how many tokens lie wholly in the text shown with it."""
+        self.stream, self.stops, self.on_text, self.on_shown = stream, stop_strings, on_text, on_shown
         self.text = ""  # everything decoded so far
         self.shown = 0  # how much of it on_text has received
         self.token_ends: list[int] = []  # len(text) after each token
@@ -227,6 +240,8 @@ class TextSink:
 
     def _show(self, upto: int) -> None:
         if upto > self.shown:
+            if self.on_shown:
+                self.on_shown(bisect.bisect_right(self.token_ends, upto))
             if self.on_text:
                 self.on_text(self.text[self.shown : upto])
             self.shown = upto
@@ -234,19 +249,22 @@ class TextSink:
 
 def generate(target: Runner, codec: TextCodec, session: Session, context_ids: list[int],
              config: GenerationConfig, prefill_chunk: int, on_text=None, should_stop=None,
-             step=speculative_step, guide: Guide | None = None) -> Result:
+             step=speculative_step, guide: Guide | None = None, scores: Scores | None = None) -> Result:
     """Generates after `context_ids`, the whole conversation so far; what the session already holds
     of it (the longest common prefix) is reused. `on_text(piece)` streams the text; `should_stop()`,
     asked before every target pass, ends the generation early (stop reason "cancelled"). `step`: one
     target pass, as speculative_step (runtime/decoding/overlap.py: with the next tree drafted meanwhile).
     `guide`: config.constraint's parser state before the first new token (Grammars.start), owned by
-    the caller; each step takes it (speculative_step's)."""
+    the caller; each step takes it (speculative_step's). `scores`: the caller's, filled with the log-probabilities
+    of the emitted tokens (and of the prompt's when it asks), read from the passes that chose them."""
     if (guide is None) != (config.constraint is None):
         raise InputError("a constrained generation needs the constraint's guide (Grammars.start), and only it")
     cache = session.cache
-    sampler = None if config.sampling.greedy else Sampler(config.sampling)
-    stats = _start(target, session, context_ids, config, prefill_chunk, sampler, guide)
-    sink = TextSink(codec.stream(), config.stop_strings, on_text)
+    config.sampling.check_vocabulary(target.facts.vocab_size)
+    sampler = None if config.sampling.greedy else Sampler(config.sampling, origin=len(context_ids))
+    stats = _start(target, session, context_ids, config, prefill_chunk, sampler, guide, scores)
+    evicted = len(session.committed) - len(session.window)  # before the first new token
+    sink = TextSink(codec.stream(), config.stop_strings, on_text, None if scores is None else scores.show)
     eos = set(codec.spec.eos_token_ids) if config.stop_at_eos or guide is not None else set()
     emitted: list[int] = []
     new_tokens = session.committed[-1:]
@@ -276,8 +294,10 @@ def generate(target: Runner, codec: TextCodec, session: Session, context_ids: li
                 stats.new_tokens, stats.decode_s = len(emitted), time.perf_counter() - decode_start
                 full.partial = Result(token_ids=emitted, text=sink.finish(), stats=stats, stop_reason="context_full")
                 raise full
-            new_tokens, accepted = (step(target, session, sampler) if guide is None
-                                    else speculative_step(target, session, sampler, guide))
+            if sampler is not None:
+                sampler.evicted = len(session.committed) - len(session.window) - evicted
+            new_tokens, accepted = (step(target, session, sampler, scores=scores) if guide is None
+                                    else speculative_step(target, session, sampler, guide, scores))
             stats.target_passes += 1
             stats.accepted_drafts += accepted
     text = sink.finish()
@@ -290,14 +310,17 @@ def generate(target: Runner, codec: TextCodec, session: Session, context_ids: li
     stats.decode_s = time.perf_counter() - decode_start
     stats.grammar_tokens = None if guide is None else guide.supplied
     _forget_unseen(session, len(context_ids) + len(emitted) + (reason == "eos"))
-    return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason)
+    return Result(token_ids=emitted, text=text, stats=stats, stop_reason=reason,
+                  logprobs=None if scores is None else scores.emitted[: len(emitted)],
+                  prompt_logprobs=scores.prompt_tokens if scores is not None and scores.prompt else None)
 
 
 def _start(target: Runner, session: Session, context_ids: list[int], config: GenerationConfig,
-           prefill_chunk: int, sampler: Sampler | None, guide: Guide | None) -> Stats:
+           prefill_chunk: int, sampler: Sampler | None, guide: Guide | None, scores: Scores | None) -> Stats:
     """Checks the prompt, keeps what the session already holds of it, prefills the rest and commits the
     first new token. Under the sliding policy the conversation is one stream: a prompt longer than the
-    cache slides as it is read, and a follow-up turn continues a slid cache."""
+    cache slides as it is read, and a follow-up turn continues a slid cache. A prompt scored (`scores.prompt`)
+    is prefilled whole, every row's logits kept."""
     cache, sliding = session.cache, config.kv_policy == "sliding"
     if not context_ids:
         raise InputError("the prompt is empty")
@@ -305,23 +328,33 @@ def _start(target: Runner, session: Session, context_ids: list[int], config: Gen
         raise ContextOverflowError(
             f"the prompt has {len(context_ids)} tokens but the context holds {cache.capacity}: "
             f"shorten the prompt, export with a larger --context or use --kv-policy sliding")
+    if sliding and scores is not None and scores.prompt:
+        raise InputError("a prompt's log-probabilities need the whole prompt in the cache: not with the sliding "
+                         "KV policy")
     if sliding and target.facts.rope_frequencies is None:
         raise BundleError("this bundle's manifest has no rope frequencies, which the sliding KV policy "
                           "needs: export it again with this edgespec")
     stats = Stats(prompt_tokens=len(context_ids))
     started = time.perf_counter()
     keep = _reuse(session, context_ids, sliding, config.attention_sinks)
+    if scores is not None and scores.prompt:  # every row's logits: none of the prompt is kept
+        keep = 0
     cache.trim(keep)
     session.drafter.rewind(keep)
     stats.cached_tokens = keep
     if sliding:
         logits = _prefill_sliding(target, session, prefill_chunk, config.attention_sinks)
     else:
-        logits = prefill(target, cache, context_ids[keep:], prefill_chunk)
+        scored = None if scores is None or not scores.prompt else \
+            (lambda start, rows: scores.record_prompt(rows, context_ids[start + 1 : start + 1 + len(rows)]))
+        logits = prefill(target, cache, context_ids[keep:], prefill_chunk, on_rows=scored)
+    raw = logits
     if guide is not None:
         logits = np.where(guide.mask(), logits, -np.inf)
     first = int(np.argmax(logits)) if sampler is None else \
-        sample(sampler.distributions(logits[None], session.committed, [[]])[0], sampler.rng)
+        sampler.draw(sampler.distributions(logits[None], session.committed, [[]])[0], len(session.window))
+    if scores is not None:
+        scores.record(raw[None], [first])
     if guide is not None:
         guide.advance([first])
     session.committed.append(first)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..execution.runner import Runner
 from .drafters import Drafter
 from .engine import Session, verify
+from .logprobs import Scores
 from .sampling import Sampler
 from .tree import Tree
 
@@ -57,11 +58,14 @@ class Overlap:
         self.kept = 0  # trees drafted ahead that were used
         self.drafted_ahead = 0
 
-    def step(self, target: Runner, session: Session, sampler: Sampler | None = None) -> tuple[list[int], int]:
+    def step(self, target: Runner, session: Session, sampler: Sampler | None = None,
+             scores: Scores | None = None) -> tuple[list[int], int]:
         """One target pass with the next tree drafted meanwhile. Returns (new committed tokens, accepted drafts)."""
         cache, drafter, window = session.cache, session.drafter, list(session.window)
         if sampler is not None and self.worker_sampler is None:
             self.worker_sampler = sampler.spawn()
+        if sampler is not None:
+            self.worker_sampler.evicted = sampler.evicted
         tree = self.ready.tree if self.ready is not None and self.ready.window == window else None
         if tree is None:                                                          # 1. draft, unless drafted ahead
             drafter.rewind(len(window) if self.trusted is None else self.trusted)
@@ -71,7 +75,7 @@ class Overlap:
             self.kept += 1
         tree = tree.within_paths(cache.lanes)
         ahead = self._draft_ahead(drafter, window, tree, cache.room(), cache.feature_rows())
-        new_tokens, accepted, logits = verify(target, session, tree, sampler)    # 2.-4., drafting meanwhile
+        new_tokens, accepted, logits = verify(target, session, tree, sampler, None, scores)  # 2.-4., drafting meanwhile
         self.ready = None if ahead is None else ahead.result()                  # 5. the drafter is idle again
         drafter.observe(new_tokens, tree.tokens, logits)
         return new_tokens, accepted

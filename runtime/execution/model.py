@@ -272,17 +272,21 @@ def _is_chain(mask: np.ndarray) -> bool:
     return bool(np.array_equal(mask, np.tri(len(mask), dtype=bool)))
 
 
-def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int, features: np.ndarray | None = None) -> np.ndarray:
+def prefill(runner: ModelRunner, cache: KVCache, tokens, chunk: int, features: np.ndarray | None = None,
+            on_rows=None) -> np.ndarray:
     """Appends `tokens` to the cache in causal chunks (with their input `features` for a graph that
-    reads them); returns the last token's logits [V]. A static graph's chunks are at most its nodes."""
+    reads them); returns the last token's logits [V]. A static graph's chunks are at most its nodes.
+    `on_rows(start, logits [n, V])`: every token's logits, chunk by chunk (a prompt's scoring)."""
     chunk = min(chunk, runner.pass_limit or chunk)
     logits = None
     for start in range(0, len(tokens), chunk):
         part = list(tokens[start : start + chunk])
         n = len(part)
         out = runner.forward(cache, part, range(cache.length, cache.length + n),
-                             np.tril(np.ones((n, n), dtype=bool)), [n - 1],
+                             np.tril(np.ones((n, n), dtype=bool)), range(n) if on_rows else [n - 1],
                              features=None if features is None else features[start : start + n])
+        if on_rows:
+            on_rows(start, out.logits[:n])
         commit(cache, out, range(n))
-        logits = out.logits[0]
+        logits = out.logits[n - 1 if on_rows else 0]
     return logits
