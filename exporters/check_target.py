@@ -31,7 +31,7 @@ PROVIDERS = ("CPUExecutionProvider",)
 class CheckMemory:
     stream_above: int = 2 << 30  # weight bytes above which the checks stream the target (3B int4 stays whole)
     stage_bytes: int = 384 << 20  # about what one streamed stage holds
-    resident_bytes: int = 1792 << 20  # stages the checks keep loaded, besides the two they stream through
+    resident_bytes: int = 1 << 30  # stages the checks keep loaded, besides the two they stream through
 
 
 CHECKS = CheckMemory()
@@ -65,8 +65,9 @@ def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory | None = 
             onnx.save_model(stage, files[-1])
             sizes.append(external_bytes(stage))
         pinned = _first_that_fit(sizes, memory.resident_bytes)
-        stages = [LoadedStage(lambda path=path: make_session(path, PROVIDERS, default_threads(), spin=False))
-                  for path in files]
+        # the stages' passes take turns: their activations come from one shared arena (sessions.py)
+        stages = [LoadedStage(lambda path=path: make_session(path, PROVIDERS, default_threads(), spin=False,
+                                                             shared_arena=True)) for path in files]
         window = StageWindow(stages, pinned)
         runner = StagedRunner(window, facts, _lanes(whole, facts))
         runner.graph_min_rows = int({p.key: p.value for p in whole.metadata_props}.get(EXACT_ROWS_KEY, MIN_ROWS))

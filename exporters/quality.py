@@ -28,7 +28,7 @@ NEW_TOKENS = 64
 # a target the checks stream (exporters/check_target.py) reads its weights again at every pass: a shorter
 # answer, and the prefills in as few passes as the sample allows (history.md §80)
 STREAMED_NEW_TOKENS = 16
-STREAMED_CHUNK = 512
+STREAMED_CHUNK = 256
 HELDOUT_TOKENS = 256
 
 
