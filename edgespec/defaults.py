@@ -6,6 +6,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from edgespec import __version__
@@ -72,23 +73,49 @@ def _default_draft_folder() -> Path:
     return folder
 
 
-def ensure_default_bundle() -> Path:
-    """Returns the default bundle's folder, exporting it first if it is not there yet."""
+def _default_builder() -> Callable[[Path], None]:
+    """The export of the default recipe to a folder (ImportError without the export extra)."""
+    from edgespec.exporters.export import ExportConfig, export
+
+    def build(path: Path) -> None:
+        export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, quant_policy=HEAD_INT8_POLICY,
+                            out=path, cache_dir=cache_dir()))
+    return build
+
+
+def ensure_default_bundle(build: Callable[[Path], None] | None = None) -> Path:
+    """Returns the default bundle's folder, built first if it is not there yet (`build`: what writes it to a
+    folder; default: the export of DEFAULT_RECIPE). Built once however many processes ask at the same time:
+    the first holds a lock file beside the folder while it builds; the others wait for it, then use what it
+    built (a build that failed leaves the next waiting process to try)."""
     path = default_bundle_path()
     if (path / "manifest.json").is_file():
         return path
     try:
-        from edgespec.exporters.export import ExportConfig, export
+        from filelock import FileLock, Timeout
+
+        build = build or _default_builder()
     except ImportError as err:
         raise SystemExit(f"edgespec: building the default bundle needs the export extra "
-                         f"(pip install 'edgespec[export]'): {err}") from err
-    print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct and its distilled draft) into "
-          f"{path}; this takes about a minute and is reused afterwards.", file=sys.stderr)
-    started = time.perf_counter()
-
-    export(ExportConfig(**{**DEFAULT_RECIPE, "draft": str(_default_draft_folder())}, quant_policy=HEAD_INT8_POLICY,
-                        out=path, cache_dir=cache_dir()))
-    print(f"edgespec: default bundle ready in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+                         f"(pip install torch==2.13.0 'edgespec[export]', torch's CPU wheel): {err}") from err
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path.with_name(f"{path.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"edgespec: another process is building the default bundle into {path}; waiting for it to finish",
+              file=sys.stderr)
+        lock.acquire()
+    try:
+        if (path / "manifest.json").is_file():  # built while this process waited
+            return path
+        print(f"edgespec: building the default bundle once (SmolLM2-135M-Instruct and its distilled draft) into "
+              f"{path}; this takes about a minute and is reused afterwards.", file=sys.stderr)
+        started = time.perf_counter()
+        build(path)
+        print(f"edgespec: default bundle ready in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    finally:
+        lock.release()
     return path
 
 

@@ -45,7 +45,14 @@ from edgespec.runtime.decoding.engine import GenerationConfig, Result
 from edgespec.runtime.decoding.logprobs import Scores
 from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
-from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
+from edgespec.serve_limits import (
+    check_length,
+    check_rendered,
+    exposed_without_key,
+    longest_token,
+    parse_json,
+    read_body,
+)
 from edgespec.serve_turns import Turn, Turns, generate_sharing, shared_passes_of
 from edgespec.tool_calls import read_call, told
 
@@ -168,9 +175,13 @@ class Generations:
         try:
             if completion.tool_choice is not None:  # the tools are told to the model (edgespec/tool_calls.py)
                 messages, tools = told(list(completion.messages), completion.tools, self.pipeline.codec.takes_tools)
+            else:
+                messages, tools = (list(completion.messages) if completion.messages else None), None
+            if messages is not None:
+                check_rendered(self.pipeline.codec.render_chat(messages, tools), self.pipeline.context,
+                               self.longest_token)
                 return self.pipeline.encode(messages=messages, tools=tools)
-            return self.pipeline.encode(completion.prompt, list(completion.messages) if completion.messages
-                                        else None)
+            return self.pipeline.encode(completion.prompt)
         except (ValueError, EdgespecError) as err:
             raise APIError(f"the prompt cannot be encoded: {err}",
                            "messages" if completion.messages else "prompt") from err

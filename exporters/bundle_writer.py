@@ -3,8 +3,10 @@ moved into place only when complete, so a failed export leaves nothing half-writ
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -183,7 +185,14 @@ def value_shape(value: onnx.ValueInfoProto) -> dict:
 
 
 def write_tokenizer(folder: Path, tokenizer, model) -> TokenizerSpec:
-    tokenizer.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    path = folder / "tokenizer.json"
+    try:
+        tokenizer.backend_tokenizer.save(str(path))
+    except Exception as err:  # the tokenizers library raises a bare Exception for what the system refused
+        refused = re.search(r"\(os error (\d+)\)", str(err))
+        if refused is None:
+            raise
+        raise OSError(int(refused.group(1)), os.strerror(int(refused.group(1))), str(path)) from err
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one serves chat
         template = template.get("default")
@@ -276,11 +285,27 @@ def staged_bundle(out: Path, force: bool):
             (tmp / EXPORT_OWNER).unlink()
             _move_into_place(tmp, out)
     except OSError as err:  # what the system refused (no space, a file size limit, a permission): the cause, once
+        where = _failed_file(err, tmp, out)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"the export to {out} stopped, nothing of it left behind: {err}") from err
+        raise ExportError(f"the export to {out} stopped{where}, nothing of it left behind: "
+                          f"{err.strerror or err}") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _failed_file(err: OSError, tmp: Path, out: Path) -> str:
+    """Which file the refused operation was on, for the message: the error's own file name (an open, a
+    rename), else for a refused write (write() names no file) the bundle's file written last: the export
+    writes one file at a time."""
+    if err.filename is not None:
+        name = Path(os.fsdecode(err.filename))
+        return f" at {out / name.relative_to(tmp) if name.is_relative_to(tmp) else name}"
+    if err.errno not in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT, errno.EIO):
+        return ""
+    written = [(path.stat().st_mtime_ns, path) for path in tmp.rglob("*")
+               if path.is_file() and path.name != EXPORT_OWNER]
+    return f" while writing {out / max(written)[1].relative_to(tmp)}" if written else ""
 
 
 def bundle_manifest(folder: Path, contents: BundleContents, profile: DeviceProfile, tree: TreeSettings,

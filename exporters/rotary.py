@@ -26,13 +26,18 @@ class Rotary:
         """cos/sin [max_context + rope_slack, rotary dims] of table `kind` (`layer_rope`), computed by the model's
         own rotary module so that every rope variant transformers knows (llama3, yarn, linear, longrope's
         choice for the exported context, ...) is reproduced exactly."""
+        rotary = self.model.model.rotary_emb
+        types = getattr(rotary, "layer_types", ())
+        # a module that keeps a table per layer type (Gemma 3, OLMo 3) takes the type even where every layer
+        # is of one type (`layer_rope` then gives "": one table, which the sliding KV policy can move keys by)
+        kind = kind or (types[0] if len(types) == 1 else "")
         probe = torch.zeros(1, 1, self.facts.head_dim)
         tables = []
         # the context's rows, then the slack rows (written by padding slots, never read): a rope that changes
         # with the sequence's length (longrope, dynamic) sees only lengths inside the context
         for span in (range(self.facts.max_context), range(self.facts.max_context, self.facts.max_context + self.rope_slack)):
             with torch.no_grad():
-                cos, sin = self.model.model.rotary_emb(probe, torch.tensor([list(span)]),
+                cos, sin = rotary(probe, torch.tensor([list(span)]),
                                                        **({"layer_type": kind} if kind else {}))
             tables.append((cos[0].float().numpy(), sin[0].float().numpy()))
         return np.concatenate([t[0] for t in tables]), np.concatenate([t[1] for t in tables])

@@ -73,9 +73,11 @@ class StreamedWeights:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._workers.shutdown(wait=True, cancel_futures=True)
-        self._file.close()
-        self._bar.close()
+        try:
+            self._workers.shutdown(wait=True, cancel_futures=True)
+            self._file.close()  # its last writes: a full disk or a file size limit shows here
+        finally:
+            self._bar.close()  # before the error is printed, not on the line after it
 
     def submit(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]) -> Future:
         """Starts quantizing `nodes` with `weights` (float32, by name) on a worker thread: onnxruntime's

@@ -462,23 +462,34 @@ def test_a_broken_config_json_is_an_export_error(models, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_a_file_size_limit_during_export_is_one_line_and_leaves_nothing(models, tmp_path):
+@pytest.mark.parametrize("limit, quant, file", [(8 * 1024, "fp32", "tokenizer.json"), (256 * 1024, "fp32", "target.weights"),
+                                                (40 * 1024, "int4", "target.weights")])  # the last: at the file's close
+def test_a_file_size_limit_during_export_is_one_line_and_leaves_nothing(models, tmp_path, limit, quant, file):
     """The system refusing a write (here RLIMIT_FSIZE: EFBIG, which Python gets instead of SIGXFSZ) ends the
-    export with one line naming the output and the cause, and no half-written bundle."""
+    export with one line naming the output, the file it was writing and the cause, and no half-written
+    bundle: the tokenizer (written by the tokenizers library, which raises a bare Exception) or the weights."""
     import os
+    import re
     import resource
+    import signal
     import subprocess
     import sys
 
     out = tmp_path / "b"
 
     def limited():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as Python itself sets it: the write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     done = subprocess.run([sys.executable, "-m", "edgespec.cli", "export", str(models["target"]), "--draft", "ngram",
-                           "--out", str(out), "--context", "128", "--quant", "fp32"], capture_output=True,
+                           "--out", str(out), "--context", "128", "--quant", quant], capture_output=True,
                           text=True, preexec_fn=limited, timeout=600, env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr and f"the export to {out} stopped" in done.stderr
-    assert "File too large" in done.stderr
+    assert "Traceback" not in done.stderr
+    # the error starts a line of its own (a progress bar cleared before it), and ends the output
+    errors = [line for line in re.split(r"[\r\n]", done.stderr) if "edgespec: error:" in line]
+    assert done.stderr.rstrip().endswith("File too large") and all(line.startswith("edgespec: error:") for line in errors)
+    assert len(errors) == 1 and re.search(
+        rf"the export to {re.escape(str(out))} stopped (at|while writing) {re.escape(str(out / file))}, "
+        "nothing of it left behind: File too large$", errors[0]), done.stderr[-2000:]
     assert not out.exists() and not list(tmp_path.glob(".b.*"))

@@ -46,7 +46,10 @@ def _export(folder, out, **options):
 def test_family_logits_match_transformers(model_type, family_models, tmp_path):
     """fp32 logits within 1e-4 of transformers at every row: prefill chunks, one-token steps, tree nodes."""
     folder, model = family_models(model_type)
-    bundle = _export(folder, tmp_path / "b", draft="ngram", tree="topk:2x2")
+    _check_logits(_export(folder, tmp_path / "b", draft="ngram", tree="topk:2x2"), model)
+
+
+def _check_logits(bundle, model):
     manifest = open_bundle(bundle)
     facts = manifest.target.facts
     runner = ModelRunner(make_session(bundle / manifest.target.graph.file, ("CPUExecutionProvider",), 1), facts)
@@ -69,6 +72,27 @@ def test_family_logits_match_transformers(model_type, family_models, tmp_path):
         with torch.no_grad():
             row = model(torch.tensor([path])).logits[0, -1].numpy()
         assert np.abs(out.logits[node] - row).max() <= TOLERANCE, f"tree node {node}"
+
+
+@pytest.mark.parametrize("model_type, layer_type", [("gemma3_text", "sliding_attention"),
+                                                    ("gemma3_text", "full_attention"), ("olmo3", "sliding_attention")])
+def test_a_model_whose_layers_are_all_of_one_type_exports_and_matches_transformers(model_type, layer_type, tmp_path):
+    """A rotary module with a table per layer type takes the type even when every layer has the same one:
+    the export reads that one table (local rope for sliding layers), and the sliding KV policy keeps its
+    rope frequencies."""
+    folder = tmp_path / "m"
+    model = make_model(folder, model_type, seed=7, random_norms=True,
+                       **{**FAMILY_CONFIGS[model_type], "layer_types": [layer_type] * 2})
+    bundle = _export(folder, tmp_path / "b", draft="ngram", tree="topk:2x2")
+    _check_logits(bundle, model)
+    facts = open_bundle(bundle).target.facts
+    assert facts.rope_frequencies is not None and (facts.sliding_window == WINDOW) == (layer_type == "sliding_attention")
+    pipeline, ids = Pipeline(bundle), list(range(3, 3 + 2 * WINDOW))
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                   pad_token_id=0)[0, len(ids):].tolist()
+    config = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    assert pipeline.generate(ids=ids, config=config, speculate=False).token_ids == reference
 
 
 @pytest.mark.parametrize("model_type", TYPES)

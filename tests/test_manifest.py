@@ -96,3 +96,25 @@ def test_a_hostile_manifest_is_refused_before_anything_is_sized(various, path, v
     where[path[-1]] = value
     with pytest.raises(BundleError, match=message):
         Manifest.from_dict(data)
+
+
+@pytest.mark.parametrize("text, cause", [
+    ("[" * 100_000 + "]" * 100_000, "recursion"),  # deeper than the decoder's stack
+    ('{"schema_version": ' + "9" * 5000 + "}", "digits"),  # past Python's limit on an integer's digits
+])
+def test_a_manifest_the_decoder_refuses_is_a_bundle_error_naming_the_file(tmp_path, text, cause):
+    (tmp_path / MANIFEST).write_text(text)
+    with pytest.raises(BundleError, match=rf"cannot read {tmp_path / MANIFEST}: .*{cause}") as caught:
+        read_manifest(tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 300 + len(str(tmp_path))
+    assert caught.value.__suppress_context__  # the decoder's own traceback is not chained onto the message
+
+
+def test_the_cli_reports_a_deep_manifest_on_one_line(tmp_path, capsys):
+    from edgespec.cli import main
+
+    (tmp_path / MANIFEST).write_text("[" * 100_000)
+    assert main(["generate", str(tmp_path), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"edgespec: error: cannot read {tmp_path / MANIFEST}")

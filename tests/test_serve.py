@@ -428,6 +428,36 @@ def test_deep_json_and_huge_integers_get_400_not_500(server, body, words):
     assert server.client().models.list().data[0].id == MODEL
 
 
+def test_the_depth_counted_on_the_text_is_the_parsed_values_depth():
+    """parse_json counts nesting on the body's brackets outside strings: quotes, escaped quotes, backslash
+    runs and brackets inside strings, any encoding json.loads reads, against a walk of the parsed value."""
+    import random
+
+    from edgespec.serve_limits import _depth
+
+    def walked(value, depth=0):
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        return depth if children is None else max([walked(c, depth + 1) for c in children], default=depth + 1)
+
+    rng = random.Random(0)
+    pieces = ["[", "]", "{", "}", '"', "\\", '\\"', "\\\\", "a", "é", "\u2028", "\U0001f600"]
+
+    def value(depth):
+        kind = rng.random()
+        if depth > 6 or kind < 0.3:
+            return rng.choice([1, None, True, "".join(rng.choice(pieces) for _ in range(rng.randrange(6)))])
+        if kind < 0.65:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {"".join(rng.choice(pieces) for _ in range(rng.randrange(4))): value(depth + 1)
+                for _ in range(rng.randrange(4))}
+
+    for _ in range(500):
+        item = value(0)
+        for text in (json.dumps(item), json.dumps(item, ensure_ascii=False), json.dumps(item, indent=1)):
+            assert _depth(text) == walked(item), text
+    assert json.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH) and _depth("[" * MAX_DEPTH + "]" * MAX_DEPTH) == MAX_DEPTH
+
+
 class CountingPipeline(SlowPipeline):
     """Records the thread each prompt was tokenised on."""
 
@@ -452,6 +482,27 @@ def test_prompts_are_tokenised_off_the_event_loop_and_a_huge_one_not_at_all(pipe
         assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
         assert f"context is {pipeline.context} tokens" in reply["error"]["message"]
         assert counting.encoded_on == []
+    finally:
+        server.stop()
+
+
+def test_very_many_short_messages_are_refused_in_under_a_second_without_tokenising(pipeline):
+    """Short messages pass the characters check, but the chat template adds its markers to each: its text is
+    measured before the tokenizer sees it (tokenising 100,000 messages took seconds); a prompt that fits
+    still gets its answer."""
+    counting = CountingPipeline(pipeline)
+    server = Server(counting)
+    try:
+        roles = ("user", "assistant")
+        body = json.dumps({"model": MODEL, "messages": [{"role": roles[i % 2], "content": ""}
+                                                        for i in range(100_001)]}).encode()  # 3.5 MB: within --max-body
+        started = time.perf_counter()
+        status, _, reply = server.post("/v1/chat/completions", body, key=None)
+        took = time.perf_counter() - started
+        assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+        assert "chat template come to" in reply["error"]["message"] and counting.encoded_on == []
+        assert took < 1.0, f"refused in {took:.2f}s"
+        assert ask(server, "a b c", user="x")["completion_tokens"] >= 1
     finally:
         server.stop()
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import select
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 try:
     import psutil
@@ -42,11 +44,12 @@ class Answer:
 
 
 def stream_chat(host: str, port: int, messages: list[dict], max_tokens: int, model: str,
-                headers: dict[str, str] | None = None, deadline_s: float = 600.0) -> Answer:
+                headers: dict[str, str] | None = None, deadline_s: float = 600.0, user: str | None = None) -> Answer:
     """A streamed greedy chat completion; on 429 (or 503) waits what Retry-After says and tries again, until
-    `deadline_s` has passed."""
+    `deadline_s` has passed. `user`: the request's `user` label (the server keeps that client's conversation)."""
     body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "stream": True, "stream_options": {"include_usage": True},
+                       **({"user": user} if user else {})}).encode()
     answer, started = Answer(), time.perf_counter()
     while True:
         conn = http.client.HTTPConnection(host, port, timeout=deadline_s)
@@ -132,6 +135,18 @@ def rss_bytes(pid: int) -> int:
     if psutil is not None:
         return psutil.Process(pid).memory_info().rss
     return _proc_status_kib(pid, "VmRSS") * 1024
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time the process has used, all its threads (Linux: /proc; psutil elsewhere), None where unknown."""
+    if psutil is not None:
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_bytes(pid: int) -> int | None:

@@ -1,7 +1,7 @@
 """`edgespec serve` under load and under abuse, as clients see it (issue 42, item 5).
 
     python benchmarks/measure/serve_load.py [BUNDLE] [--max-tokens 64] [--clients 1,4,16] [--requests 16]
-        [--llama-server PATH --gguf FILE] [--json FILE]
+        [--llama-server PATH --gguf FILE] [--users] [--json FILE]
 
 Starts `edgespec serve` (the default bundle, or BUNDLE) as a process of its own on a free port, with its
 default queue. Load: the same `--requests` prompts (benchmarks/workloads/*.jsonl, one set after another, so
@@ -10,8 +10,9 @@ share one after another, greedy, honouring Retry-After on 429; the one-client ru
 alone, which the concurrent runs must repeat byte for byte. Reported per level: aggregate generated
 tokens/s (wall clock), p50/p95 time to first token and latency, every status received, lost answers (no
 200) and truncated ones (no [DONE] or finish reason, or fewer tokens than a "length" finish), answers that
-differ from the prompt's answer alone, p95 of time to first token over the same prompt's alone, and the
-server's peak RSS. Abuse: a 50 MB body, JSON nested 10,000 levels and a 5,000-digit max_tokens, each
+differ from the prompt's answer alone, p95 of time to first token over the same prompt's alone, the
+server's CPU time per generated token (all its threads), and the server's peak RSS. `--users`: each client
+sends a `user` of its own, so the server keeps each one's conversation. Abuse: a 50 MB body, JSON nested 10,000 levels and a 5,000-digit max_tokens, each
 answered with a 4xx in under a second while /health keeps answering, RSS back within 10% of its baseline.
 
 With --slots S it first serves the default recipe exported again with a slots graph of S conversations
@@ -36,7 +37,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from serve_client import Answer, Watch, peak_rss_bytes, rss_bytes, send_raw, stream_chat
+from serve_client import Answer, Watch, cpu_seconds, peak_rss_bytes, rss_bytes, send_raw, stream_chat
 
 HOST = "127.0.0.1"
 WORKLOADS = Path(__file__).resolve().parents[1] / "workloads"
@@ -104,17 +105,20 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def run_level(server: Server, model: str, prompts: list[list[dict]], clients: int, max_tokens: int,
-              alone: dict[int, Answer] | None) -> tuple[dict, dict[int, Answer]]:
-    """Every prompt once, over `clients` concurrent clients (client i sends prompts i, i + clients, ...)."""
+              alone: dict[int, Answer] | None, users: bool = False) -> tuple[dict, dict[int, Answer]]:
+    """Every prompt once, over `clients` concurrent clients (client i sends prompts i, i + clients, ...);
+    `users`: each client sends a `user` of its own."""
     answers: dict[int, Answer] = {}
     lock = threading.Lock()
 
     def client(i: int) -> None:
         for k in range(i, len(prompts), clients):
-            answer = stream_chat(HOST, server.port, prompts[k], max_tokens, model)
+            answer = stream_chat(HOST, server.port, prompts[k], max_tokens, model,
+                                 user=f"client-{clients}-{i}" if users else None)
             with lock:
                 answers[k] = answer
 
+    cpu_before = cpu_seconds(server.pid)
     with Watch(HOST, server.port, server.pid, every_s=0.25) as watch:
         started = time.perf_counter()
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -123,6 +127,7 @@ def run_level(server: Server, model: str, prompts: list[list[dict]], clients: in
         for t in threads:
             t.join()
         wall = time.perf_counter() - started
+    cpu_after = cpu_seconds(server.pid)
     done = [a for a in answers.values() if a.status == 200]
     ttft = [a.ttft_s for a in done if a.ttft_s is not None]
     codes: dict[str, int] = {}
@@ -131,6 +136,9 @@ def run_level(server: Server, model: str, prompts: list[list[dict]], clients: in
             codes[str(code)] = codes.get(str(code), 0) + 1
     row = {"clients": clients, "requests": len(prompts), "wall_s": round(wall, 2),
            "tokens_per_s": round(sum(a.tokens for a in done) / wall, 2),
+           # the server's CPU time (every thread) per generated token: what a level cost, whatever the load beside it
+           "cpu_ms_per_token": round(1000 * (cpu_after - cpu_before) / max(1, sum(a.tokens for a in done)), 2)
+           if cpu_before is not None and cpu_after is not None else None,
            "ttft_p50_s": round(percentile(ttft, 0.5), 3), "ttft_p95_s": round(percentile(ttft, 0.95), 3),
            "latency_p50_s": round(percentile([a.latency_s for a in done], 0.5), 3),
            "latency_p95_s": round(percentile([a.latency_s for a in done], 0.95), 3),
@@ -180,13 +188,13 @@ def abuse_checks(server: Server, model: str) -> list[dict]:
 
 
 def measure(server: Server, model: str, prompts: list[list[dict]], levels: list[int], max_tokens: int,
-            abuse: bool) -> dict:
+            abuse: bool, users: bool = False) -> dict:
     stream_chat(HOST, server.port, [{"role": "user", "content": "Say hi."}], 8, model)  # warm up
     report = {"server": server.name, "command": shlex.join(server.command)}
     report["abuse"] = abuse_checks(server, model) if abuse else []
     report["load"], alone = [], None
     for clients in levels:
-        row, answers = run_level(server, model, prompts, clients, max_tokens, alone)
+        row, answers = run_level(server, model, prompts, clients, max_tokens, alone, users)
         report["load"].append(row)
         alone = alone if alone is not None or clients != 1 else answers
     report["peak_rss_mb"] = round((peak_rss_bytes(server.pid) or 0) / 2**20, 1)
@@ -195,10 +203,11 @@ def measure(server: Server, model: str, prompts: list[list[dict]], levels: list[
 
 def print_report(report: dict) -> None:
     print(f"\n{report['server']}: {report['command']}")
-    print("clients  tokens/s  TTFT p50/p95 s  latency p50/p95 s  lost  trunc  differ  TTFT/alone p95  "
+    print("clients  tokens/s  CPU ms/token  TTFT p50/p95 s  latency p50/p95 s  lost  trunc  differ  TTFT/alone p95  "
           "peak RSS MB  codes")
     for r in report["load"]:
-        print(f"{r['clients']:7d}  {r['tokens_per_s']:8.2f}  {r['ttft_p50_s']:6.2f} / {r['ttft_p95_s']:5.2f}  "
+        print(f"{r['clients']:7d}  {r['tokens_per_s']:8.2f}  {r.get('cpu_ms_per_token') or float('nan'):12.2f}  "
+              f"{r['ttft_p50_s']:6.2f} / {r['ttft_p95_s']:5.2f}  "
               f"{r['latency_p50_s']:7.2f} / {r['latency_p95_s']:6.2f}  {r['lost']:4d}  {r['truncated']:5d}  "
               f"{r.get('differ_from_alone', '-')!s:>6}  {r.get('ttft_over_alone_p95', '-')!s:>14}  "
               f"{r['peak_rss_mb']:11.1f}  {r['codes']}")
@@ -247,6 +256,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=0,
                         help="first serve the default recipe exported with a slots graph of this many conversations "
                              "per pass (shared passes, history.md §65), then the bundle as given, in the same run")
+    parser.add_argument("--users", action="store_true",
+                        help="each client sends a `user` of its own (the server keeps each one's conversation)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
@@ -280,7 +291,8 @@ def main() -> None:
         for name, port, command in commands:
             server = Server(name, command, port, Path(logs))
             try:
-                reports.append(measure(server, model, prompts, levels, args.max_tokens, not args.no_abuse))
+                reports.append(measure(server, model, prompts, levels, args.max_tokens, not args.no_abuse,
+                                       args.users))
             finally:
                 server.stop()
     for report in reports:

@@ -349,11 +349,19 @@ def read_manifest(folder: Path) -> Manifest:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BundleError(f"{folder} is not a bundle: it has no {MANIFEST}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BundleError(f"cannot read {path}: {err}") from err
+    except (OSError, ValueError, RecursionError) as err:
+        # ValueError covers bad JSON, bad UTF-8 and an integer past Python's digit limit; RecursionError
+        # is JSON nested deeper than the decoder's stack.
+        raise BundleError(f"cannot read {path}: {_reason(err)}") from None
     if not isinstance(data, dict):
         raise BundleError(f"{path} does not hold a JSON object")
     return Manifest.from_dict(data)
+
+
+def _reason(err: BaseException) -> str:
+    """An error's message on one line and of bounded length (a decoder's message may quote the input)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def used_files(manifest: Manifest) -> list[str]:
@@ -377,8 +385,8 @@ def read_head_tokens(folder: Path, entry: ModelEntry) -> np.ndarray | None:
         return None
     try:
         ids = np.array(json.loads((Path(folder) / entry.head_tokens).read_text(encoding="utf-8")), dtype=np.int64)
-    except (OSError, ValueError, TypeError) as err:
-        raise BundleError(f"cannot read the draft's head tokens {entry.head_tokens}: {err}") from err
+    except (OSError, ValueError, TypeError, RecursionError, OverflowError) as err:
+        raise BundleError(f"cannot read the draft's head tokens {entry.head_tokens}: {_reason(err)}") from None
     width = entry.graph.outputs.get("logits", {}).get("shape", [None])[-1]
     if ids.ndim != 1 or len(ids) < 2 or ids.min() < 0 or ids.max() >= entry.facts.vocab_size \
             or len(np.unique(ids)) != len(ids) or (isinstance(width, int) and width != len(ids)):

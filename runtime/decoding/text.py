@@ -64,6 +64,11 @@ class TextCodec:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The chat template supplies every special token itself (no extra BOS). `tools`: OpenAI's tool
         objects, for a template that renders them (`takes_tools`)."""
+        return self.tokenizer.encode(self.render_chat(messages, tools), add_special_tokens=False).ids
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The text `encode_chat` tokenises: rendering is cheap beside tokenising, so a server can measure a
+        prompt by it first (edgespec/serve_limits.py)."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise InputError(f"chat message {i} needs a 'role' and a 'content'")
@@ -75,7 +80,7 @@ class TextCodec:
                                          bos_token=self.spec.bos_token or "", **({"tools": tools} if tools else {}))
         except jinja2.TemplateError as err:
             raise InputError(f"the model's chat template refused these messages: {err}") from err
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return text
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
