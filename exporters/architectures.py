@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from edgespec.runtime.contract.errors import ExportError, UnsupportedArchitectureError
+from edgespec.runtime.contract.errors import UnsupportedArchitectureError
 
 from .llama import LlamaBuilder
 
