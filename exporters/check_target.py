@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -42,19 +42,35 @@ def streams(graph: Path, memory: CheckMemory | None = None) -> bool:
     return external_bytes(load_graph(Path(graph).parent, Path(graph).name)) > (memory or CHECKS).stream_above
 
 
+def layers_of_every_kind(kinds: list) -> int:
+    """The fewest first layers that hold a layer of each kind in `kinds` (per layer: its attention window
+    and rotary table): what the exactness check runs of a streamed target (`checked_target`'s `prefix`)."""
+    first = {}
+    for layer, kind in enumerate(kinds):
+        first.setdefault(kind, layer)
+    return max(first.values()) + 1
+
+
 @contextlib.contextmanager
-def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory | None = None):
+def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory | None = None, prefix: int | None = None):
     """A runner of `graph` (ModelRunner's forward) for the export's checks: resident up to
     `memory.stream_above` bytes of weights, else streamed in stages. The stages' files are removed when
-    the block ends."""
+    the block ends. `prefix`: a streamed target is run as its embedding, its first `prefix` layers and its
+    head, all resident. The exactness check asks whether the kernels give a row the same bits in passes of
+    any size; layers of one kind run the same kernels on the same shapes, so a prefix holding every kind
+    answers it for the whole graph at the cost of a few layers a pass (history.md §80)."""
     graph, memory = Path(graph), memory or CHECKS
     whole = load_graph(graph.parent, graph.name)
     weights = external_bytes(whole)
     if weights <= memory.stream_above:
         yield ModelRunner(make_session(graph, PROVIDERS, default_threads()), facts)
         return
-    groups = min(facts.num_layers, max(1, math.ceil(weights / memory.stage_bytes)))
-    plan = stage_plan(facts.num_layers, groups)
+    if prefix is not None:
+        last = facts.num_layers
+        plan = [(range(0, 0), True, False), (range(0, prefix), False, False), (range(last, last), False, True)]
+        facts = replace(facts, num_layers=prefix)
+    else:
+        plan = stage_plan(facts.num_layers, min(facts.num_layers, max(1, math.ceil(weights / memory.stage_bytes))))
     boundaries = boundaries_of(whole, graph.name)
     files = []
     try:
@@ -64,7 +80,7 @@ def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory | None = 
             files.append(graph.with_name(f".{graph.stem}.check{i}.onnx"))
             onnx.save_model(stage, files[-1])
             sizes.append(external_bytes(stage))
-        pinned = _first_that_fit(sizes, memory.resident_bytes)
+        pinned = tuple(range(len(plan))) if prefix is not None else _first_that_fit(sizes, memory.resident_bytes)
         # the stages' passes take turns: their activations come from one shared arena (sessions.py)
         stages = [LoadedStage(lambda path=path: make_session(path, PROVIDERS, default_threads(), spin=False,
                                                              shared_arena=True)) for path in files]

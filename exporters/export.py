@@ -27,7 +27,7 @@ from .bundle_writer import (
     write_slots,
     write_tokenizer,
 )
-from .check_target import checked_target
+from .check_target import checked_target, layers_of_every_kind
 from .drafts import DRAFT_HEAD_FILE, DraftInfo, draft_builder_for, draft_calibration_from, read_draft_info
 from .eagle3 import is_eagle3_head, read_eagle3_head
 from .eagle3_graph import Eagle3Builder
@@ -140,7 +140,7 @@ def _write_models(folder: Path, config: ExportConfig, plan: ExportPlan, target_s
     if plan.coreml is not None:
         coreml = _write_coreml(folder, config, plan, target_builder, draft_builder, say)
     say("checking that this device keeps plain decoding's bits (as inspect --check-exact does)")
-    exactness = _exactness(folder / target_entry.graph.file, target_builder.facts, say)
+    exactness = _exactness(folder / target_entry.graph.file, target_builder, say)
     others = ()
     if config.also_profiles:
         others = _other_profiles(folder, config, plan, static, (target_builder, target_entry), (draft_builder, draft_entry),
@@ -174,8 +174,8 @@ def _medusa_heads(config: ExportConfig, plan: ExportPlan, draft_source) -> bool:
     return True
 
 
-def _exactness(graph: Path, facts, say) -> dict:
-    found = check_exactness(graph, facts)
+def _exactness(graph: Path, builder, say) -> dict:
+    found = check_exactness(graph, builder.facts, layers_of_every_kind(list(zip(builder.windows, builder.ropes))))
     if not found["exact"]:
         say(f"warning: {found['differ']} of {found['rows']} rows of {graph.name} differ from plain decoding on this "
             "device: the bundle will decode plainly here")
@@ -201,7 +201,7 @@ def _other_profiles(folder: Path, config: ExportConfig, plan: ExportPlan, static
                                   calibration=calibrations[role == "draft"],
                                   static=None if main_static else static).graph
     if "target" in other:
-        other["exactness"] = _exactness(folder / other["target"].file, target_builder.facts, say)
+        other["exactness"] = _exactness(folder / other["target"].file, target_builder, say)
     found = []
     for profile, roles in zip(plan.profiles[1:], plan.shapes[1:]):
         own = {}
@@ -234,9 +234,10 @@ def static_dims(nodes: int | None, context: int) -> dict[str, int] | None:
     return {"nodes": nodes, "slots": nodes, "rows": nodes, "total": context + nodes, "capacity": context + nodes}
 
 
-def check_exactness(graph: Path, facts) -> dict:
-    """runtime/decoding/exactness.py's check on the written target graph, as the manifest records it."""
-    with checked_target(graph, facts) as runner:
+def check_exactness(graph: Path, facts, prefix: int | None = None) -> dict:
+    """runtime/decoding/exactness.py's check on the written target graph, as the manifest records it
+    (`prefix`: the first layers a streamed target's check runs, exporters/check_target.py)."""
+    with checked_target(graph, facts, prefix=prefix) as runner:
         min_rows, compared, differ = fewest_exact_rows(runner)
     return {"machine": machine_key(), "onnxruntime": onnxruntime.__version__, "exact": not differ,
             "rows": compared, "differ": len(differ), "min_rows": min_rows}

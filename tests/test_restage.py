@@ -167,7 +167,21 @@ def test_the_export_checks_streamed_in_stages_give_the_whole_graphs_verdicts(exp
         expected, actual = _first_pass(resident), _first_pass(streamed)
         assert np.array_equal(expected[0], actual[0]) and np.array_equal(expected[1], actual[1])
         assert fewest_exact_rows(streamed)[:2] == fewest_exact_rows(resident)[:2]
+    # the exactness check of a streamed target: its embedding, first layers and head, all resident
+    with checked_target(folder / "target.onnx", facts, CheckMemory(0, 1, 1), prefix=2) as prefix:
+        assert prefix.window.count == 3 and len(prefix.window.pinned) == 3 and prefix.facts.num_layers == 2
+        min_rows, compared, differ = fewest_exact_rows(prefix)
+        assert (min_rows, compared) == fewest_exact_rows(resident)[:2] and not differ
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_prefix_holds_a_layer_of_every_kind():
+    from edgespec.exporters.check_target import layers_of_every_kind
+
+    assert layers_of_every_kind([(None, "")] * 32) == 1
+    gemma = [(512, "local")] * 5 + [(None, "global")]
+    assert layers_of_every_kind(gemma * 4) == 6
+    assert layers_of_every_kind([(None, "a"), (4, "b"), (None, "a")]) == 2
 
 
 def test_an_export_whose_checks_stream_records_the_same_verdict(models, exported, tmp_path, monkeypatch):
