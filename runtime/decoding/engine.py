@@ -27,6 +27,7 @@ from .logprobs import Scores, TokenLogprob
 from .sampling import Sampler, SamplingConfig
 from .suffix import SuffixStore
 from .text import TextCodec, TextStream
+from .text_bridge import common_prefix
 from .tree import Tree
 
 KV_POLICIES = ("error", "sliding")
@@ -367,7 +368,7 @@ def _start(target: Runner, session: Session, context_ids: list[int], config: Gen
 def _reuse(session: Session, context_ids: list[int], sliding: bool, sinks: int) -> int:
     """Makes `context_ids` the session's conversation; returns how many of the cache's rows stay valid."""
     prior, window, cache = session.committed, session.window, session.cache
-    shift, same = len(prior) - len(window), _common_prefix(prior, context_ids)  # shift: tokens slid out
+    shift, same = len(prior) - len(window), common_prefix(prior, context_ids)  # shift: tokens slid out
     if sliding and shift > 0 and sinks <= min(same - shift, cache.length) and same < len(context_ids) \
             and window[:sinks] == prior[:sinks] and window[sinks:] == prior[sinks + shift:]:
         # a slid conversation goes on from where it agrees with the cache's rows: past the sinks, window
@@ -379,7 +380,7 @@ def _reuse(session: Session, context_ids: list[int], sliding: bool, sinks: int) 
     # otherwise a slid cache holds no prefix of the conversation: nothing of it can be reused
     reusable = window if window == prior else []
     session.begin(context_ids)
-    return min(_common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
+    return min(common_prefix(reusable, context_ids), len(context_ids) - 1, cache.length)
 
 
 def _prefill_sliding(target: Runner, session: Session, chunk: int, sinks: int) -> np.ndarray:
@@ -413,12 +414,3 @@ def slide(session: Session, sinks: int, rope_frequencies) -> None:
     cache.evict(sinks, count, rope_frequencies)
     del session.window[sinks : sinks + count]
     session.drafter.rewind(sinks)  # drafters rebuild what they kept past the sinks from the new window
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
