@@ -45,7 +45,7 @@ from edgespec.runtime.pipeline import Pipeline
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
 from edgespec.serve_limits import check_length, exposed_without_key, longest_token, parse_json, read_body
 from edgespec.serve_turns import Turn, Turns, generate_sharing, shared_passes_of
-from edgespec.tool_calls import read_call, told
+from edgespec.tool_calls import CallWatch, read_call, told
 
 LOG = logging.getLogger("edgespec.serve")
 FIRST_GUESS_S = 2.0  # a generation's turns, in seconds, until one has been timed
@@ -258,9 +258,8 @@ class Routes:
             body = await read_body(request, self.config.max_body_bytes)
             completion = await self.generations.off_loop(self.parse, body, chat)
             config, ids = await self.generations.prepare(completion)
-            # a tool call is sent whole once the answer is known to be one: text is held until the end
-            streams_text = completion.stream and completion.tool_choice is None
-            on_text = (lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)) if streams_text else None
+            # under tools only what could still open a call is held back (stream_events: CallWatch)
+            on_text = (lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)) if completion.stream else None
             task = self.generations.start(ids, config, client_of(key, completion.user, completion.cache_salt),
                                           on_text, cancel)
         except BaseException:
@@ -364,10 +363,14 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
     def event(payload) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
+    watch = CallWatch() if completion.tool_choice else None  # a call is sent whole, once read at the end
     try:
         yield event(chunk(request_id, chat, model, first=True))
         while (text := await pieces.get()) is not None:
-            yield event(chunk(request_id, chat, model, text=text))
+            if watch is not None:
+                text = watch.feed(text)
+            if text:
+                yield event(chunk(request_id, chat, model, text=text))
         try:
             result = task.result()
         except EdgespecError as err:
@@ -376,8 +379,8 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
         calls = read_call(result.text) if completion.tool_choice else None
         if calls:
             yield event(chunk(request_id, chat, model, tool_calls=calls))
-        elif completion.tool_choice and result.text:  # held back in case it was a call: it was text
-            yield event(chunk(request_id, chat, model, text=result.text))
+        elif watch is not None and watch.held:  # held back in case it was a call: it was text (or a cut call)
+            yield event(chunk(request_id, chat, model, text=watch.held))
         yield event(chunk(request_id, chat, model, result=result, called=bool(calls)))
         if completion.include_usage:
             yield event(chunk(request_id, chat, model, result=result, usage_only=True))
