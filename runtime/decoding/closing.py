@@ -159,7 +159,7 @@ class Closer:
         candidates[ends] = False
         candidates[first] = False
         if np.count_nonzero(candidates) > FEW and d <= left - 1:  # free text: its bytes probed once each
-            probed = candidates & self._probed(candidates, keeps)
+            probed = candidates & self._probed(candidates, allowed, keeps)
             kept |= probed
             candidates &= ~probed
         for token in np.flatnonzero(candidates)[:CHECKED]:
@@ -167,7 +167,7 @@ class Closer:
                 kept[token] = True
         return kept
 
-    def _probed(self, candidates: np.ndarray, keeps) -> np.ndarray:
+    def _probed(self, candidates: np.ndarray, allowed: np.ndarray, keeps) -> np.ndarray:
         """[V] bool: the tokens made only of bytes after which the completion still completes (each byte's own
         token probed where admitted; bytes from 0x80 through one whole character, for whole characters)."""
         used = np.bitwise_or.reduce(self.token_bytes[candidates], axis=0)
@@ -175,11 +175,17 @@ class Closer:
         bad = np.ones(256, dtype=bool)
         for byte in used_bytes[used_bytes < 0x80]:
             token = self.byte_token.get(int(byte))
-            bad[byte] = token is None or not candidates[token] or not keeps(token)
-        wide_ok = self.wide is not None and candidates[self.wide] and keeps(self.wide)
+            bad[byte] = token is None or not allowed[token] or not keeps(token)
+        wide_ok = self.wide is not None and allowed[self.wide] and keeps(self.wide)
         bad[0x80:] = not wide_ok
         bad_words = np.packbits(bad, bitorder="little").view(np.uint64)
         return ~(self.token_bytes & bad_words).any(axis=1) & self.whole & ~self.empty
+
+
+def _walk_limit(left: int) -> int:
+    """How far the rule walks for a completion of at most `left` tokens: its walk goes a token a byte where
+    the grammar forces nothing, and spelled in fewer tokens may still fit."""
+    return min(CHAIN_LIMIT, 4 * max(left, 0) + 16)
 
 
 def _whole_utf8(data: bytes) -> bool:
@@ -242,7 +248,7 @@ class Completions:
             if depth < len(key):
                 self.matcher.rollback(len(key) - depth)
             if key[:depth] not in self._known:  # the root
-                self._known[key[:depth]] = self.closer.distance(self.matcher, limit=self.budget)
+                self._known[key[:depth]] = self.closer.distance(self.matcher, limit=_walk_limit(self.budget))
             for step in range(depth + 1, len(key) + 1):
                 self.matcher.consume_token(key[step - 1])
                 self._known[key[:step]] = self._after(self._known[key[: step - 1]], key[step - 1], step)
@@ -262,7 +268,7 @@ class Completions:
             return parent[0] - 1, tail[0] if tail else self.closer.end(self.matcher), tail
         if parent[1] is not None and self._completes(parent[2]):
             return parent if parent[2] else (0, self.closer.end(self.matcher), ())
-        return self.closer.distance(self.matcher, limit=self.budget - depth)
+        return self.closer.distance(self.matcher, limit=_walk_limit(self.budget - depth))
 
     def _completes(self, tokens: tuple[int, ...]) -> bool:
         consumed = self.matcher.try_consume_tokens(list(tokens))
