@@ -38,6 +38,7 @@ FEW = 256  # admitted tokens up to which each is checked one by one
 CHECKED = 1024  # in free text, the most tokens of unprobed bytes checked one by one (past it: dropped)
 CLOSERS = (b'"', b"}", b"]", b")", b"0", b",")  # tried in this order where the grammar forces nothing
 CHAIN_LIMIT = 4096  # a completion rule that has not ended by then: no known completion (distance infinite)
+PARTIAL = 3  # the most bytes that end a character a token leaves open (UTF-8)
 RESPELL_BYTES = 16  # the longest token tried when a completion is spelled in fewer tokens
 INFINITE = 1 << 30
 
@@ -61,13 +62,13 @@ class Closer:
         single = {data: i for i, data in reversed(list(enumerate(spelled))) if len(data) == 1}
         self.closers = [single[c] for c in CLOSERS if c in single]
         self._spelled = spelled
-        self.byte_token = {data[0]: i for data, i in single.items()}  # each byte's own token
         self.spelling = {data: i for i, data in reversed(list(enumerate(spelled))) if 0 < len(data) <= RESPELL_BYTES}
         # each token's bytes as a 256-bit set (4 words), to find at once the tokens made of probed bytes only
         present = np.zeros((vocab_size, 256), dtype=bool)
         for i, data in enumerate(spelled):
             present[i, list(data)] = True
-        self.token_bytes = np.packbits(present, axis=1, bitorder="little").view(np.uint64)
+        self.token_words = np.ascontiguousarray(np.packbits(present, axis=1, bitorder="little").view(np.uint64).T)
+        self.ascii_tokens = np.array(sorted(i for data, i in single.items() if data[0] < 0x80), dtype=np.int64)
         self.empty = np.array([not data for data in spelled], dtype=bool)  # EOS, special tokens: never probed
         # the bytes from 0x80 are probed together through one whole character (a lexer takes non-ASCII text as
         # a class); a token that splits a character is checked one by one
@@ -103,8 +104,7 @@ class Closer:
 
     def end(self, matcher) -> int | None:
         """The first EOS the matcher's (accepting) state admits."""
-        allowed = self.allowed(matcher)
-        return next((e for e in self.eos if allowed[e]), None)
+        return next((e for e in self.eos if matcher.validate_tokens([e]) == 1), None)
 
     def _closing_token(self, matcher) -> int | None:
         for token in self.closers:
@@ -159,7 +159,9 @@ class Closer:
         candidates[ends] = False
         candidates[first] = False
         if np.count_nonzero(candidates) > FEW and d <= left - 1:  # free text: its bytes probed once each
-            probed = candidates & self._probed(candidates, allowed, keeps)
+            clean = candidates & self._probed(allowed, keeps)
+            # a token that ends inside a character is as its whole bytes, but for the (at most 3) bytes that end it
+            probed = clean & (self.whole if d + PARTIAL > left - 1 else True)
             kept |= probed
             candidates &= ~probed
         for token in np.flatnonzero(candidates)[:CHECKED]:
@@ -167,19 +169,20 @@ class Closer:
                 kept[token] = True
         return kept
 
-    def _probed(self, candidates: np.ndarray, allowed: np.ndarray, keeps) -> np.ndarray:
-        """[V] bool: the tokens made only of bytes after which the completion still completes (each byte's own
-        token probed where admitted; bytes from 0x80 through one whole character, for whole characters)."""
-        used = np.bitwise_or.reduce(self.token_bytes[candidates], axis=0)
-        used_bytes = np.flatnonzero(np.unpackbits(used.view(np.uint8), bitorder="little"))
+    def _probed(self, allowed: np.ndarray, keeps) -> np.ndarray:
+        """[V] bool: the tokens made only of bytes after which the completion still completes: each ASCII
+        byte's own token probed where admitted (a byte not admitted alone is not probed: its tokens are
+        checked one by one), the bytes from 0x80 together through one whole character."""
+        ascii_tokens = self.ascii_tokens[allowed[self.ascii_tokens]]
         bad = np.ones(256, dtype=bool)
-        for byte in used_bytes[used_bytes < 0x80]:
-            token = self.byte_token.get(int(byte))
-            bad[byte] = token is None or not allowed[token] or not keeps(token)
-        wide_ok = self.wide is not None and allowed[self.wide] and keeps(self.wide)
-        bad[0x80:] = not wide_ok
-        bad_words = np.packbits(bad, bitorder="little").view(np.uint64)
-        return ~(self.token_bytes & bad_words).any(axis=1) & self.whole & ~self.empty
+        for token in ascii_tokens:
+            bad[self._spelled[token][0]] = not keeps(int(token))
+        bad[0x80:] = not (self.wide is not None and allowed[self.wide] and keeps(self.wide))
+        words = np.packbits(bad, bitorder="little").view(np.uint64)
+        hit = self.token_words[0] & words[0]
+        for i in range(1, 4):
+            hit |= self.token_words[i] & words[i]
+        return (hit == 0) & ~self.empty
 
 
 def _walk_limit(left: int) -> int:
