@@ -13,9 +13,11 @@ admitted exactly when the output can still close after it: d(state + t) <= r - 1
 - r > d + WATCH: the grammar's mask unchanged (one token is taken to add at most WATCH to d);
 - d < r <= d + WATCH: every admitted token is kept whose completion fits, the model's own choice wherever
   it can still close; checked one by one where the grammar admits few (a structural position); where it
-  admits many (free text), each byte the admitted tokens use is probed once (does the completion still
-  complete after it?), a token of such bytes alone keeps the completion (d unchanged, so it fits), and only
-  the tokens with another byte are checked one by one;
+  admits many (free text), only within FREE_JUMP of d (one token of free text is taken to add less), and
+  there each ASCII byte admitted alone is probed once (does the completion still complete after it?), a
+  token of such bytes keeps the completion (d unchanged, so it fits), and of the tokens with another byte
+  (a `"` or a backslash in a string, each a walk of the rule) the first CHECKED_FREE are checked, the rest
+  dropped: punctuation, words and the end stay to the last token;
 - r <= d: only tokens that shorten the completion, the closing completion's next token among them; from
   there d falls by one a token, so the output ends complete at the budget or before.
 
@@ -24,7 +26,8 @@ admitted. The rule reads only the path to a state and the tokens left, both know
 mask is the same in a speculative step as in the plain step that reaches it: exactness holds as for the
 grammar's mask. What it assumes: a byte that leaves the completion completing leaves the lexer where it was
 (true of strings, free text and numbers' digits; a grammar where a run of such bytes opens structure can
-leave a cut output, finish "length", as can a token that adds more than WATCH from a free-text position).
+leave a cut output, finish "length", as can a token that adds more than WATCH at a structural position or
+FREE_JUMP in free text).
 The closing distance is the rule's, not the shortest possible: where the rule's completion is longer than
 the grammar's shortest (a recursive Lark rule the closing bytes do not end), closing acts earlier than it
 must (tests/test_closing_brute.py measures both against an enumeration).
@@ -35,7 +38,9 @@ import numpy as np
 
 WATCH = 64  # how far before the closing distance admitted tokens are checked (a jump larger than this can cut)
 FEW = 256  # admitted tokens up to which each is checked one by one
-CHECKED = 1024  # in free text, the most tokens of unprobed bytes checked one by one (past it: dropped)
+CHECKED = 1024  # the most tokens checked one by one (past it: dropped)
+FREE_JUMP = 16  # in free text, tokens are checked only within this many tokens of the closing distance
+CHECKED_FREE = 8  # there, the most tokens of unprobed bytes (`"`, a backslash) checked one by one (each a walk)
 CLOSERS = (b'"', b"}", b"]", b")", b"0", b",")  # tried in this order where the grammar forces nothing
 CHAIN_LIMIT = 4096  # a completion rule that has not ended by then: no known completion (distance infinite)
 PARTIAL = 3  # the most bytes that end a character a token leaves open (UTF-8)
@@ -116,28 +121,40 @@ class Closer:
         return int(admitted[0]) if admitted.size else None
 
     def _respelled(self, matcher, completion: list[int]) -> list[int]:
-        """The completion's bytes in the fewest tokens (the rule goes a byte at a time: `"` then `}` where `"}`
-        is one token), where the grammar takes that spelling to its end; else the completion as built."""
-        data = b"".join(self.spelling_of(t) for t in completion)
-        best: list[tuple[int, int, int]] = [(0, -1, -1)] + [(INFINITE, -1, -1)] * len(data)  # (count, start, token)
-        for end in range(1, len(data) + 1):
-            for start in range(max(0, end - RESPELL_BYTES), end):
-                token = self.spelling.get(data[start:end])
-                if token is not None and best[start][0] + 1 < best[end][0]:
-                    best[end] = (best[start][0] + 1, start, token)
-        if best[-1][0] >= len(completion):
+        """The completion with each run of one-byte tokens (the rule's closing bytes: `"` then `}` where `"}`
+        is one token) spelled in the fewest tokens, where the grammar takes that spelling to its end; else the
+        completion as built."""
+        shorter, run = [], []
+        for token in [*completion, None]:
+            if token is not None and len(self._spelled[token]) == 1:
+                run.append(token)
+                continue
+            shorter += self._fewest(b"".join(self._spelled[t] for t in run)) if len(run) > 1 else run
+            run = []
+            if token is not None:
+                shorter.append(token)
+        if len(shorter) >= len(completion):
             return completion
-        shorter, at = [], len(data)
-        while at > 0:
-            shorter.append(best[at][2])
-            at = best[at][1]
-        shorter.reverse()
         consumed = matcher.try_consume_tokens(shorter)
         try:
             return shorter if consumed == len(shorter) and matcher.is_accepting() else completion
         finally:
             if consumed:
                 matcher.rollback(consumed)
+
+    def _fewest(self, data: bytes) -> list[int]:
+        """`data` in the fewest vocabulary tokens (a shortest path over its positions)."""
+        best: list[tuple[int, int, int]] = [(0, -1, -1)] + [(INFINITE, -1, -1)] * len(data)  # (count, start, token)
+        for end in range(1, len(data) + 1):
+            for start in range(max(0, end - RESPELL_BYTES), end):
+                token = self.spelling.get(data[start:end])
+                if token is not None and best[start][0] + 1 < best[end][0]:
+                    best[end] = (best[start][0] + 1, start, token)
+        tokens, at = [], len(data)
+        while at > 0:
+            tokens.append(best[at][2])
+            at = best[at][1]
+        return tokens[::-1]
 
     def spelling_of(self, token: int) -> bytes:
         return self._spelled[token]
@@ -158,13 +175,17 @@ class Closer:
         candidates = allowed.copy()
         candidates[ends] = False
         candidates[first] = False
-        if np.count_nonzero(candidates) > FEW and d <= left - 1:  # free text: its bytes probed once each
-            clean = candidates & self._probed(allowed, keeps)
+        checked = CHECKED
+        if np.count_nonzero(candidates) > FEW and d <= left - 1:  # free text
+            if left - 1 - d >= FREE_JUMP:  # one token of free text is taken to add less than FREE_JUMP
+                return kept | candidates
+            clean = candidates & self._probed(allowed, keeps)  # its bytes probed once each
             # a token that ends inside a character is as its whole bytes, but for the (at most 3) bytes that end it
             probed = clean & (self.whole if d + PARTIAL > left - 1 else True)
             kept |= probed
             candidates &= ~probed
-        for token in np.flatnonzero(candidates)[:CHECKED]:
+            checked = CHECKED_FREE
+        for token in np.flatnonzero(candidates)[:checked]:
             if fits(int(token)):
                 kept[token] = True
         return kept
@@ -188,7 +209,7 @@ class Closer:
 def _walk_limit(left: int) -> int:
     """How far the rule walks for a completion of at most `left` tokens: its walk goes a token a byte where
     the grammar forces nothing, and spelled in fewer tokens may still fit."""
-    return min(CHAIN_LIMIT, 4 * max(left, 0) + 16)
+    return min(CHAIN_LIMIT, max(left, 0) + 16)
 
 
 def _whole_utf8(data: bytes) -> bool:
