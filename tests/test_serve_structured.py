@@ -280,10 +280,10 @@ def test_text_under_tools_streams_and_only_a_calls_start_is_held():
 def test_an_answer_under_tools_streams_as_the_unstreamed_one(server, tool_choice):
     """Text under tool_choice "auto" arrives in pieces as it is decoded (not in one chunk at the end) and adds up
     to the unstreamed answer; a call arrives whole, as the unstreamed call."""
-    client = server.client()
+    client, texts = server.client(), 0
     for messages in (MESSAGES, [{"role": "user", "content": "The quick brown fox"}],
                      [{"role": "user", "content": "def add(a, b):"}]):
-        settings = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0, tools=TOOLS,
+        settings = dict(model=MODEL, messages=messages, max_tokens=75, temperature=0, tools=TOOLS,
                         tool_choice=tool_choice)
         whole = client.chat.completions.create(**settings)
         pieces, calls = [], []
@@ -299,3 +299,5 @@ def test_an_answer_under_tools_streams_as_the_unstreamed_one(server, tool_choice
             assert tool_choice == "auto" and "".join(pieces) == message.content
             tokens = whole.usage.completion_tokens
             assert len(pieces) >= min(3, tokens // 4), (tokens, pieces)  # several chunks, not one at the end
+            texts += 1
+    assert texts or tool_choice != "auto", "no answer under auto was text: nothing streamed was tested"
