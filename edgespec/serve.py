@@ -54,7 +54,7 @@ from edgespec.serve_limits import (
     read_body,
 )
 from edgespec.serve_turns import Turn, Turns, generate_sharing, shared_passes_of
-from edgespec.tool_calls import read_call, told
+from edgespec.tool_calls import CallWatch, read_call, told
 
 LOG = logging.getLogger("edgespec.serve")
 FIRST_GUESS_S = 2.0  # a generation's turns, in seconds, until one has been timed
@@ -273,11 +273,11 @@ class Routes:
             body = await read_body(request, self.config.max_body_bytes)
             completion = await self.generations.off_loop(self.parse, body, chat)
             config, ids = await self.generations.prepare(completion)
-            # a tool call is sent whole once the answer is known to be one: text is held until the end
-            streams_text = completion.stream and completion.tool_choice is None
+            # under tools only what could still open a call is held back (stream_events: CallWatch)
             scores = completion.scores()
             on_text = (lambda text: loop.call_soon_threadsafe(
-                pieces.put_nowait, (text, scores.take_shown() if scores is not None else None))) if streams_text else None
+                pieces.put_nowait, (text, scores.take_shown() if scores is not None else None))) \
+                if completion.stream else None
             task = self.generations.start(ids, config, client_of(key, completion.user, completion.cache_salt),
                                           on_text, cancel, scores)
         except BaseException:
@@ -415,6 +415,7 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
     def event(payload) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
+    watch = CallWatch() if completion.tool_choice else None  # a call is sent whole, once read at the end
     try:
         yield event(chunk(request_id, chat, model, first=True))
         def shaped(scored):
@@ -422,22 +423,31 @@ async def stream_events(task: asyncio.Future, pieces: asyncio.Queue, cancel: thr
                 completion_logprobs(scored, token_text)
 
         sent = 0  # tokens whose logprobs went with their text
+        held = []  # logprobs of text the watch holds back: they go with it when it is sent
         while (piece := await pieces.get()) is not None:
             text, scored = piece
-            sent += len(scored or ())
-            yield event(chunk(request_id, chat, model, text=text, logprobs=shaped(scored)))
+            held += scored or ()
+            if watch is not None:
+                text = watch.feed(text)
+            if text:
+                sent += len(held)
+                yield event(chunk(request_id, chat, model, text=text, logprobs=shaped(held)))
+                held = []
         try:
             result = task.result()
         except EdgespecError as err:
             yield event(APIError(str(err), code="generation_failed").body())
             return
-        if result.logprobs and sent < len(result.logprobs):  # tokens of no text of their own (a split character)
-            yield event(chunk(request_id, chat, model, text="", logprobs=shaped(result.logprobs[sent:])))
+        # logprobs not sent yet: of text held back, or of tokens of no text of their own (a split character)
+        rest = list(result.logprobs[sent:]) if result.logprobs else []
         calls = read_call(result.text) if completion.tool_choice else None
         if calls:
             yield event(chunk(request_id, chat, model, tool_calls=calls))
-        elif completion.tool_choice and result.text:  # held back in case it was a call: it was text
-            yield event(chunk(request_id, chat, model, text=result.text))
+        elif watch is not None and watch.held:  # held back in case it was a call: it was text (or a cut call)
+            yield event(chunk(request_id, chat, model, text=watch.held, logprobs=shaped(rest)))
+            rest = []
+        if rest:
+            yield event(chunk(request_id, chat, model, text="", logprobs=shaped(rest)))
         yield event(chunk(request_id, chat, model, result=result, called=bool(calls)))
         if completion.include_usage:
             yield event(chunk(request_id, chat, model, result=result, usage_only=True))

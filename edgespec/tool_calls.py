@@ -145,6 +145,27 @@ def written_call(tool_calls, param: str) -> str:
     return "\n".join(written)
 
 
+class CallWatch:
+    """A streamed answer's text as it may be sent: under tools, text passes on as it comes, except what could
+    still be the start of a call (`read_call`'s: after leading whitespace, a prefix of CALL_OPEN), held until
+    it is known to be text or is a call (then the whole answer is held, to be read as calls at its end)."""
+
+    def __init__(self):
+        self.held = ""  # text not sent yet: what could still open a call, or the call
+        self.text = False  # known to be text: everything passes on
+
+    def feed(self, piece: str) -> str:
+        """What of the answer so far can be sent now, given its next piece."""
+        if self.text:
+            return piece
+        self.held += piece
+        head = self.held.lstrip()
+        if head.startswith(CALL_OPEN) or CALL_OPEN.startswith(head):
+            return ""
+        self.text, sent, self.held = True, self.held, ""
+        return sent
+
+
 def read_call(text: str) -> list[dict] | None:
     """The answer's tool calls as OpenAI's `tool_calls`, or None when it answered in text (or was cut)."""
     text, calls, at = text.strip(), [], 0

@@ -16,6 +16,8 @@ from edgespec.runtime.pipeline import Pipeline
 from test_constraints import GRAMMAR, PROMPTS
 from test_sampling_engine import TRIALS, assert_same_distribution
 
+from edgespec.tool_calls import read_call, tool_constraint
+
 # an array without bounds: a random tiny model fills it until the budget, so only closing ends it
 LIST = {"type": "object", "properties": {"title": {"type": "string"},
                                          "items": {"type": "array", "items": {"type": "object", "properties": {
@@ -78,10 +80,40 @@ def test_a_looping_array_closes_where_masks_alone_cut_it(bundle_factory):
     assert common is not None and common > 20  # the same output until the end came near
 
 
-@pytest.mark.parametrize("draft,tree,kind", [("draft", "topk:2x2", "regex"), ("ngram", "chain:3", "json_object")])
+WEATHER = ({"name": "weather", "description": "", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},)
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+          "additionalProperties": False}
+TEXT_SPECS = {"auto": tool_constraint(WEATHER, "auto"), "answer": ConstraintSpec.json_schema(ANSWER)}
+
+
+@pytest.mark.parametrize("draft,tree,suffix", [("draft", "topk:2x2", False), ("ngram", "chain:6", False),
+                                               ("suffix", None, True)])
+def test_text_and_free_strings_near_the_budget_speculative_equals_plain(draft, tree, suffix, bundle_factory):
+    """Issue 57: the text branch of tool_choice "auto" and a free string field, at budgets where closing acts
+    (a call's or the document's end near), speculative equal to plain, every output complete."""
+    pipeline = Pipeline(bundle_factory(draft=draft, tree=tree, suffix=suffix))
+    for kind, spec in TEXT_SPECS.items():
+        closes = pipeline.grammars.start(spec, budget=1000).closing_distance()
+        for prompt in [*PROMPTS, "<tool_call>"]:
+            for budget in (max(closes, 2), closes + 3, 40):
+                config = GenerationConfig(max_new_tokens=budget, stop_at_eos=False, constraint=spec)
+                plain = pipeline.generate(prompt, config=config, speculate=False)
+                fast = pipeline.generate(prompt, config=config, speculate=True)
+                assert fast.token_ids == plain.token_ids and fast.stop_reason == plain.stop_reason, (kind, budget)
+                assert plain.stop_reason in ("eos", "closed"), (kind, prompt, budget, plain.text)
+                if kind == "answer":
+                    assert set(json.loads(plain.text)) == {"answer"}
+                else:  # text, or a whole call
+                    assert not plain.text.startswith("<") or read_call(plain.text) is not None, plain.text
+
+
+@pytest.mark.parametrize("draft,tree,kind", [("draft", "topk:2x2", "regex"), ("ngram", "chain:3", "json_object"),
+                                            ("draft", "topk:2x2", "auto")])
 def test_closed_sampling_has_the_plain_distribution(draft, tree, kind, bundle_factory):
     pipeline = Pipeline(bundle_factory(draft=draft, tree=tree), threads=1)
-    spec = {"regex": ConstraintSpec.regex(r"[a-f]{1,3}( [a-f]{1,3}){0,3}"), "json_object": SPECS["json_object"]}[kind]
+    spec = {"regex": ConstraintSpec.regex(r"[a-f]{1,3}( [a-f]{1,3}){0,3}"), "json_object": SPECS["json_object"],
+            "auto": TEXT_SPECS["auto"]}[kind]
     budget = pipeline.grammars.start(spec, budget=99).closing_distance() + 2  # closing from the first tokens
 
     def outcomes(speculate: bool) -> Counter:

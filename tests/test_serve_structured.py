@@ -9,7 +9,7 @@ from edgespec.runtime.pipeline import Pipeline
 from test_serve import KEY, MESSAGES, MODEL, Server
 
 from edgespec.openai_api import APIError, parse_chat
-from edgespec.tool_calls import read_call, told, tool_constraint, with_tools
+from edgespec.tool_calls import CallWatch, read_call, told, tool_constraint, with_tools
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"},
                                            "pet": {"enum": ["fox", "dog"]}},
@@ -263,3 +263,41 @@ def test_a_template_that_renders_tools_is_given_them(bundle_factory, tmp_path):
     assert "TOOLS timer" in rendered and "Tools (JSON Schema" not in rendered
     assert answer.usage.prompt_tokens == len(pipeline.encode(messages=MESSAGES, tools=TOOLS))
     assert answer.choices[0].finish_reason == "tool_calls"
+
+
+def test_text_under_tools_streams_and_only_a_calls_start_is_held():
+    """CallWatch (edgespec/tool_calls.py): text passes on piece by piece; what could still open a call waits."""
+    watch = CallWatch()
+    assert [watch.feed(p) for p in ("Hel", "lo", ", there.")] == ["Hel", "lo", ", there."]
+    watch = CallWatch()
+    assert [watch.feed(p) for p in (" ", "<", "b", "> bold")] == ["", "", " <b", "> bold"]  # "<b" opens no call
+    watch = CallWatch()
+    assert [watch.feed(p) for p in ("<tool", "_call>", '{"name"')] == ["", "", ""] and watch.held.startswith("<tool_call>")
+    assert not watch.text
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_an_answer_under_tools_streams_as_the_unstreamed_one(server, tool_choice):
+    """Text under tool_choice "auto" arrives in pieces as it is decoded (not in one chunk at the end) and adds up
+    to the unstreamed answer; a call arrives whole, as the unstreamed call."""
+    client, texts = server.client(), 0
+    for messages in (MESSAGES, [{"role": "user", "content": "The quick brown fox"}],
+                     [{"role": "user", "content": "def add(a, b):"}]):
+        settings = dict(model=MODEL, messages=messages, max_tokens=75, temperature=0, tools=TOOLS,
+                        tool_choice=tool_choice)
+        whole = client.chat.completions.create(**settings)
+        pieces, calls = [], []
+        for part in client.chat.completions.create(stream=True, **settings):
+            delta = part.choices[0].delta if part.choices else None
+            if delta is not None and delta.content:
+                pieces.append(delta.content)
+            calls += [c.function.name for c in (delta.tool_calls or [])] if delta is not None else []
+        message = whole.choices[0].message
+        if message.tool_calls:
+            assert calls == [c.function.name for c in message.tool_calls] and not pieces
+        else:
+            assert tool_choice == "auto" and "".join(pieces) == message.content
+            tokens = whole.usage.completion_tokens
+            assert len(pieces) >= min(3, tokens // 4), (tokens, pieces)  # several chunks, not one at the end
+            texts += 1
+    assert texts or tool_choice != "auto", "no answer under auto was text: nothing streamed was tested"

@@ -196,7 +196,8 @@ class Guide:
             raise ConstraintError("the grammar admits no token here and cannot end: check that it can complete")
         if self.closer is not None:
             allowed = self.closer.restrict(allowed, self.budget - len(self._path), self._completions.at(self._path),
-                                           lambda token: self._completions.fits(self._path, token))
+                                           lambda token: self._completions.fits(self._path, token),
+                                           lambda token: self._completions.keeps(self._path, token))
         return allowed
 
     def forced(self, limit: int) -> list[int]:
