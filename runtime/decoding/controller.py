@@ -339,6 +339,8 @@ class Controller:
             measured.record_plain_step(seconds)
             return
         probing, measured.probing = measured.probing, False
+        if measured.plain_step_s is None and not measured.costs.seconds_by_rows:
+            return  # no pass timed yet: nothing to weigh the step against
         measured.ledger.add(tokens, seconds, measured.plain_step_s or measured.costs.seconds(1))
         if measured.ledger.losing or (probing and choice == "plain"):
             measured.probes.after_stretch(paid=measured.ledger.peak > -measured.ledger.floor)
