@@ -1,7 +1,7 @@
 """What peers.py builds once into `EDGESPEC_CACHE/peers/`: the reference model as a Hugging Face folder,
 onnxruntime-genai's and OpenVINO GenAI's exports of it, and edgespec's symmetric int4 bundle (the default
-recipe at genai's weights: symmetric blocks of 32, int8 activations), the standing row that compares plain
-decoding at the same weights (issue 56)."""
+recipe at genai's weights: symmetric blocks of 32, int8 activations, by default an int4 head as genai's), the
+standing row that compares plain decoding at the same weights (issue 56)."""
 from __future__ import annotations
 
 import os
@@ -54,15 +54,20 @@ def build_openvino(python: str, precision: str) -> Path:
         + (["--group-size", "32"] if precision == "int4" else []), {**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def build_symmetric() -> Path:
-    """The default recipe (the shipped draft, suffix drafting, the int8 head) with symmetric int4 weights
-    instead of the GGUF's exact offsets, once; named after the default bundle, so it follows its recipe."""
+def build_symmetric(head: str = "int4") -> Path:
+    """The default recipe (the shipped draft, suffix drafting) with symmetric int4 weights instead of the GGUF's
+    exact offsets, once; named after the default bundle, so it follows its recipe. `head`: "int4" quantizes
+    the head as genai's int4 export does (genai's weights throughout); "int8" keeps the default recipe's
+    int8 head (history.md §NEW-56: 0.3-0.9 ms a step more, perplexity +20.6% against +28.8%)."""
     from edgespec.defaults import DEFAULT_RECIPE, _default_draft_folder, default_bundle_path
     from edgespec.exporters.export import ExportConfig, export
     from edgespec.quant.schemes import HEAD_INT8_POLICY
 
-    out = cache_dir() / "peers" / ("symmetric-int4-" + default_bundle_path().name)
+    if head not in ("int4", "int8"):
+        raise SystemExit(f"--symmetric-head {head}: int4 or int8")
+    out = cache_dir() / "peers" / (f"symmetric-int4-head-{head}-" + default_bundle_path().name)
     if not (out / "manifest.json").is_file():
+        policy = {"quant_policy": HEAD_INT8_POLICY} if head == "int8" else {}
         export(ExportConfig(**{**DEFAULT_RECIPE, "symmetric": True, "draft": str(_default_draft_folder())},
-                            quant_policy=HEAD_INT8_POLICY, out=out, cache_dir=cache_dir()))
+                            **policy, out=out, cache_dir=cache_dir()))
     return out

@@ -1,14 +1,15 @@
 """edgespec against what a user would pick instead: onnxruntime-genai's own exports of the same model.
 
     pip install -e ".[export,peers]"
-    python benchmarks/measure/peers.py [BUNDLE ...] [--bundle PATH ...] [--no-symmetric] [--sets chat,rag,...]
-                               [--prompts FILE.jsonl ...] [--first N] [--max-new-tokens 128] [--rounds 2]
+    python benchmarks/measure/peers.py [BUNDLE ...] [--bundle PATH ...] [--no-symmetric] [--symmetric-head int4|int8]
+                               [--sets chat,rag,...] [--prompts FILE.jsonl ...] [--first N] [--max-new-tokens 128] [--rounds 2]
                                [--threads 2] [--json OUT.json] [--perplexity] [--openvino-python PATH]
                                [--llama-cpp PATH|build] [--profile [--profile-prompt K] [--profile-speculative]]
 
 BUNDLE may be `default` (the default without any); `--bundle PATH` adds any bundle. A standing row (unless
-`--no-symmetric`): the default recipe at symmetric int4, genai's own weights (blocks of 32, int8 activations),
-built once into `EDGESPEC_CACHE/peers/` (peer_builds.py): plain against plain at the same weights. Builds onnxruntime-genai's CPU exports of the reference model (SmolLM2-135M-Instruct,
+`--no-symmetric`): the default recipe at symmetric int4, genai's own weights (blocks of 32, int8 activations,
+the head int4 as genai's; `--symmetric-head int8` keeps the recipe's int8 head, as issue 56's first table
+did), built once into `EDGESPEC_CACHE/peers/` (peer_builds.py): plain against plain at the same weights. Builds onnxruntime-genai's CPU exports of the reference model (SmolLM2-135M-Instruct,
 from the GGUF the default bundle comes from) in int4 and int8 with its model builder, once, into
 `EDGESPEC_CACHE/peers/`. Then for each prompt set (every benchmarks/workloads/*.jsonl, sorted; `--sets` picks
 some by name; `--prompts` gives files instead) runs, alternating the order round by round and each run a
@@ -348,6 +349,8 @@ def main() -> None:
                         help="another bundle to measure (repeatable), beside the positional ones")
     parser.add_argument("--no-symmetric", action="store_true",
                         help="leave out the standing row: the default recipe at symmetric int4 (genai's weights)")
+    parser.add_argument("--symmetric-head", default="int4", choices=("int4", "int8"),
+                        help="the standing row's head: int4 as genai's export (default), or the default recipe's int8")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the timed runs: onnxruntime's profiler on one prompt of each set, genai "
                              "int4 greedy against each bundle's plain decoding, ms per step by operator")
@@ -385,7 +388,7 @@ def main() -> None:
         print("llama.cpp left out (no --llama-cpp PATH|build)")
     bundles = [resolve_bundle(b) for b in (args.bundles or ([] if args.bundle else ["default"])) + args.bundle]
     if not args.no_symmetric:
-        bundles.append(build_symmetric())
+        bundles.append(build_symmetric(args.symmetric_head))
     peers = {p: build_peer(p) for p in PRECISIONS}
     if args.profile:
         report = profile_sets(sets, bundles, args)
