@@ -121,3 +121,14 @@ def test_output_stays_plain_decodings_while_the_controller_goes_plain_and_back(d
         assert spec.token_ids == plain.token_ids
         assert spec.stats.steps_by_choice["plain"]["steps"] >= 7
         assert np.sum([c["tokens"] for c in spec.stats.steps_by_choice.values()]) >= len(spec.token_ids) - 1
+
+
+def test_a_step_another_process_preempted_is_charged_at_most_twice_its_price():
+    controller = priced(0.8, 0.0014)
+    controller.measured.plain_step_s = 0.010
+    for _ in range(LEDGER_EVIDENCE - 1):
+        controller.account("draft", 2, 0.014, full=True, priced_s=0.0145)  # paying: +0.6 each
+    controller.account("draft", 1, 2.0, full=True, priced_s=0.0145)  # two seconds: charged 0.029, -1.9
+    assert controller.measured.plain_until_probe == 0  # still speculating
+    controller.account("plain", 1, 5.0, full=False)
+    assert controller.measured.plain_step_s == pytest.approx(0.010 + 0.1 * 0.010)  # capped at twice its average

@@ -42,6 +42,7 @@ EXTRA_ROW_PRIOR = 0.25  # a pass's extra row, as a share of a one-row pass, unti
 EXPLORE_EVERY = 16  # a main drafter left out for plain steps this many steps in a row is asked once more
 MARGIN = 0.02  # a speculative price must beat plain's by this share (pricing.choose)
 PLAIN_SMOOTHING = 0.1  # the moving average of a plain step's whole seconds, while sources are idle
+SPIKE = 2.0  # a step is charged at most this many times its price: beyond it, another process preempted it
 
 
 def alone() -> int:
@@ -230,7 +231,7 @@ class Controller:
         self.left_out = 0
         self.main_seen = 0  # the committed tokens the main drafter had when it last drafted
         self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start, shared, step start,
-        # full: whether the sources were asked, or a probe's first step)
+        # full: whether the sources were asked, the chosen price's seconds)
         self.sharing: Callable[[], int] = alone
         self.root = Tree.from_parents((-1,), [0]).topology  # a plain step's, made once
 
@@ -244,7 +245,7 @@ class Controller:
             measured.plain_until_probe -= 1
             measured.probing = measured.plain_until_probe == 0  # the next step asks the sources once
             tree = Tree(self.root, np.array([committed[-1]], dtype=np.int64))
-            self._step = ("plain", tree, None, 0, time.perf_counter(), shared > 0, started, False)
+            self._step = ("plain", tree, None, 0, time.perf_counter(), shared > 0, started, False, None)
             return tree
         others = shared if sampler is None else 0
         proposal = self.suffix.proposal(committed, max_nodes) if self.suffix is not None else None
@@ -264,7 +265,8 @@ class Controller:
             choice = "draft"
         self.left_out = 0 if "draft" in choice else self.left_out + 1
         tree, main_nodes = self._draft(choice, proposal, k, committed, max_nodes, sampler, target_features)
-        self._step = (choice, tree, proposal, main_nodes, time.perf_counter(), shared > 0, started, True)
+        self._step = (choice, tree, proposal, main_nodes, time.perf_counter(), shared > 0, started, True,
+                      prices[choice].seconds)
         return tree
 
     def _price(self, tokens: float, rows: int, others: int, drafting_s: float = 0.0) -> Price:
@@ -316,13 +318,13 @@ class Controller:
             self.main.observe(accepted, tokens, logits)
         if tokens is None or self._step is None:
             return
-        choice, tree, proposal, main_nodes, verify_start, shared, step_start, full = self._step
+        choice, tree, proposal, main_nodes, verify_start, shared, step_start, full, priced_s = self._step
         self._step = None
         if not shared:
             self.measured.costs.record(tree.size, time.perf_counter() - verify_start)
         self.counts.add(choice, len(accepted))
         if not shared:
-            self.account(choice, len(accepted), time.perf_counter() - step_start, full)
+            self.account(choice, len(accepted), time.perf_counter() - step_start, full, priced_s)
         if proposal is not None and proposal.tree.size > 1:
             self._score_suffix(proposal, accepted)
         if main_nodes:
@@ -330,18 +332,22 @@ class Controller:
             self.measured.main_tokens.add(0, 1 + sum(1 for node in path if node < main_nodes))
             self.measured.main_size.add(0, main_nodes)
 
-    def account(self, choice: str, tokens: int, seconds: float, full: bool) -> None:
+    def account(self, choice: str, tokens: int, seconds: float, full: bool, priced_s: float | None = None) -> None:
         """The step's whole seconds: a plain step with idle sources times plain decoding's; a full step goes
         into the ledger against it. A ledger that is losing, or a probe that found nothing to speculate
-        on, makes the next steps plain until the next probe."""
+        on, makes the next steps plain until the next probe. A step is charged at most SPIKE times its
+        price (or, plain, the plain step's average): beyond that another process preempted it, which a
+        shared machine does at random to any step, and one such step must not decide."""
         measured = self.measured
         if not full:
-            measured.record_plain_step(seconds)
+            plain = measured.plain_step_s
+            measured.record_plain_step(seconds if plain is None else min(seconds, SPIKE * plain))
             return
         probing, measured.probing = measured.probing, False
         if measured.plain_step_s is None and not measured.costs.seconds_by_rows:
             return  # no pass timed yet: nothing to weigh the step against
-        measured.ledger.add(tokens, seconds, measured.plain_step_s or measured.costs.seconds(1))
+        charged = seconds if priced_s is None else min(seconds, SPIKE * priced_s)
+        measured.ledger.add(tokens, charged, measured.plain_step_s or measured.costs.seconds(1))
         if measured.ledger.losing or (probing and choice == "plain"):
             measured.probes.after_stretch(paid=measured.ledger.peak > -measured.ledger.floor)
             measured.plain_until_probe = measured.probes.interval
