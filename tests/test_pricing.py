@@ -82,30 +82,42 @@ class CountingSuffix(SuffixDrafter):
         return super().proposal(committed, max_nodes)
 
 
-def test_a_losing_ledger_makes_steps_plain_without_asking_a_source_and_probes_now_and_then():
+def test_a_losing_source_is_benched_and_probed_now_and_then_the_other_still_asked():
     suffix = CountingSuffix()
     controller = priced(0.8, 0.0014)  # priced to pay...
     controller.suffix = suffix
-    controller.measured.plain_step_s = 0.010
+    measured = controller.measured
+    measured.plain_step_s = 0.010
     for _ in range(LEDGER_EVIDENCE):  # ...but each of its steps took 1.5 plain steps' time for one token
-        controller.account("draft", 1, 0.015, full=True)
-    assert controller.measured.plain_until_probe == 2 * PROBE_FIRST  # nothing paid in that stretch: backed off
-    calls, asked = controller.main.calls, suffix.calls
+        controller.account("draft", 1, 0.015, frozenset({"suffix", "draft"}))
+    assert measured.benched == {"draft": 2 * PROBE_FIRST, "suffix": 0}  # nothing paid: backed off
+    calls, looked = controller.main.calls, suffix.calls
     for _ in range(2 * PROBE_FIRST):
         assert step(controller, [5, 6, 7], [3, 4]).size == 1
-    assert (controller.main.calls, suffix.calls) == (calls, asked)  # a plain step's cost: no source asked
-    assert controller.measured.probing
-    step(controller, [5, 6, 7], [3, 4])  # the probe: the sources are asked and the draft priced again
-    assert (controller.main.calls, suffix.calls) == (calls + 1, asked + 1)
-    assert controller.measured.plain_until_probe == 0  # a probe that speculated goes on in full
+    assert controller.main.calls == calls  # the draft is not asked while benched...
+    assert suffix.calls == looked + 2 * PROBE_FIRST  # ...suffix drafting still is
+    assert measured.probing["draft"]
+    step(controller, [5, 6, 7], [3, 4])  # the probe: the draft is priced again, and pays by price
+    assert controller.main.calls == calls + 1 and measured.benched["draft"] == 0
 
 
-def test_a_probe_that_finds_nothing_to_speculate_on_goes_back_to_plain_steps():
+def test_with_every_source_benched_a_step_asks_nothing():
+    suffix = CountingSuffix()
+    controller = priced(0.8, 0.0014)
+    controller.suffix = suffix
+    controller.measured.benched.update(suffix=5, draft=5)
+    for _ in range(4):
+        assert step(controller, [1, 2, 3, 1, 2], [3, 4]).size == 1
+    assert (controller.main.calls, suffix.calls) == (0, 0)
+    assert controller.measured.plain_step_s is not None  # a plain step's own seconds, timed
+
+
+def test_a_probe_that_finds_nothing_to_speculate_on_benches_the_source_again():
     controller = priced(0.1, 0.0014)  # priced to lose
-    controller.measured.plain_until_probe, controller.measured.probes.interval = 1, 8
-    assert step(controller, [5, 6, 7], [3, 4]).size == 1  # the last plain step before the probe
+    controller.measured.benched["draft"], controller.measured.probes["draft"].interval = 1, 8
+    assert step(controller, [5, 6, 7], [3, 4]).size == 1  # the last benched step
     assert step(controller, [5, 6, 7], [3, 4]).size == 1  # the probe: plain by price
-    assert controller.measured.plain_until_probe == 16
+    assert controller.measured.benched["draft"] == 16
 
 
 @pytest.mark.parametrize("draft,tree", [("suffix", None), ("draft", "topk:2x1")])
@@ -116,7 +128,7 @@ def test_output_stays_plain_decodings_while_the_controller_goes_plain_and_back(d
         plain = pipeline.generate(prompt, config=config, speculate=False)
         pipeline.generate(prompt, config=config)  # measurements made
         measured = pipeline.step_measurements
-        measured.plain_until_probe, measured.probes.interval = 7, 7  # plain steps, then a probe mid-answer
+        measured.benched.update(suffix=7, draft=7)  # plain steps, then probes mid-answer
         spec = pipeline.generate(prompt, config=config)
         assert spec.token_ids == plain.token_ids
         assert spec.stats.steps_by_choice["plain"]["steps"] >= 7
@@ -127,8 +139,8 @@ def test_a_step_another_process_preempted_is_charged_at_most_twice_its_price():
     controller = priced(0.8, 0.0014)
     controller.measured.plain_step_s = 0.010
     for _ in range(LEDGER_EVIDENCE - 1):
-        controller.account("draft", 2, 0.014, full=True, priced_s=0.0145)  # paying: +0.6 each
-    controller.account("draft", 1, 2.0, full=True, priced_s=0.0145)  # two seconds: charged 0.029, -1.9
-    assert controller.measured.plain_until_probe == 0  # still speculating
-    controller.account("plain", 1, 5.0, full=False)
+        controller.account("draft", 2, 0.014, frozenset({"draft"}), priced_s=0.0145)  # paying: +0.6 each
+    controller.account("draft", 1, 2.0, frozenset({"draft"}), priced_s=0.0145)  # two seconds: charged 0.029, -1.9
+    assert controller.measured.benched["draft"] == 0  # still asked
+    controller.account("plain", 1, 5.0, frozenset())
     assert controller.measured.plain_step_s == pytest.approx(0.010 + 0.1 * 0.010)  # capped at twice its average

@@ -1,6 +1,6 @@
 """What speculative decoding costs a step beyond its choices: plain decoding against speculative decoding whose
-step controller is held in plain steps with its sources idle (runtime/decoding/pricing.py: the ledger's plain
-mode), one process, alternating prompt by prompt and the order round by round (history.md §NEW-56).
+step controller has every source benched (runtime/decoding/controller.py: a plain step that asks no source),
+one process, alternating prompt by prompt and the order round by round (history.md §NEW-56).
 
     python benchmarks/measure/controller_idle.py BUNDLE [--prompts FILE.jsonl] [--first 8] [--rounds 2]
         [--max-new-tokens 64] [--threads 2] [--cprofile]
@@ -20,12 +20,12 @@ from edgespec.defaults import resolve_bundle
 from edgespec.runtime.decoding.engine import GenerationConfig
 from edgespec.runtime.pipeline import Pipeline
 
-HOLD = 10**9  # plain steps before the next probe: the whole run
+HOLD = 10**9  # steps each source stays benched: the whole run
 
 
 def generate(pipeline: Pipeline, item: dict, config: GenerationConfig, idle: bool):
     if idle:
-        pipeline.step_measurements.plain_until_probe = HOLD
+        pipeline.step_measurements.benched.update(suffix=HOLD, draft=HOLD)
     return pipeline.generate(**item, config=config, speculate=idle, remember=False)
 
 

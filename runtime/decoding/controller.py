@@ -14,10 +14,11 @@ choose). Greedy output does not depend on which tree is verified, and sampling s
 choice depends only on earlier steps.
 
 Never losing to plain decoding: prices can be wrong (a pass's rows, a draft that agrees less than it did,
-the controller's own bookkeeping), so each step the controller runs in full is also timed whole, from
-propose to observe, and entered in a ledger of what speculation gained over plain steps (pricing.py:
-Ledger). While the ledger is losing, steps are plain and no source is asked (no suffix lookup, no
-pricing: a plain step's cost), with one full step as a probe every few plain steps (pricing.py: Probes).
+the controller's own bookkeeping), so each step that asked a source is also timed whole, from propose to
+observe, and entered in that source's ledger of what it gained over plain steps (pricing.py: Ledger; a
+plain choice is the suffix lookup's cost). A source whose ledger is losing is benched: not asked (no
+lookup, no drafting, no pricing) for a number of steps, then asked once as a probe (pricing.py: Probes).
+With both benched a step costs what a plain step does.
 
 State: the controller owns its measurements (they describe the device and the workload, and outlive a
 request: a pipeline's drafter keeps them across turns); the sources own theirs.
@@ -43,6 +44,7 @@ EXPLORE_EVERY = 16  # a main drafter left out for plain steps this many steps in
 MARGIN = 0.02  # a speculative price must beat plain's by this share (pricing.choose)
 PLAIN_SMOOTHING = 0.1  # the moving average of a plain step's whole seconds, while sources are idle
 SPIKE = 2.0  # a step is charged at most this many times its price: beyond it, another process preempted it
+SOURCES = ("suffix", "draft")  # what the ledgers follow: suffix drafting, the main drafter
 
 
 def alone() -> int:
@@ -187,12 +189,13 @@ class Measurements:
     # shared passes of the slots graph by the conversations aboard: their seconds by rows, as the slots
     # passes themselves ran (SharedPasses.timed): a slots pass's base is not the single graph's (§68, §70)
     shared_costs: dict[int, PassCosts] = field(default_factory=dict)
-    # what speculation gained over plain steps, the probes while it does not pay, and how many plain steps
-    # remain before the next probe (0: every step runs in full); a plain step's whole seconds with idle sources
-    ledger: Ledger = field(default_factory=Ledger)
-    probes: Probes = field(default_factory=Probes)
-    plain_until_probe: int = 0
-    probing: bool = False
+    # per source ("suffix", "draft"): what it gained over plain steps, its probes while it does not pay, the
+    # steps it stays benched (0: asked every step), whether its next step asking it is a probe; and a plain
+    # step's whole seconds with every source idle
+    ledgers: dict[str, Ledger] = field(default_factory=lambda: {s: Ledger() for s in SOURCES})
+    probes: dict[str, Probes] = field(default_factory=lambda: {s: Probes() for s in SOURCES})
+    benched: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    probing: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(SOURCES, False))
     plain_step_s: float | None = None
 
     def record_plain_step(self, seconds: float) -> None:
@@ -241,19 +244,18 @@ class Controller:
         started = time.perf_counter()
         shared = self.sharing()
         measured = self.measured
-        if measured.plain_until_probe > 0:  # speculation is not paying here: a plain step, no source asked
-            measured.plain_until_probe -= 1
-            measured.probing = measured.plain_until_probe == 0  # the next step asks the sources once
+        asked = self._asked()
+        if not asked:  # no source pays here: a plain step at a plain step's cost
             tree = Tree(self.root, np.array([committed[-1]], dtype=np.int64))
-            self._step = ("plain", tree, None, 0, time.perf_counter(), shared > 0, started, False, None)
+            self._step = ("plain", tree, None, 0, time.perf_counter(), shared > 0, started, asked, None)
             return tree
         others = shared if sampler is None else 0
-        proposal = self.suffix.proposal(committed, max_nodes) if self.suffix is not None else None
+        proposal = self.suffix.proposal(committed, max_nodes) if "suffix" in asked else None
         expected, k = self._best_prefix(proposal, others)
         prices = {"plain": self._price(1.0, 1, others)}
         if k:
             prices["suffix"] = self._price(expected, k + 1, others)
-        if self.main is not None:
+        if "draft" in asked:
             main_tokens = measured.main_tokens.mean()
             main_s = measured.main_draft.seconds(main_tokens)  # drafting every step: one step's tokens behind
             size = max(1, round(measured.main_size.mean()))
@@ -261,13 +263,27 @@ class Controller:
             if k and self.lanes > 1:
                 prices["draft+suffix"] = self._price(main_tokens + expected - 1, size + k, others, main_s)
         choice = choose(prices, MARGIN)
-        if self.main is not None and choice == "plain" and self.left_out >= EXPLORE_EVERY:
+        if "draft" in asked and choice == "plain" and self.left_out >= EXPLORE_EVERY:
             choice = "draft"
         self.left_out = 0 if "draft" in choice else self.left_out + 1
         tree, main_nodes = self._draft(choice, proposal, k, committed, max_nodes, sampler, target_features)
-        self._step = (choice, tree, proposal, main_nodes, time.perf_counter(), shared > 0, started, True,
+        self._step = (choice, tree, proposal, main_nodes, time.perf_counter(), shared > 0, started, asked,
                       prices[choice].seconds)
         return tree
+
+    def _asked(self) -> frozenset[str]:
+        """The sources this step asks: those the controller has and that are not benched; a bench's last
+        step makes the next one that asks its source a probe."""
+        measured, asked = self.measured, set()
+        for source, present in (("suffix", self.suffix is not None), ("draft", self.main is not None)):
+            if not present:
+                continue
+            if measured.benched[source] > 0:
+                measured.benched[source] -= 1
+                measured.probing[source] = measured.benched[source] == 0
+                continue
+            asked.add(source)
+        return frozenset(asked)
 
     def _price(self, tokens: float, rows: int, others: int, drafting_s: float = 0.0) -> Price:
         """A pass of this step's `rows` beside `others` plain steps: the others wait for its drafting too (one
@@ -318,13 +334,13 @@ class Controller:
             self.main.observe(accepted, tokens, logits)
         if tokens is None or self._step is None:
             return
-        choice, tree, proposal, main_nodes, verify_start, shared, step_start, full, priced_s = self._step
+        choice, tree, proposal, main_nodes, verify_start, shared, step_start, asked, priced_s = self._step
         self._step = None
         if not shared:
             self.measured.costs.record(tree.size, time.perf_counter() - verify_start)
         self.counts.add(choice, len(accepted))
         if not shared:
-            self.account(choice, len(accepted), time.perf_counter() - step_start, full, priced_s)
+            self.account(choice, len(accepted), time.perf_counter() - step_start, asked, priced_s)
         if proposal is not None and proposal.tree.size > 1:
             self._score_suffix(proposal, accepted)
         if main_nodes:
@@ -332,26 +348,40 @@ class Controller:
             self.measured.main_tokens.add(0, 1 + sum(1 for node in path if node < main_nodes))
             self.measured.main_size.add(0, main_nodes)
 
-    def account(self, choice: str, tokens: int, seconds: float, full: bool, priced_s: float | None = None) -> None:
-        """The step's whole seconds: a plain step with idle sources times plain decoding's; a full step goes
-        into the ledger against it. A ledger that is losing, or a probe that found nothing to speculate
-        on, makes the next steps plain until the next probe. A step is charged at most SPIKE times its
-        price (or, plain, the plain step's average): beyond that another process preempted it, which a
-        shared machine does at random to any step, and one such step must not decide."""
+    def account(self, choice: str, tokens: int, seconds: float, asked: frozenset[str],
+                priced_s: float | None = None) -> None:
+        """The step's whole seconds: a step that asked no source times plain decoding's; one that did goes
+        into the ledger of the source it verified (a plain choice: the suffix lookup's, if it looked). A
+        source whose ledger is losing, or whose probe was not chosen, is benched until its next probe. A
+        step is charged at most SPIKE times its price (a plain step at most SPIKE times their average):
+        beyond that another process preempted it, which a shared machine does to any step, and one such
+        step must not decide."""
         measured = self.measured
-        if not full:
+        if not asked:
             plain = measured.plain_step_s
             measured.record_plain_step(seconds if plain is None else min(seconds, SPIKE * plain))
             return
-        probing, measured.probing = measured.probing, False
-        if measured.plain_step_s is None and not measured.costs.seconds_by_rows:
-            return  # no pass timed yet: nothing to weigh the step against
+        source = "draft" if "draft" in choice else "suffix" if choice == "suffix" or "suffix" in asked else None
+        for probed in asked:
+            if measured.probing[probed]:
+                measured.probing[probed] = False
+                if probed != source or choice == "plain":
+                    self._bench(probed)
+        if source is None or measured.benched[source] or (measured.plain_step_s is None
+                                                          and not measured.costs.seconds_by_rows):
+            return  # nothing verified from a source, or no pass timed yet to weigh the step against
         charged = seconds if priced_s is None else min(seconds, SPIKE * priced_s)
-        measured.ledger.add(tokens, charged, measured.plain_step_s or measured.costs.seconds(1))
-        if measured.ledger.losing or (probing and choice == "plain"):
-            measured.probes.after_stretch(paid=measured.ledger.peak > -measured.ledger.floor)
-            measured.plain_until_probe = measured.probes.interval
-            measured.ledger.reset()
+        ledger = measured.ledgers[source]
+        ledger.add(tokens, charged, measured.plain_step_s or measured.costs.seconds(1))
+        if ledger.losing:
+            self._bench(source)
+
+    def _bench(self, source: str) -> None:
+        measured = self.measured
+        ledger = measured.ledgers[source]
+        measured.probes[source].after_stretch(paid=ledger.peak > -ledger.floor)
+        measured.benched[source] = measured.probes[source].interval
+        ledger.reset()
 
     def _score_suffix(self, proposal: SuffixProposal, accepted: list[int]) -> None:
         """Counts the suffix chain's tokens against the committed ones, as far as those are known."""

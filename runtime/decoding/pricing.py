@@ -7,13 +7,13 @@ pass of its rows, from this device's own measurements). The choice takes plain d
 price beats it by `margin`: prices are estimates, and a speculative step that only ties pays for its
 drafting, its rows and the controller's bookkeeping (history.md §NEW-56).
 
-The ledger is what speculation has gained over plain decoding, in tokens: each step the controller ran in
-full (suffix lookup, pricing, drafting) adds the tokens it committed less the plain steps its wall time
-would have bought. When it falls below `floor`, speculation is not paying here, whatever the prices said
-(mispriced rows, a draft that agrees less than measured, bookkeeping a plain step does not pay): the
-controller takes plain steps without asking any source, and probes with a full step every `interval`
-plain steps, the interval doubling while probes find nothing and back at its first value once
-speculation has paid again.
+A ledger is what one source (suffix drafting, the main drafter) has gained over plain decoding, in tokens:
+each step that verified its tokens (for suffix drafting also each plain choice it looked up for) adds the
+tokens committed less the plain steps its wall time would have bought. When it falls below `floor`, the
+source is not paying here, whatever the prices said (mispriced rows, a draft that agrees less than
+measured, bookkeeping a plain step does not pay): the controller stops asking it, and asks it once as a
+probe after `interval` steps, the interval doubling while probes find nothing and back at its first value
+once the source has paid again.
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ class Ledger:
 
 
 class Probes:
-    """When a controller taking plain steps asks its sources again: every `interval` plain steps, doubled
-    after a stretch of full steps in which speculation never paid, back to the first after one where it did."""
+    """When a controller asks a benched source again: after `interval` steps, doubled after a stretch in which
+    the source never paid, back to the first after one where it did."""
 
     def __init__(self, first: int = PROBE_FIRST, most: int = PROBE_MOST):
         self.first, self.most = first, most
