@@ -15,10 +15,10 @@ choice depends only on earlier steps.
 
 Never losing to plain decoding: prices can be wrong (a pass's rows, a draft that agrees less than it did,
 the controller's own bookkeeping), so each step that asked a source is also timed whole, from propose to
-observe, and entered in that source's ledger of what it gained over plain steps (pricing.py: Ledger; a
-plain choice is the suffix lookup's cost). A source whose ledger is losing is benched: not asked (no
-lookup, no drafting, no pricing) for a number of steps, then asked once as a probe (pricing.py: Probes).
-With both benched a step costs what a plain step does.
+observe, and entered in that source's ledger of what it gained over plain steps (pricing.py: Ledger): the
+main drafter's (LEDGERED). A source whose ledger is losing is benched: not asked (no drafting, no pricing)
+for a number of steps, then asked once as a probe (pricing.py: Probes). With every source benched a step
+costs what a plain step does.
 
 State: the controller owns its measurements (they describe the device and the workload, and outlive a
 request: a pipeline's drafter keeps them across turns); the sources own theirs.
@@ -44,7 +44,11 @@ EXPLORE_EVERY = 16  # a main drafter left out for plain steps this many steps in
 MARGIN = 0.02  # a speculative price must beat plain's by this share (pricing.choose)
 PLAIN_SMOOTHING = 0.1  # the moving average of a plain step's whole seconds, while sources are idle
 SPIKE = 2.0  # a step is charged at most this many times its price: beyond it, another process preempted it
-SOURCES = ("suffix", "draft")  # what the ledgers follow: suffix drafting, the main drafter
+SOURCES = ("suffix", "draft")  # what can be benched: suffix drafting, the main drafter
+# what the ledgers bench: the main drafter, whose steps cost its passes and a row each. Suffix drafting's cost
+# is a lookup (tens of microseconds, history.md §57); a ledger of it on a loaded machine weighed preemption
+# and benched it where its chains paid (history.md §NEW-56)
+LEDGERED = ("draft",)
 
 
 def alone() -> int:
@@ -350,9 +354,9 @@ class Controller:
 
     def account(self, choice: str, tokens: int, seconds: float, asked: frozenset[str],
                 priced_s: float | None = None) -> None:
-        """The step's whole seconds: a step that asked no source times plain decoding's; one that did goes
-        into the ledger of the source it verified (a plain choice: the suffix lookup's, if it looked). A
-        source whose ledger is losing, or whose probe was not chosen, is benched until its next probe. A
+        """The step's whole seconds: a step that asked no source times plain decoding's; one that verified
+        the main drafter's tree goes into its ledger. A source whose ledger is losing, or whose probe was
+        not chosen, is benched until its next probe. A
         step is charged at most SPIKE times its price (a plain step at most SPIKE times their average):
         beyond that another process preempted it, which a shared machine does to any step, and one such
         step must not decide."""
@@ -361,11 +365,11 @@ class Controller:
             plain = measured.plain_step_s
             measured.record_plain_step(seconds if plain is None else min(seconds, SPIKE * plain))
             return
-        source = "draft" if "draft" in choice else "suffix" if choice == "suffix" or "suffix" in asked else None
+        source = "draft" if "draft" in choice and "draft" in LEDGERED else None
         for probed in asked:
             if measured.probing[probed]:
                 measured.probing[probed] = False
-                if probed != source or choice == "plain":
+                if probed in LEDGERED and probed != source:
                     self._bench(probed)
         if source is None or measured.benched[source] or (measured.plain_step_s is None
                                                           and not measured.costs.seconds_by_rows):

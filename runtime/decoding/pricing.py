@@ -7,9 +7,9 @@ pass of its rows, from this device's own measurements). The choice takes plain d
 price beats it by `margin`: prices are estimates, and a speculative step that only ties pays for its
 drafting, its rows and the controller's bookkeeping (history.md §NEW-56).
 
-A ledger is what one source (suffix drafting, the main drafter) has gained over plain decoding, in tokens:
-each step that verified its tokens (for suffix drafting also each plain choice it looked up for) adds the
-tokens committed less the plain steps its wall time would have bought. When it falls below `floor`, the
+A ledger is what one source (the controller keeps one for its main drafter) has gained over plain decoding,
+in tokens: each step that verified its tokens adds the tokens committed less the plain steps its wall time
+would have bought. When it falls below `floor`, the
 source is not paying here, whatever the prices said (mispriced rows, a draft that agrees less than
 measured, bookkeeping a plain step does not pay): the controller stops asking it, and asks it once as a
 probe after `interval` steps, the interval doubling while probes find nothing and back at its first value
