@@ -7,7 +7,7 @@ pass of its rows, from this device's own measurements). The choice takes plain d
 price beats it by `margin`: prices are estimates, and a speculative step that only ties pays for its
 drafting, its rows and the controller's bookkeeping (history.md §NEW-56).
 
-A ledger is what one source (the controller keeps one for its main drafter) has gained over plain decoding,
+A ledger is what one source (the controller keeps one for its draft model) has gained over plain decoding,
 in tokens: each step that verified its tokens adds the tokens committed less the plain steps its wall time
 would have bought. When it falls below `floor`, the
 source is not paying here, whatever the prices said (mispriced rows, a draft that agrees less than
