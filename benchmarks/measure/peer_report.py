@@ -51,9 +51,21 @@ def add_ratios(table: dict, systems: list) -> None:
         row = table[s.name]
         row["x_own_plain"] = row["tokens_per_s"] / table[s.plain]["tokens_per_s"] if s.plain else 1.0
         row.update({f"x_genai_{p}": row["tokens_per_s"] / best[p] for p in PRECISIONS})
+        # plain against plain: each system's speed over genai's greedy decoding at each precision
+        row.update({f"x_genai_{p}_greedy": row["tokens_per_s"] / table[genai_name(p, False)]["tokens_per_s"]
+                    for p in PRECISIONS})
         if llama:
             row["x_llama_cpp"] = row["tokens_per_s"] / max(llama)
         row["identical_to_plain"] = row["outputs"] == table[s.plain]["outputs"] if s.plain else None
+
+
+def plain_ratios(table: dict, systems: list) -> dict:
+    """Plain against plain: each bundle's plain decoding over genai's greedy (int4, int8) and over every other
+    bundle's plain decoding (the default's exact grid against the symmetric int4 bundle, issue 56)."""
+    plain = [s.name for s in systems if s.kind == "plain"]
+    return {name: {**{f"genai {p} greedy": table[name][f"x_genai_{p}_greedy"] for p in PRECISIONS},
+                   **{other: table[name]["tokens_per_s"] / table[other]["tokens_per_s"] for other in plain
+                      if other != name}} for name in plain}
 
 
 def greedy_agreement(table: dict, systems: list) -> dict:
@@ -80,8 +92,8 @@ def print_table(table: dict, systems: list) -> None:
 
 def over_sets(report: dict, systems: list) -> dict:
     rows = {s.name: [sets[s.name] for sets in report.values()] for s in systems}
-    means = ("tokens_per_s", "x_own_plain", "x_genai_int4", "x_genai_int8", "x_llama_cpp", "ttft_ms",
-             "tokens_per_pass")
+    means = ("tokens_per_s", "x_own_plain", "x_genai_int4", "x_genai_int8", "x_genai_int4_greedy",
+             "x_genai_int8_greedy", "x_llama_cpp", "ttft_ms", "tokens_per_pass")
     return {name: {**{k: geomean(r.get(k) for r in rs) for k in means},
                    "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
                    "identical_to_plain": None if rs[0]["identical_to_plain"] is None else

@@ -1,11 +1,15 @@
 """edgespec against what a user would pick instead: onnxruntime-genai's own exports of the same model.
 
     pip install -e ".[export,peers]"
-    python benchmarks/measure/peers.py BUNDLE [BUNDLE ...] [--sets chat,rag,...] [--prompts FILE.jsonl ...] [--first N]
-                               [--max-new-tokens 128] [--rounds 2] [--threads 2] [--json OUT.json]
-                               [--perplexity] [--openvino-python PATH] [--llama-cpp PATH|build]
+    python benchmarks/measure/peers.py [BUNDLE ...] [--bundle PATH ...] [--no-symmetric] [--symmetric-head int4|int8]
+                               [--sets chat,rag,...] [--prompts FILE.jsonl ...] [--first N] [--max-new-tokens 128] [--rounds 2]
+                               [--threads 2] [--json OUT.json] [--perplexity] [--openvino-python PATH]
+                               [--llama-cpp PATH|build] [--profile [--profile-prompt K] [--profile-speculative]]
 
-BUNDLE may be `default`. Builds onnxruntime-genai's CPU exports of the reference model (SmolLM2-135M-Instruct,
+BUNDLE may be `default` (the default without any); `--bundle PATH` adds any bundle. A standing row (unless
+`--no-symmetric`): the default recipe at symmetric int4, genai's own weights (blocks of 32, int8 activations,
+the head int4 as genai's; `--symmetric-head int8` keeps the recipe's int8 head, as issue 56's first table
+did), built once into `EDGESPEC_CACHE/peers/` (peer_builds.py): plain against plain at the same weights. Builds onnxruntime-genai's CPU exports of the reference model (SmolLM2-135M-Instruct,
 from the GGUF the default bundle comes from) in int4 and int8 with its model builder, once, into
 `EDGESPEC_CACHE/peers/`. Then for each prompt set (every benchmarks/workloads/*.jsonl, sorted; `--sets` picks
 some by name; `--prompts` gives files instead) runs, alternating the order round by round and each run a
@@ -18,7 +22,14 @@ Prints per set: decode tokens/s (first token excluded); its ratio to the system'
 to the faster mode of genai int4 and of genai int8; median time to first token; peak RSS; tokens per
 target pass; whether speculative output is identical to its own plain output on every prompt; and on how
 many prompts each bundle's plain output equals each peer's greedy output (informative: other weights).
-Then that table as geometric means over the sets (RSS the largest). `--json OUT` writes all of it.
+Under each set: plain against plain, each bundle's plain decoding over genai's greedy (int4, int8) and over
+every other bundle's plain. Then that table as geometric means over the sets (RSS the largest). `--json OUT`
+writes all of it.
+
+`--profile`: no timed runs; instead one prompt of each set (`--profile-prompt K`, default the first) under
+onnxruntime's profiler, genai int4 greedy against each bundle's plain decoding (`--profile-speculative`: and
+its speculative), each in a child process: ms per one-token step by operator type and its share of the
+run, the run, the wall time of a step and what lies outside the run (peer_profile.py).
 `--perplexity` first prints each bundle's and genai export's perplexity on edgespec's held-out text
 (quality.json's text and tokenization), teacher-forced in one pass: what each quantization costs.
 
@@ -44,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -53,9 +63,11 @@ from pathlib import Path
 from functools import partial
 from typing import NamedTuple
 
+from peer_builds import build_openvino, build_peer, build_symmetric, cache_dir
+from peer_profile import print_profiles, profile_bundle, profile_genai
 from peer_llama_cpp import llama_cpp_version, llama_server, run_llama_cpp
-from peer_report import (PRECISIONS, add_ratios, genai_name, greedy_agreement, llama_name, over_sets, print_table,
-                         summarize)
+from peer_report import (PRECISIONS, add_ratios, genai_name, greedy_agreement, llama_name, over_sets, plain_ratios,
+                         print_table, summarize)
 
 PEER_NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}  # the mode the fast-engine issue compared against
 # llama.cpp's prompt lookup with genai's setting: the last 3 tokens as key, up to 10 drafted
@@ -70,50 +82,6 @@ class System(NamedTuple):
     kind: str  # genai, genai-ngram, plain, speculative, openvino, openvino-lookup, llama-cpp, llama-cpp-ngram
     folder: Path
     plain: str | None  # the name of its own plain decoding (None: it is one)
-
-
-def cache_dir() -> Path:
-    from edgespec.runtime.execution.paths import cache_dir
-    return cache_dir()
-
-
-def reference_hf() -> Path:
-    """The reference model as a Hugging Face folder, from the GGUF the default bundle comes from (once)."""
-    if not ((hf := cache_dir() / "peers" / "smollm2-135m-hf") / "config.json").is_file():
-        from edgespec.exporters.sources import resolve_source
-
-        model, tokenizer = resolve_source("default", cache_dir()).load()
-        # loaded from a GGUF, dequantized: the weights are plain floats, saved as such
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(hf)
-        tokenizer.save_pretrained(hf)
-    return hf
-
-
-def build_once(out: Path, done_file: str, command: list[str], env: dict | None = None) -> Path:
-    if not (out / done_file).is_file():
-        partial = out.with_name(out.name + ".partial")
-        subprocess.run(command + [str(partial)], check=True, env=env)
-        partial.replace(out)
-    return out
-
-
-def build_peer(precision: str) -> Path:
-    """onnxruntime-genai's export of the reference model at `precision`, by its model builder (once)."""
-    return build_once(cache_dir() / "peers" / f"ortgenai-smollm2-135m-{precision}", "genai_config.json", [
-        sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(reference_hf()), "-p", precision,
-        "-e", "cpu", "-c", str(cache_dir() / "peers" / "builder-cache"), "-o"])
-
-
-def build_openvino(python: str, precision: str) -> Path:
-    """OpenVINO GenAI's export of the same Hugging Face folder at `precision`, by optimum-intel (once). int4 in
-    blocks of 32 like genai's (its default 128 does not divide the hidden size 576); int8 per channel."""
-    return build_once(cache_dir() / "peers" / f"ovgenai-smollm2-135m-{precision}", "openvino_model.xml", [
-        python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(reference_hf()),
-        "--task", "text-generation-with-past", "--weight-format", precision]
-        + (["--group-size", "32"] if precision == "int4" else []), {**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def prompt_sets(args) -> list[Path]:
@@ -223,10 +191,20 @@ def run_bundle(folder: Path, items: list[dict], max_new_tokens: int, speculate: 
     return {"results": timed_runs(items, run)}
 
 
+def run_profile(folder: Path, items: list[dict], max_new_tokens: int, kind: str, threads: int) -> dict:
+    """--profile's child: one prompt (the first of `items`) under onnxruntime's profiler."""
+    with tempfile.TemporaryDirectory() as scratch:
+        if kind == "genai":
+            return profile_genai(folder, items[0], max_new_tokens, threads, Path(scratch))
+        return profile_bundle(folder, items[0], max_new_tokens, threads, Path(scratch), kind == "speculative")
+
+
 CHILDREN = {"genai": (run_genai, False), "genai-ngram": (run_genai, True), "openvino": (run_openvino, False),
             "openvino-lookup": (run_openvino, True), "plain": (run_bundle, False), "speculative": (run_bundle, True),
             "llama-cpp": (partial(run_llama_cpp, timed_runs=timed_runs, spec_flags=LLAMA_NGRAM), False),
-            "llama-cpp-ngram": (partial(run_llama_cpp, timed_runs=timed_runs, spec_flags=LLAMA_NGRAM), True)}
+            "llama-cpp-ngram": (partial(run_llama_cpp, timed_runs=timed_runs, spec_flags=LLAMA_NGRAM), True),
+            "profile-genai": (run_profile, "genai"), "profile-plain": (run_profile, "plain"),
+            "profile-speculative": (run_profile, "speculative")}
 
 
 def child(args) -> None:
@@ -235,6 +213,30 @@ def child(args) -> None:
     extra = {"gguf": args.child_gguf} if args.child.startswith("llama-cpp") else {}
     out = run(Path(args.child_folder), items, args.max_new_tokens, speculative, args.threads, **extra)
     print(json.dumps({"peak_rss_mb": peak_rss_mb(), **out}))  # llama.cpp: its server's peak
+
+
+def profile_sets(sets: list[Path], bundles: list[Path], args) -> dict:
+    """--profile: one prompt of each set (`--profile-prompt`), genai int4 greedy against each bundle's plain
+    decoding (and speculative with --profile-speculative), each a child process; per operator, per step."""
+    report = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for path in sets:
+            prompts, _ = encode_set(path, bundles[0], Path(scratch) / path.name, None)
+            lines = prompts.read_text().splitlines()
+            if args.profile_prompt >= len(lines):
+                raise SystemExit(f"{path.name} has {len(lines)} prompts: no prompt {args.profile_prompt}")
+            one = Path(scratch) / f"one-{path.name}"
+            one.write_text(lines[args.profile_prompt] + "\n")
+            systems = [System("onnxruntime-genai int4", "profile-genai", build_peer("int4"), None)]
+            for b in bundles:
+                systems += [System(f"{b.name} plain", "profile-plain", b, None)]
+                if args.profile_speculative:
+                    systems += [System(f"{b.name} speculative", "profile-speculative", b, None)]
+            found = {s.name: measure(s, one, args) for s in systems}
+            past = len(json.loads(lines[args.profile_prompt])["ids"])
+            print_profiles(path.stem, past, found)
+            report[path.stem] = {"prompt_index": args.profile_prompt, "prompt_tokens": past, "systems": found}
+    return report
 
 
 def peak_rss_mb() -> float:
@@ -325,6 +327,9 @@ def run_set(prompts: Path, template_agrees: str, systems: list[System], args) ->
           f"greedy, {args.threads} threads, {args.rounds} rounds alternating; genai's own template: the same ids "
           f"on {template_agrees}")
     print_table(table, systems)
+    plain_vs_plain = plain_ratios(table, systems)
+    for name, ratios in plain_vs_plain.items():
+        print(f"  {name} against plain: " + ", ".join(f"x {other} {r:.2f}" for other, r in ratios.items()))
     agreement = greedy_agreement(table, systems)
     for name, equal in agreement.items():
         print(f"  {name} output equals greedy " + ", ".join(f"{p}: {n}" for p, n in equal.items()))
@@ -333,13 +338,24 @@ def run_set(prompts: Path, template_agrees: str, systems: list[System], args) ->
         print(f"  llama.cpp's own chat template (/apply-template, /tokenize): the same ids on {llama_agrees}")
     return {"systems": {name: {k: v for k, v in row.items() if k not in ("outputs", "template_agrees")}
                         for name, row in table.items()},
-            "plain_equals_peer_greedy": agreement, "genai_template_agrees": template_agrees,
+            "plain_equals_peer_greedy": agreement, "plain_against_plain": plain_vs_plain, "genai_template_agrees": template_agrees,
             **({"llama_cpp_template_agrees": llama_agrees} if llama_agrees else {})}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bundles", nargs="*", help="bundle folders, or `default`")
+    parser.add_argument("bundles", nargs="*", help="bundle folders, or `default` (the default when none is given)")
+    parser.add_argument("--bundle", action="append", default=[], metavar="PATH",
+                        help="another bundle to measure (repeatable), beside the positional ones")
+    parser.add_argument("--no-symmetric", action="store_true",
+                        help="leave out the standing row: the default recipe at symmetric int4 (genai's weights)")
+    parser.add_argument("--symmetric-head", default="int4", choices=("int4", "int8"),
+                        help="the standing row's head: int4 as genai's export (default), or the default recipe's int8")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the timed runs: onnxruntime's profiler on one prompt of each set, genai "
+                             "int4 greedy against each bundle's plain decoding, ms per step by operator")
+    parser.add_argument("--profile-prompt", type=int, default=0, help="which prompt of each set --profile runs")
+    parser.add_argument("--profile-speculative", action="store_true", help="--profile also each bundle's speculative")
     parser.add_argument("--sets", help="comma-separated names of benchmarks/workloads/*.jsonl (default: all)")
     parser.add_argument("--prompts", nargs="+", type=Path, help="prompt files instead of the workload sets")
     parser.add_argument("--first", type=int, help="only each set's first N prompts (a quick check)")
@@ -360,8 +376,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    if not args.bundles:
-        parser.error("give at least one bundle")
     from edgespec.defaults import resolve_bundle
 
     sets = prompt_sets(args)
@@ -372,8 +386,17 @@ def main() -> None:
         args.llama_gguf = fetch_default_gguf(cache_dir())  # the GGUF the default bundle comes from
     else:
         print("llama.cpp left out (no --llama-cpp PATH|build)")
-    bundles = [resolve_bundle(b) for b in args.bundles]
+    bundles = [resolve_bundle(b) for b in (args.bundles or ([] if args.bundle else ["default"])) + args.bundle]
+    if not args.no_symmetric:
+        bundles.append(build_symmetric(args.symmetric_head))
     peers = {p: build_peer(p) for p in PRECISIONS}
+    if args.profile:
+        report = profile_sets(sets, bundles, args)
+        if args.json:
+            args.json.write_text(json.dumps({"config": {"bundles": [str(b) for b in bundles],
+                                                        "max_new_tokens": args.max_new_tokens,
+                                                        "threads": args.threads}, "profile": report}, indent=2))
+        return
     if args.perplexity:
         perplexities(peers, bundles)
     systems = make_systems(peers, bundles, args.openvino_python, llama_cpp)
@@ -383,6 +406,10 @@ def main() -> None:
     means = over_sets({name: result["systems"] for name, result in report.items()}, systems)
     print(f"\ngeometric means over {len(report)} sets ({', '.join(report)}); RSS the largest, identical on every set")
     print_table(means, systems)
+    for s in systems:
+        if s.kind == "plain":
+            print(f"  {s.name} against genai's greedy (plain against plain): int4 {means[s.name]['x_genai_int4_greedy']:.2f}, "
+                  f"int8 {means[s.name]['x_genai_int8_greedy']:.2f}")
     if args.json:
         from importlib.metadata import version
 

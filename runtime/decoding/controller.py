@@ -9,8 +9,16 @@ time and its pass, and tried again now and then when it does not (its acceptance
 Expected tokens of the suffix tree's first k nodes (most probable first): 1 + the sum over them of the
 product, along each node's path, of p_j = rate(match length, depth j) x the trie's probability of the
 node given its parent, `rate` counted (with decay) over earlier steps; cost: the measured seconds of a
-pass of k + 1 rows. Greedy output does not depend on which tree is
-verified, and sampling stays exact because the choice depends only on earlier steps.
+pass of k + 1 rows. A speculative choice must beat plain's price by MARGIN (runtime/decoding/pricing.py:
+choose). Greedy output does not depend on which tree is verified, and sampling stays exact because the
+choice depends only on earlier steps.
+
+Never losing to plain decoding: prices can be wrong (a pass's rows, a draft that agrees less than it did,
+the controller's own bookkeeping), so each step that asked a source is also timed whole, from propose to
+observe, and entered in that source's ledger of what it gained over plain steps (pricing.py: Ledger): the
+main drafter's (LEDGERED). A source whose ledger is losing is benched: not asked (no drafting, no pricing)
+for a number of steps, then asked once as a probe (pricing.py: Probes). With every source benched a step
+costs what a plain step does.
 
 State: the controller owns its measurements (they describe the device and the workload, and outlive a
 request: a pipeline's drafter keeps them across turns); the sources own theirs.
@@ -25,6 +33,7 @@ import numpy as np
 
 from .drafters import Drafter
 from .lookup import graft_chain
+from .pricing import Ledger, Price, Probes, choose
 from .sampling import Sampler
 from .suffix import SuffixDrafter, SuffixProposal
 from .tree import Tree
@@ -32,6 +41,14 @@ from .tree import Tree
 DECAY = 0.98  # each count keeps this share per new observation: acceptance follows the workload
 EXTRA_ROW_PRIOR = 0.25  # a pass's extra row, as a share of a one-row pass, until passes of that size are timed
 EXPLORE_EVERY = 16  # a main drafter left out for plain steps this many steps in a row is asked once more
+MARGIN = 0.02  # a speculative price must beat plain's by this share (pricing.choose)
+PLAIN_SMOOTHING = 0.1  # the moving average of a plain step's whole seconds, while sources are idle
+SPIKE = 2.0  # a step is charged at most this many times its price: beyond it, another process preempted it
+SOURCES = ("suffix", "draft")  # what can be benched: suffix drafting, the main drafter
+# what the ledgers bench: the main drafter, whose steps cost its passes and a row each. Suffix drafting's cost
+# is a lookup (tens of microseconds, history.md §57); a ledger of it on a loaded machine weighed preemption
+# and benched it where its chains paid (history.md §85)
+LEDGERED = ("draft",)
 
 
 def alone() -> int:
@@ -176,6 +193,18 @@ class Measurements:
     # shared passes of the slots graph by the conversations aboard: their seconds by rows, as the slots
     # passes themselves ran (SharedPasses.timed): a slots pass's base is not the single graph's (§68, §70)
     shared_costs: dict[int, PassCosts] = field(default_factory=dict)
+    # per source ("suffix", "draft"): what it gained over plain steps, its probes while it does not pay, the
+    # steps it stays benched (0: asked every step), whether its next step asking it is a probe; and a plain
+    # step's whole seconds with every source idle
+    ledgers: dict[str, Ledger] = field(default_factory=lambda: {s: Ledger() for s in SOURCES})
+    probes: dict[str, Probes] = field(default_factory=lambda: {s: Probes() for s in SOURCES})
+    benched: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    probing: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(SOURCES, False))
+    plain_step_s: float | None = None
+
+    def record_plain_step(self, seconds: float) -> None:
+        old = self.plain_step_s
+        self.plain_step_s = seconds if old is None else old + PLAIN_SMOOTHING * (seconds - old)
 
     def record_shared(self, conversations: int, rows: int, seconds: float) -> None:
         self.shared_costs.setdefault(conversations, PassCosts()).record(rows, seconds)
@@ -208,42 +237,69 @@ class Controller:
         self.counts = SourceCounts()
         self.left_out = 0
         self.main_seen = 0  # the committed tokens the main drafter had when it last drafted
-        self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start, shared)
+        self._step: tuple | None = None  # (choice, tree, proposal, main nodes, verify start, shared, step start,
+        # full: whether the sources were asked, the chosen price's seconds)
         self.sharing: Callable[[], int] = alone
+        self.root = Tree.from_parents((-1,), [0]).topology  # a plain step's, made once
 
     # 1. choose and draft
     def propose(self, committed: list[int], max_nodes: int, sampler: Sampler | None,
                 target_features: np.ndarray | None = None) -> Tree:
+        started = time.perf_counter()
         shared = self.sharing()
+        measured = self.measured
+        asked = self._asked()
+        if not asked:  # no source pays here: a plain step at a plain step's cost
+            tree = Tree(self.root, np.array([committed[-1]], dtype=np.int64))
+            self._step = ("plain", tree, None, 0, time.perf_counter(), shared > 0, started, asked, None)
+            return tree
         others = shared if sampler is None else 0
-        proposal = self.suffix.proposal(committed, max_nodes) if self.suffix is not None else None
+        proposal = self.suffix.proposal(committed, max_nodes) if "suffix" in asked else None
         expected, k = self._best_prefix(proposal, others)
-        options = {"plain": self._rate(1.0, 1, others)}
+        prices = {"plain": self._price(1.0, 1, others)}
         if k:
-            options["suffix"] = self._rate(expected, k + 1, others)
-        if self.main is not None:
-            main_tokens = self.measured.main_tokens.mean()
-            main_s = self.measured.main_draft.seconds(main_tokens)  # drafting every step: one step's tokens behind
-            size = max(1, round(self.measured.main_size.mean()))
-            options["draft"] = self._rate(main_tokens, size, others, main_s)
+            prices["suffix"] = self._price(expected, k + 1, others)
+        if "draft" in asked:
+            main_tokens = measured.main_tokens.mean()
+            main_s = measured.main_draft.seconds(main_tokens)  # drafting every step: one step's tokens behind
+            size = max(1, round(measured.main_size.mean()))
+            prices["draft"] = self._price(main_tokens, size, others, main_s)
             if k and self.lanes > 1:
-                options["draft+suffix"] = self._rate(main_tokens + expected - 1, size + k, others, main_s)
-        choice = max(options, key=options.get)
-        if self.main is not None and choice == "plain" and self.left_out >= EXPLORE_EVERY:
+                prices["draft+suffix"] = self._price(main_tokens + expected - 1, size + k, others, main_s)
+        choice = choose(prices, MARGIN)
+        if "draft" in asked and choice == "plain" and self.left_out >= EXPLORE_EVERY:
             choice = "draft"
         self.left_out = 0 if "draft" in choice else self.left_out + 1
         tree, main_nodes = self._draft(choice, proposal, k, committed, max_nodes, sampler, target_features)
-        self._step = (choice, tree, proposal, main_nodes, time.perf_counter(), shared > 0)
+        self._step = (choice, tree, proposal, main_nodes, time.perf_counter(), shared > 0, started, asked,
+                      prices[choice].seconds)
         return tree
 
-    def _rate(self, tokens: float, rows: int, others: int, drafting_s: float = 0.0) -> float:
-        """Tokens per second of a pass of this step's `rows` beside `others` plain steps: the others wait
-        for its drafting too (one conversation computes at a time)."""
+    def _asked(self) -> frozenset[str]:
+        """The sources this step asks: those the controller has and that are not benched; a bench's last
+        step makes the next one that asks its source a probe."""
+        measured, asked = self.measured, set()
+        for source, present in (("suffix", self.suffix is not None), ("draft", self.main is not None)):
+            if not present:
+                continue
+            if measured.benched[source] > 0:
+                measured.benched[source] -= 1
+                measured.probing[source] = measured.benched[source] == 0
+                continue
+            asked.add(source)
+        return frozenset(asked)
+
+    def _price(self, tokens: float, rows: int, others: int, drafting_s: float = 0.0) -> Price:
+        """A pass of this step's `rows` beside `others` plain steps: the others wait for its drafting too (one
+        conversation computes at a time)."""
         costs = self.measured.costs
         if others:  # the slots passes' own seconds for this many conversations, once timed (§70)
             shared = self.measured.shared_costs.get(others + 1)
             costs = shared if shared is not None and shared.seconds_by_rows else costs
-        return (tokens + others) / (drafting_s + costs.seconds(rows + others))
+        return Price(tokens + others, drafting_s + costs.seconds(rows + others))
+
+    def _rate(self, tokens: float, rows: int, others: int, drafting_s: float = 0.0) -> float:
+        return self._price(tokens, rows, others, drafting_s).rate
 
     def _best_prefix(self, proposal: SuffixProposal | None, others: int = 0) -> tuple[float, int]:
         """(expected tokens, drafted nodes) of the suffix tree's best prefix by expected tokens per pass
@@ -282,17 +338,54 @@ class Controller:
             self.main.observe(accepted, tokens, logits)
         if tokens is None or self._step is None:
             return
-        choice, tree, proposal, main_nodes, verify_start, shared = self._step
+        choice, tree, proposal, main_nodes, verify_start, shared, step_start, asked, priced_s = self._step
         self._step = None
         if not shared:
             self.measured.costs.record(tree.size, time.perf_counter() - verify_start)
         self.counts.add(choice, len(accepted))
+        if not shared:
+            self.account(choice, len(accepted), time.perf_counter() - step_start, asked, priced_s)
         if proposal is not None and proposal.tree.size > 1:
             self._score_suffix(proposal, accepted)
         if main_nodes:
             path = self._accepted_nodes(tree, accepted)
             self.measured.main_tokens.add(0, 1 + sum(1 for node in path if node < main_nodes))
             self.measured.main_size.add(0, main_nodes)
+
+    def account(self, choice: str, tokens: int, seconds: float, asked: frozenset[str],
+                priced_s: float | None = None) -> None:
+        """The step's whole seconds: a step that asked no source times plain decoding's; one that verified
+        the main drafter's tree goes into its ledger. A source whose ledger is losing, or whose probe was
+        not chosen, is benched until its next probe. A
+        step is charged at most SPIKE times its price (a plain step at most SPIKE times their average):
+        beyond that another process preempted it, which a shared machine does to any step, and one such
+        step must not decide."""
+        measured = self.measured
+        if not asked:
+            plain = measured.plain_step_s
+            measured.record_plain_step(seconds if plain is None else min(seconds, SPIKE * plain))
+            return
+        source = "draft" if "draft" in choice and "draft" in LEDGERED else None
+        for probed in asked:
+            if measured.probing[probed]:
+                measured.probing[probed] = False
+                if probed in LEDGERED and probed != source:
+                    self._bench(probed)
+        if source is None or measured.benched[source] or (measured.plain_step_s is None
+                                                          and not measured.costs.seconds_by_rows):
+            return  # nothing verified from a source, or no pass timed yet to weigh the step against
+        charged = seconds if priced_s is None else min(seconds, SPIKE * priced_s)
+        ledger = measured.ledgers[source]
+        ledger.add(tokens, charged, measured.plain_step_s or measured.costs.seconds(1))
+        if ledger.losing:
+            self._bench(source)
+
+    def _bench(self, source: str) -> None:
+        measured = self.measured
+        ledger = measured.ledgers[source]
+        measured.probes[source].after_stretch(paid=ledger.peak > -ledger.floor)
+        measured.benched[source] = measured.probes[source].interval
+        ledger.reset()
 
     def _score_suffix(self, proposal: SuffixProposal, accepted: list[int]) -> None:
         """Counts the suffix chain's tokens against the committed ones, as far as those are known."""
