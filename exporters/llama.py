@@ -291,6 +291,8 @@ class LlamaBuilder(LayerAttention, Rotary):
                 mixed = g.op("MatMul", [g.op("Concat", [x, features], axis=-1),
                                         g.weight("feature_fc", self.feature_fc[0].T)], "feature_fc")
                 x = g.op("Add", [mixed, g.weight("feature_fc_bias", self.feature_fc[1])])
+            if self.flushes_attention:  # a large table is quantized alone: nothing else read meanwhile (§80)
+                g.flush(wait=True)
         else:
             table = None
             x = g.input("hidden", FLOAT, [1, nodes, f.hidden_size])

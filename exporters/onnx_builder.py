@@ -97,10 +97,10 @@ class GraphBuilder:
             self._last.add(name)
         return name
 
-    def flush(self, final: bool = False) -> None:
+    def flush(self, final: bool = False, wait: bool = False) -> None:
         """Through the sink: the nodes since the last flush, with the weights they read (`final`: every
         weight left, with the earlier nodes that read one). A part is quantized while the next is built;
-        its nodes take their place in order."""
+        its nodes take their place in order. `wait`: this part is quantized before anything more is read."""
         if self.sink is None:
             return
         if final:
@@ -119,7 +119,7 @@ class GraphBuilder:
             segment = [pending]
         self.nodes[self._flushed:] = segment
         self._flushed = len(self.nodes)
-        self._resolve(0 if final else IN_FLIGHT)
+        self._resolve(0 if final or wait else IN_FLIGHT)
         if final and self._last:
             self.nodes = topological(self.nodes, {i.name for i in self.inputs}
                                      | {t.name for t in self.constants + self.written})
