@@ -302,6 +302,8 @@ class LlamaBuilder(LayerAttention, Rotary):
         elif len(layers):
             x, branch = self.decoder_layers(g, x, branch, layers, nodes, sequences)
         if head:
+            if self.flushes_attention:  # the layers' parts are written before the large head is read (§80)
+                g.flush(wait=True)
             logit_rows = g.input("logit_rows", INT64, ["rows"])
             final_norm = self.state["model.norm.weight"] + np.float32(self.norm_offset)
             x, _ = self.add_and_norm(g, x, branch, g.weight("final_norm", final_norm))
