@@ -91,7 +91,7 @@ class StreamedWeights:
             tensor.name, tensor.data_type = name, onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
             tensor.dims.extend(array.shape)
             # protobuf takes only bytes and copies them into its arena: the array goes before that copy, so a
-            # vocabulary table (an 8B body's: 800 MiB in float32) is held twice at most, not three times
+            # vocabulary table (an 8B body's) is held twice at most, not three times
             data = array.tobytes()
             del array
             tensor.raw_data = data
