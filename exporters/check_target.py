@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
+from edgespec.runtime.contract.errors import ExportError
 from edgespec.runtime.contract.facts import ModelFacts
 from edgespec.runtime.contract.graph import EXACT_ROWS_KEY, MIN_ROWS
 from edgespec.runtime.execution.model import ModelRunner
@@ -65,18 +66,24 @@ def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory | None = 
     if weights <= memory.stream_above:
         yield ModelRunner(make_session(graph, PROVIDERS, default_threads()), facts)
         return
+    staged_facts = facts
     if prefix is not None:
         last = facts.num_layers
         plan = [(range(0, 0), True, False), (range(0, prefix), False, False), (range(last, last), False, True)]
-        facts = replace(facts, num_layers=prefix)
+        staged_facts = replace(facts, num_layers=prefix)
     else:
         plan = stage_plan(facts.num_layers, min(facts.num_layers, max(1, math.ceil(weights / memory.stage_bytes))))
-    boundaries = boundaries_of(whole, graph.name)
+    try:
+        boundaries = boundaries_of(whole, graph.name)
+        cut = [cut_stage(whole, boundaries, facts.hidden_size, layers, embed, head, f"check_stage{i}")
+               for i, (layers, embed, head) in enumerate(plan)]
+    except ExportError:  # a graph no stage can be cut from (a head reading earlier layers' features): held whole
+        yield ModelRunner(make_session(graph, PROVIDERS, default_threads()), facts)
+        return
     files = []
     try:
         sizes = []
-        for i, (layers, embed, head) in enumerate(plan):
-            stage = cut_stage(whole, boundaries, facts.hidden_size, layers, embed, head, f"check_stage{i}")
+        for i, stage in enumerate(cut):
             files.append(graph.with_name(f".{graph.stem}.check{i}.onnx"))
             onnx.save_model(stage, files[-1])
             sizes.append(external_bytes(stage))
@@ -85,7 +92,7 @@ def checked_target(graph: Path, facts: ModelFacts, memory: CheckMemory | None = 
         stages = [LoadedStage(lambda path=path: make_session(path, PROVIDERS, default_threads(), spin=False,
                                                              shared_arena=True)) for path in files]
         window = StageWindow(stages, pinned)
-        runner = StagedRunner(window, facts, _lanes(whole, facts))
+        runner = StagedRunner(window, staged_facts, _lanes(whole, facts))
         runner.graph_min_rows = int({p.key: p.value for p in whole.metadata_props}.get(EXACT_ROWS_KEY, MIN_ROWS))
         try:
             yield runner

@@ -97,9 +97,9 @@ def cut_stage(whole: onnx.ModelProto, boundaries: dict[int, tuple[str, str | Non
         node = _copy(node)
         for i, tensor in enumerate(node.input):
             if tensor in sizes and tensor not in starts and node.op_type != "Shape":
-                raise ExportError(f"the target graph's {_span(layers, embed, head)} reads an earlier layer's "
-                                  f"residual stream ({tensor}) in a {node.op_type}: export the bundle again with "
-                                  "--stages instead")
+                raise ExportError(f"the stage of {_span(layers, embed, head)} would read an earlier layer's "
+                                  f"residual stream ({tensor}) in a {node.op_type}: this graph cannot be re-staged; "
+                                  "export the bundle again with --stages")
             node.input[i] = starts.get(tensor, sizes.get(tensor, tensor))
         renamed.append(node)
     renamed += [onnx.helper.make_node("Identity", [starts.get(t, t)], [out], name=f"{out}_identity") for t, out in ends]
@@ -108,10 +108,17 @@ def cut_stage(whole: onnx.ModelProto, boundaries: dict[int, tuple[str, str | Non
     inputs = [_like_hidden(whole, n, hidden_size) for n in ("hidden", "branch") if n in starts.values()]
     inputs += [graph_inputs[t] for t in graph_inputs if t in read]
     produced = {t for node in renamed for t in node.output} | {t.name for t in inits} | {i.name for i in inputs}
+    # a stage reads only its own layers' caches: one that reaches further (a head returning features of
+    # earlier layers, as for an EAGLE-3 head) cannot be cut there
+    foreign = sorted(t for t in read & set(graph_inputs) if t.startswith(("past_key_", "past_value_"))
+                     and int(t.rsplit("_", 1)[1]) not in layers)
+    if foreign:
+        raise ExportError(f"the stage of {_span(layers, embed, head)} would read {foreign[0]}, another stage's "
+                          "cache (a draft head's features from earlier layers?): this graph cannot be re-staged")
     missing = sorted(read - produced)
     if missing:
-        raise ExportError(f"the target graph's stage {_span(layers, embed, head)} reads {', '.join(missing[:3])}, "
-                          "which no stage input gives: export the bundle again with --stages instead")
+        raise ExportError(f"the stage of {_span(layers, embed, head)} would read {', '.join(missing[:3])}, which no "
+                          "stage input gives: this graph cannot be re-staged; export the bundle again with --stages")
     graph = onnx.helper.make_graph(renamed, name, inputs, outputs, inits)
     model = onnx.helper.make_model(graph, opset_imports=whole.opset_import, producer_name=whole.producer_name)
     model.ir_version = whole.ir_version

@@ -202,3 +202,38 @@ def test_an_export_whose_checks_stream_records_the_same_verdict(models, exported
     assert quality["greedy_agreement"]["tokens"] == PROMPTS * STREAMED_NEW_TOKENS
     assert not list(folder.glob(".*")) and (folder / "target.weights").read_bytes() == \
         (exported[0] / "target.weights").read_bytes()
+
+
+def test_a_target_returning_earlier_layers_features_is_not_staged(tmp_path):
+    """An EAGLE-3 head's target returns features of three of its layers from its head: no cut holds them."""
+    from edgespec.exporters.export import ExportConfig, export
+    from edgespec.exporters.restage import restage
+    from heads import write_eagle3_head
+    from tiny import make_model
+
+    make_model(tmp_path / "target", "llama", seed=3, layers=4)
+    head = write_eagle3_head(tmp_path / "head", tmp_path / "target", aux_ids=[0, 1, 2])
+    folder = export(ExportConfig(model=str(tmp_path / "target"), draft=str(head), tree="chain:3",
+                                 out=tmp_path / "b", context=128))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ExportError, match="cannot be re-staged"):
+        restage(folder, 2, SAY)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_target_no_stage_can_be_cut_from_is_checked_whole(tmp_path, monkeypatch):
+    """Above the streaming size, a graph the checks cannot cut (an EAGLE-3 head's target) is checked whole:
+    the export succeeds, its speculative output equal to plain."""
+    from edgespec.exporters import check_target
+    from edgespec.exporters.export import ExportConfig, export
+    from heads import write_eagle3_head
+    from tiny import make_model
+
+    monkeypatch.setattr(check_target, "CHECKS", check_target.CheckMemory(0, 1, 1))
+    make_model(tmp_path / "target", "llama", seed=3, layers=4)
+    head = write_eagle3_head(tmp_path / "head", tmp_path / "target", aux_ids=[0, 1, 2])
+    folder = export(ExportConfig(model=str(tmp_path / "target"), draft=str(head), tree="chain:3",
+                                 out=tmp_path / "b", context=128, quant="int4"))
+    assert not list(folder.glob(".*"))  # nothing of a cut left beside the graph
+    decoded = _decode(folder)
+    assert decoded[0::2] == decoded[1::2]
