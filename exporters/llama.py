@@ -208,9 +208,7 @@ class LlamaBuilder(LayerAttention, Rotary):
         """Whether a layer goes to the weight sink in two parts (its attention, then its MLP): a large
         layer's float32 weights a part at a time, each while the next is read, would hold three layers'
         worth (IN_FLIGHT; an 8B layer: history.md §80)."""
-        f = self.facts
-        attention = f.hidden_size * f.head_dim * (2 * f.num_heads + 2 * f.num_kv_heads)
-        return 4 * (attention + 3 * f.hidden_size * f.intermediate_size) > LAYER_PART_BYTES
+        return 4 * self.facts.layer_parameters() > LAYER_PART_BYTES
 
     def parameter_count(self) -> int:
         tied = self.facts.tie_word_embeddings

@@ -23,20 +23,15 @@ BITS = {"fp32": 32, "fp16": 16, "int8": 8.5, "int4": 4.5}  # with the block scal
 MEMINFO = Path("/proc/meminfo")
 
 
-def layer_parameters(facts: ModelFacts) -> int:
-    attention = facts.hidden_size * facts.head_dim * (2 * facts.num_heads + 2 * facts.num_kv_heads)
-    return attention + 3 * facts.hidden_size * facts.intermediate_size
-
-
 def estimated_peak(facts: ModelFacts, scheme: str, reference_rows: int = 512) -> int:
     """Bytes the export's peak needs: the larger of writing (a layer's or the vocabulary table's float32
     weights, three copies while they are quantized) and checking (the quantized graph as onnxruntime holds
     it, or the window of it they stream (exporters/check_target.py), the checks' caches, the reference's
     largest matrix and its logits)."""
     table = facts.vocab_size * facts.hidden_size
-    largest = max(layer_parameters(facts), table)
+    largest = max(facts.layer_parameters(), table)
     writing = 3 * 4 * largest + (4 * table if facts.tie_word_embeddings else 0)
-    parameters = facts.num_layers * layer_parameters(facts) + table * (1 if facts.tie_word_embeddings else 2)
+    parameters = facts.num_layers * facts.layer_parameters() + table * (1 if facts.tie_word_embeddings else 2)
     quantized = parameters * BITS.get(scheme, 32) / 8
     kv = 2 * facts.num_layers * facts.num_kv_heads * facts.head_dim * 4 * reference_rows  # the checks' short caches
     held = quantized if quantized <= CHECKS.stream_above else CHECKS.resident_bytes + 2 * CHECKS.stage_bytes

@@ -12,7 +12,7 @@ import numpy as np
 
 from .contract.drafting import DrafterKind, LookupConfig
 from .contract.errors import BudgetError, BundleError, InputError
-from .contract.manifest import Manifest, open_bundle, read_head_tokens
+from .contract.manifest import Manifest, open_bundle
 from .contract.topology import Topology
 from .decoding.constraints import Grammars, Guide
 from .decoding.controller import Controller, Measurements
@@ -33,8 +33,8 @@ from .execution import prepacked
 from .execution.budget import parse_size
 from .execution.coreml import Predictor, open_coreml
 from .execution.device import describe
+from .execution.draft_open import open_draft
 from .execution.heap import heap_trimmer
-from .execution.medusa_heads import MedusaHeads
 from .execution.model import ModelRunner
 from .execution.paths import cache_dir, packed_dir
 from .execution.placement import Placement
@@ -146,23 +146,12 @@ class Pipeline:
                 raise BundleError("the manifest names a draft model but the bundle has no CoreML draft package: "
                                   "export it again with --format onnx,coreml, or run the ONNX backend")
             self.draft = coreml_draft
-        elif m.drafter.has_model:
-            if m.draft is None:
-                raise BundleError("the manifest names a draft model but no draft graph")
-            self.draft = ModelRunner(make_session(self.folder / m.draft.graph.file,
-                                                  (placement.draft_provider(),) if placement else profile.draft,
-                                                  placement.draft_threads if placement else self.threads,
-                                                  spin=spins(spin, beside_loader=self.memory.streams),
-                                                  role="the draft", strict=strict,
-                                                  # under a budget its passes and the target's take turns
-                                                  # in one arena (sessions.py): the plan counts one scratch
-                                                  shared_arena=self.memory.budget is not None),
-                                     m.draft.facts, read_head_tokens(self.folder, m.draft))
-        elif m.drafter is DrafterKind.MEDUSA:
-            if m.draft is None:
-                raise BundleError("the manifest names Medusa heads but no heads graph")
-            self.draft = MedusaHeads(make_session(self.folder / m.draft.graph.file, profile.draft, self.threads,
-                                                  role="the Medusa heads", strict=strict))
+        else:
+            self.draft = open_draft(m, self.folder,
+                                    ((placement.draft_provider(),), placement.draft_threads) if placement
+                                    else (profile.draft, self.threads), (profile.draft, self.threads),
+                                    spins(spin, beside_loader=self.memory.streams), strict,
+                                    shared_arena=self.memory.budget is not None)
         for runner in (self.target, self.draft):
             static = runner.static if runner is not None else None
             if static is not None and static.context != self.memory.context:

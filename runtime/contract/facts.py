@@ -68,5 +68,10 @@ class ModelFacts:
             data["rope_frequencies"] = list(data["rope_frequencies"])
         return data
 
+    def layer_parameters(self) -> int:
+        """A decoder layer's matmul weights: attention's projections and a gated MLP's three matrices."""
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        return attention + 3 * self.hidden_size * self.intermediate_size
+
     def kv_bytes_per_token(self, itemsize: int = 4) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
