@@ -9,6 +9,7 @@ conversation a request may continue (edgespec/serve_clients.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -26,7 +27,7 @@ FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "lengt
                   "closed": "length"}
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 # fields a client may send with the value that means "not used" (OpenAI's defaults); any other value is refused
-INERT_FIELDS = {"n": (1, None), "best_of": (1, None),
+INERT_FIELDS = {"best_of": (1, None),
                 "suffix": (None, ""), "service_tier": (None, "auto"), "store": (False, None), "metadata": (None,),
                 "user": None, "cache_salt": None}  # None: any string (a label, or whose cache a request may use)
 # what a client that sends these expects and would not get: said in the 400, so that it does not retry as is
@@ -37,7 +38,8 @@ NOT_BUILT = {"tools": "tools are for /v1/chat/completions", "tool_choice": "tool
 STRUCTURED_FIELDS = ("response_format", "tools", "tool_choice", "parallel_tool_calls")
 SAMPLING_FIELDS = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
                    "top_p", "seed", "stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                   "presence_penalty", "logit_bias")
+                   "presence_penalty", "logit_bias", "n")
+MOST_CHOICES = 16  # n: choices per prompt (each one generation, taking its own place in the queue)
 MOST_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions): alternatives per token, as vLLM allows
 
 
@@ -72,6 +74,19 @@ class Completion:
     tool_choice: str | None = None  # "auto", "required", a function's name; None: no call
     logprobs: int | None = None  # alternatives per token with each token's log-probability; None: none asked
     echo: bool = False  # completions: the prompt leads the text (and its tokens the logprobs)
+    n: int = 1  # choices per prompt
+    prompts: tuple[str, ...] = ()  # completions sent a list of prompts: all of them (`prompt` is the first)
+
+    def per_prompt(self) -> list[Completion]:
+        """The request for each prompt of a list, as if sent alone (its n choices each), or this one."""
+        if len(self.prompts) < 2:
+            return [self]
+        return [dataclasses.replace(self, prompt=prompt, prompts=()) for prompt in self.prompts]
+
+    @property
+    def choices(self) -> int:
+        """How many generations answer it: n for each prompt."""
+        return max(1, len(self.prompts)) * self.n
 
     def scores(self) -> Scores | None:
         """Where the generation puts the log-probabilities asked for (None: none)."""
@@ -127,11 +142,11 @@ def parse_chat(body, model: str, defaults: dict | None = None) -> Completion:
 
 def parse_completion(body, model: str, defaults: dict | None = None) -> Completion:
     _check_fields(body, ("prompt", "logprobs", "echo"))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise APIError("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    prompts = body.get("prompt")
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    # token ids are not taken (strings only): a list of integers is refused here, not read as text
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise APIError("'prompt' must be a non-empty string or a non-empty list of them", "prompt")
     logprobs = _typed(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MOST_LOGPROBS:
         raise APIError(f"'logprobs' must be in 0..{MOST_LOGPROBS}", "logprobs")
@@ -139,7 +154,8 @@ def parse_completion(body, model: str, defaults: dict | None = None) -> Completi
     echo = _typed(body, "echo", bool, False)
     if echo and generation["stream"]:
         raise APIError("'echo' is for requests that are not streamed", "echo", "unsupported_parameter")
-    return Completion(prompt=prompt, **generation, logprobs=logprobs, echo=echo)
+    return Completion(prompt=prompts[0], prompts=tuple(prompts) if len(prompts) > 1 else (), **generation,
+                      logprobs=logprobs, echo=echo)
 
 
 def _check_fields(body, own: tuple[str, ...]) -> None:
@@ -201,10 +217,13 @@ def _generation(body: dict, model: str, defaults: dict | None) -> dict:
     if set(options) - {"include_usage"}:
         raise APIError("'stream_options' supports 'include_usage' only", "stream_options", "unsupported_parameter")
     include_usage = _typed(options, "include_usage", bool, False)
+    n = _typed(body, "n", int, 1)
+    if not 1 <= n <= MOST_CHOICES:
+        raise APIError(f"'n' must be in 1..{MOST_CHOICES} (got {n})", "n")
     max_tokens = _max_tokens(body)
     stop = _stop(body.get("stop"))
     sampling = _sampling(body, {"temperature": 1.0} if defaults is None else defaults)
-    return dict(sampling=sampling, stop=stop, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
+    return dict(sampling=sampling, stop=stop, max_tokens=max_tokens, stream=stream, include_usage=include_usage, n=n,
                 user=body.get("user") or None, cache_salt=body.get("cache_salt") or None)
 
 
@@ -304,53 +323,75 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(result: Result) -> dict:
-    stats = result.stats
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+def usage(results: list[Result], n: int = 1) -> dict:
+    """Every choice's completion tokens, and each prompt's tokens once (its first choice's: `results` by choice
+    index, n per prompt)."""
+    firsts = results[::n]
+    prompt, completion = sum(r.stats.prompt_tokens for r in firsts), sum(r.stats.new_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens for r in firsts)}}
 
 
-def speculation(result: Result) -> dict:
-    """The documented extension field `edgespec`: how speculation went for this request."""
-    stats = result.stats
-    return {"tokens_per_target_pass": round(stats.mean_accepted_per_pass, 3), "target_passes": stats.target_passes,
-            "tokens_per_s": round(stats.tokens_per_s, 2), "time_to_first_token_s": round(stats.first_token_s, 4),
-            "stop_reason": result.stop_reason}
+def speculation(results: list[Result]) -> dict:
+    """The documented extension field `edgespec`: how speculation went for this request (over all its choices
+    when there are several, with `stop_reasons` by choice index)."""
+    if len(results) == 1:
+        stats = results[0].stats
+        return {"tokens_per_target_pass": round(stats.mean_accepted_per_pass, 3), "target_passes": stats.target_passes,
+                "tokens_per_s": round(stats.tokens_per_s, 2), "time_to_first_token_s": round(stats.first_token_s, 4),
+                "stop_reason": results[0].stop_reason}
+    every = [r.stats for r in results]
+    passes = sum(s.target_passes for s in every)
+    decoded, decode_s = sum(max(0, s.new_tokens - 1) for s in every), sum(s.decode_s for s in every)
+    return {"tokens_per_target_pass": round((sum(s.accepted_drafts for s in every) + passes) / passes, 3)
+            if passes else 0.0, "target_passes": passes,
+            "tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,  # a choice's own decoding speed
+            "time_to_first_token_s": round(min(s.first_token_s for s in every), 4),
+            "stop_reasons": [r.stop_reason for r in results]}
 
 
-def response(request_id: str, chat: bool, model: str, result: Result, tool_calls: list[dict] | None = None,
-             logprobs: dict | None = None, echoed: str = "") -> dict:
-    """`tool_calls`: the calls the answer made (edgespec/tool_calls.py: read_call), which they are instead of text;
-    `logprobs`: the choice's (edgespec/openai_logprobs.py); `echoed`: the prompt, before a completion's text."""
+def choice(index: int, chat: bool, result: Result, tool_calls: list[dict] | None = None, logprobs: dict | None = None,
+           echoed: str = "") -> dict:
+    """One choice of a response. `tool_calls`: the calls the answer made (edgespec/tool_calls.py: read_call), which
+    they are instead of text; `logprobs`: the choice's (edgespec/openai_logprobs.py); `echoed`: the prompt, before
+    a completion's text."""
     finish = "tool_calls" if tool_calls else FINISH_REASONS[result.stop_reason]
+    if not chat:
+        return {"index": index, "text": echoed + result.text, "finish_reason": finish, "logprobs": logprobs}
     message = {"role": "assistant", "content": None, "tool_calls": tool_calls} if tool_calls else \
         {"role": "assistant", "content": result.text}
-    choice = ({"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}
-              if chat else {"index": 0, "text": echoed + result.text, "finish_reason": finish, "logprobs": logprobs})
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+
+def response(request_id: str, chat: bool, model: str, results: list[Result], choices: list[dict], n: int = 1) -> dict:
+    """`results` and their `choices` by choice index (`choice`), n per prompt."""
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(result), "edgespec": speculation(result)}
+            "model": model, "choices": choices, "usage": usage(results, n), "edgespec": speculation(results)}
 
 
 def chunk(request_id: str, chat: bool, model: str, text: str | None = None, result: Result | None = None,
-          first: bool = False, usage_only: bool = False, tool_calls: list[dict] | None = None,
-          called: bool = False, logprobs: dict | None = None) -> dict:
-    """A stream chunk: text (the first chat chunk also names the role), a tool call (whole, in one chunk),
-    the last one (finish reason, "tool_calls" when `called`, and the extension field), or the usage-only chunk of
-    `stream_options.include_usage`. Usage is on that chunk alone: clients that add up usage over chunks
-    (LangChain) would count it twice."""
+          first: bool = False, tool_calls: list[dict] | None = None, called: bool = False,
+          logprobs: dict | None = None, index: int = 0) -> dict:
+    """A stream chunk of choice `index`: text (the first chat chunk also names the role), a tool call (whole,
+    in one chunk), or its last one (finish reason, "tool_calls" when `called`, and the extension field of
+    that choice)."""
     base = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model}
-    if usage_only:
-        return {**base, "choices": [], "usage": usage(result)}
     finish = None if result is None else "tool_calls" if called else FINISH_REASONS[result.stop_reason]
     if chat and tool_calls:
         delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
-        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "finish_reason": None}
     elif chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, **({"logprobs": logprobs} if logprobs else {})}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, **({"logprobs": logprobs} if logprobs else {})}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-    extra = {"edgespec": speculation(result)} if result is not None else {}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+    extra = {"edgespec": speculation([result])} if result is not None else {}
     return {**base, "choices": [choice], **extra}
+
+
+def usage_chunk(request_id: str, chat: bool, model: str, results: list[Result], n: int = 1) -> dict:
+    """The usage-only last chunk of `stream_options.include_usage`, over every choice. Usage is on that chunk
+    alone: clients that add up usage over chunks (LangChain) would count it twice."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [], "usage": usage(results, n)}

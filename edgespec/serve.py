@@ -4,7 +4,8 @@ One pipeline serves every request. Up to `interleave` generations are in flight,
 thread of its own, and take target passes in turn, one pass at a time (the target pass already uses
 every core; edgespec/serve_turns.py: a new request's prefill waits one pass of each, not their ends).
 A request takes its place in the queue as it arrives, before its body is read; at most `queue` wait
-beside those in flight, more get 429 with a Retry-After from the queue's expected wait. Each client's conversation is kept
+beside those in flight, more get 429 with a Retry-After from the queue's expected wait; a request of several
+choices (`n`, a list of prompts) takes a place for each (edgespec/serve_choices.py). Each client's conversation is kept
 (edgespec/serve_clients.py), so a follow-up turn that repeats the earlier messages prefills only what
 is new (`usage.prompt_tokens_details.cached_tokens`), and no client continues another's. Every request
 meets the limits of edgespec/serve_limits.py; bodies are parsed and prompts tokenised on a thread of
@@ -38,10 +39,11 @@ from edgespec.openai_api import (
     response,
 )
 from edgespec.runtime.contract.errors import ConstraintError, EdgespecError, InputError
-from edgespec.openai_logprobs import chat_logprobs, completion_logprobs, detokenized, tokenized
+from edgespec.openai_logprobs import detokenized, tokenized
 from edgespec.runtime.decoding.engine import GenerationConfig, Result
 from edgespec.runtime.decoding.logprobs import Scores
 from edgespec.runtime.pipeline import Pipeline
+from edgespec.serve_choices import answered, prepared_choices, start_choices
 from edgespec.serve_clients import KeptConversations, client_of, in_flight, key_digest
 from edgespec.serve_limits import (
     check_length,
@@ -53,7 +55,7 @@ from edgespec.serve_limits import (
 )
 from edgespec.serve_stream import stream_events
 from edgespec.serve_turns import Turn, Turns, generate_sharing, shared_passes_of
-from edgespec.tool_calls import read_call, told
+from edgespec.tool_calls import told
 
 LOG = logging.getLogger("edgespec.serve")
 FIRST_GUESS_S = 2.0  # a generation's turns, in seconds, until one has been timed
@@ -130,8 +132,23 @@ class Generations:
                            headers={"Retry-After": str(self.expected_wait())})
         self.pending += 1
 
-    def release(self) -> None:
-        self.pending -= 1
+    def admit_more(self, completion: Completion) -> None:
+        """The further places a request of several choices takes (one each: `admit` took the first), or 429;
+        400 for one that could never fit (more choices than the queue and the generations in flight)."""
+        extra = completion.choices - 1
+        if extra and completion.choices > self.limit:
+            raise APIError(f"this request asks for {completion.choices} choices (n for each prompt); this server takes "
+                           f"at most {self.limit} generations at a time, in flight or waiting: lower 'n', send fewer "
+                           "prompts, or start the server with a longer --queue", "n" if completion.n > 1 else "prompt",
+                           "too_many_choices")
+        if self.pending + extra > self.limit:
+            raise APIError(f"the server is busy: this request's {completion.choices} choices do not fit in the queue; "
+                           "retry shortly", code="queue_full", status=429, kind="rate_limit_error",
+                           headers={"Retry-After": str(self.expected_wait())})
+        self.pending += extra
+
+    def release(self, places: int = 1) -> None:
+        self.pending -= places
 
     def expected_wait(self) -> int:
         """Seconds until the queue has likely drained: the requests in it times the mean seconds a
@@ -265,39 +282,35 @@ class Routes:
     async def completions(self, request: Request, chat: bool):
         key = self.authorize(request)
         self.generations.admit()  # before the body is read: a full queue costs nothing to refuse
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()
+        held = 1  # the queue places this request holds that no generation of it has taken yet
+        pieces: asyncio.Queue | None = None
         cancel = threading.Event()
         try:
             body = await read_body(request, self.config.max_body_bytes)
             completion = await self.generations.off_loop(self.parse, body, chat)
-            config, ids = await self.generations.prepare(completion)
-            # under tools only what could still open a call is held back (stream_events: CallWatch)
-            scores = completion.scores()
-            on_text = (lambda text: loop.call_soon_threadsafe(
-                pieces.put_nowait, (text, scores.take_shown() if scores is not None else None))) \
-                if completion.stream else None
-            task = self.generations.start(ids, config, client_of(key, completion.user, completion.cache_salt),
-                                          on_text, cancel, scores)
+            self.generations.admit_more(completion)  # a place for each choice (edgespec/serve_choices.py)
+            held = completion.choices
+            choices = await prepared_choices(self.generations, completion)
+            pieces = asyncio.Queue() if completion.stream else None
+            client = client_of(key, completion.user, completion.cache_salt)
+            held = 0  # each generation gives its place back as it ends
+            start_choices(self.generations, choices, client, cancel, pieces)
         except BaseException:
-            self.generations.release()
+            cancel.set()  # choices already started stop at their next pass
+            self.generations.release(held)
             raise
         request_id = new_id(chat)
+        tasks = [one.task for one in choices]
         if completion.stream:
-            task.add_done_callback(lambda _: pieces.put_nowait(None))
-            events = stream_events(task, pieces, cancel, completion, request_id, chat, self.config.model,
+            events = stream_events(tasks, pieces, cancel, completion, request_id, chat, self.config.model,
                                    self.token_text)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            result = await self.answer(request, task, cancel)
+            results = await self.answer(request, tasks, cancel)
         except EdgespecError as err:
             raise APIError(str(err), code="generation_failed") from err
-        calls = read_call(result.text) if completion.tool_choice else None
-        logprobs = None if result.logprobs is None else chat_logprobs(result.logprobs, self.token_text) if chat else \
-            completion_logprobs(result.logprobs, self.token_text, ids if completion.echo else None,
-                                result.prompt_logprobs, len(completion.prompt) if completion.echo else 0)
-        return JSONResponse(response(request_id, chat, self.config.model, result, calls, logprobs,
-                                     completion.prompt if completion.echo else ""))
+        return JSONResponse(response(request_id, chat, self.config.model, results,
+                                     answered(choices, results, chat, self.token_text), completion.n))
 
     def token_text(self, token: int) -> str:
         return self.generations.pipeline.codec.tokenizer.decode([token], skip_special_tokens=False)
@@ -307,23 +320,26 @@ class Routes:
                                                           self.generations.sampling_defaults)
 
     @staticmethod
-    async def answer(request: Request, task: asyncio.Future, cancel: threading.Event) -> Result:
-        """The generation's result once it ends; a client that leaves meanwhile cancels it (at its next
-        target pass, or before its turn) and is answered 499, which no one reads."""
+    async def answer(request: Request, tasks: list[asyncio.Future], cancel: threading.Event) -> list[Result]:
+        """The generations' results once they end; a client that leaves meanwhile cancels them (at their next
+        target pass, or before their turn) and is answered 499, which no one reads. One that fails stops the
+        others: its error is the answer."""
         left = False
         try:
-            while not task.done():
-                # asyncio.wait, not await: a cancelled handler must not cancel the future, whose end
-                # gives the queue place back only when the worker is done with it
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and not left and await request.is_disconnected():
+            while not all(task.done() for task in tasks):
+                # asyncio.wait, not await: a cancelled handler must not cancel the futures, whose ends
+                # give the queue places back only when the worker is done with them
+                await asyncio.wait(set(tasks), timeout=DISCONNECT_POLL_S)
+                if any(task.done() and not task.cancelled() and task.exception() is not None for task in tasks):
+                    cancel.set()
+                elif not all(task.done() for task in tasks) and not left and await request.is_disconnected():
                     left = True
                     cancel.set()
         finally:
-            cancel.set()  # a no-op once it ended; stops it if this handler itself was cancelled
+            cancel.set()  # a no-op once they ended; stops them if this handler itself was cancelled
         if left:
             raise APIError("the client closed the request", code="client_closed_request", status=499)
-        return task.result()
+        return [task.result() for task in tasks]
 
     async def chat_completions(self, request: Request):
         return await self.completions(request, chat=True)

@@ -171,7 +171,8 @@ def test_a_follow_up_turn_reuses_the_cached_prefix(server):
     ({"model": MODEL, "messages": MESSAGES, "temperature": -0.5}, "temperature"),
     ({"model": MODEL, "messages": MESSAGES, "top_p": 0}, "top_p"),
     ({"model": MODEL, "messages": MESSAGES, "top_p": 1.5}, "top_p"),
-    ({"model": MODEL, "messages": MESSAGES, "n": 2}, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "n": 17}, "n"),
+    ({"model": MODEL, "messages": MESSAGES, "n": 0}, "n"),
     ({"model": MODEL, "messages": MESSAGES, "n": True}, "n"),  # == 1 in Python, not "not used"
     ({"model": MODEL, "messages": MESSAGES, "logprobs": 0}, "logprobs"),
     ({"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]"),

@@ -78,7 +78,7 @@ def test_sampling_fields_are_taken_and_checked(server):
                           (dict(temperature=0.5, logit_bias={"1": 101}), "logit_bias"),
                           (dict(temperature=0.5, logit_bias={"999999": 1}), None),
                           (dict(temperature=0.5, top_k=-2), "top_k"), (dict(top_logprobs=2), "top_logprobs"),
-                          (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(n=2), "n")]:
+                          (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(n=17), "n")]:
         status, _, reply = server.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, **fields})
         assert status == 400 and reply["error"]["param"] == param, (fields, reply)
     assert chat(server, max_tokens=4, temperature=0, frequency_penalty=0, presence_penalty=0.0)  # neutral: fine
