@@ -68,7 +68,8 @@ def made(monkeypatch):
         given.append((kwargs.get("role"), kwargs.get("spin")))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("edgespec.runtime.pipeline.make_session", recording)
+    for opener in ("edgespec.runtime.pipeline", "edgespec.runtime.execution.draft_open"):  # the target, the draft
+        monkeypatch.setattr(f"{opener}.make_session", recording)
     return given
 
 
