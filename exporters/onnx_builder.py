@@ -92,7 +92,7 @@ class GraphBuilder:
     def weight(self, name: str, array: np.ndarray | Callable[[], np.ndarray], last: bool = False) -> str:
         """`array`, or a function that reads it when it is written; `last`: read by nodes still to come
         after the next flush."""
-        self.weights[name] = array if callable(array) else contiguous(array)
+        self.weights[name] = array  # as it lies: a sink packs some from a checkpoint's own layout
         if last:
             self._last.add(name)
         return name
@@ -114,7 +114,7 @@ class GraphBuilder:
         read = {name for node in segment for name in node.input}
         ready = [name for name in self.weights if name in read and (final or name not in self._last)]
         if ready:
-            pending = _Pending(self.sink.submit(segment, {name: _array(self.weights.pop(name)) for name in ready}))
+            pending = _Pending(self.sink.submit(segment, {name: _read(self.weights.pop(name)) for name in ready}))
             self._pending.append(pending)
             segment = [pending]
         self.nodes[self._flushed:] = segment
@@ -158,8 +158,12 @@ class GraphBuilder:
         return model
 
 
+def _read(value) -> np.ndarray:
+    return value() if callable(value) else value
+
+
 def _array(value) -> np.ndarray:
-    return contiguous(value() if callable(value) else value)
+    return contiguous(_read(value))
 
 
 def contiguous(array: np.ndarray) -> np.ndarray:

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from edgespec.quant.apply import check_policy_names, quantize_model
+from edgespec.quant.apply import check_policy_names, packs_directly, quantize_model
+from edgespec.quant.nbits import packable
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.contract.errors import ExportError
 from onnx import helper
 from tqdm import tqdm
 
-from .onnx_builder import IN_FLIGHT, OPSET
+from .onnx_builder import IN_FLIGHT, OPSET, contiguous
 from .weights import append_external, point_external
 
 
@@ -85,8 +86,9 @@ class StreamedWeights:
         part = helper.make_model(helper.make_graph(nodes, "part", [], []),
                                  opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
         part.ir_version = 10
+        packed = self._packed_in_place(nodes, weights)
         for name in list(weights):  # into the part's own message: one copy of each array, not numpy_helper's two
-            array = weights.pop(name)
+            array = contiguous(weights.pop(name))
             tensor = part.graph.initializer.add()
             tensor.name, tensor.data_type = name, onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
             tensor.dims.extend(array.shape)
@@ -96,11 +98,36 @@ class StreamedWeights:
             del array
             tensor.raw_data = data
             del data
-        return self._workers.submit(self._quantize, part)
+        return self._workers.submit(self._quantize, part, packed)
 
-    def _quantize(self, part: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, str]]:
+    def _packed_in_place(self, nodes: list[onnx.NodeProto], weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The weights quant/nbits.py packs from where they lie (taken out of `weights`), never copied into the
+        part: each read by one MatMul, or the head's Gemm over a checkpoint's [out, in] matrix (quantize_model
+        unties it into a MatMul over its transpose), under a scheme onnxruntime's n-bit kernel writes."""
+        readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in nodes:
+            for name in node.input:
+                readers.setdefault(name, []).append(node)
+        block = self.policy.default.block_size
+        taken = {}
+        for name, array in list(weights.items()):
+            node = readers.get(name, [None])[0]
+            if len(readers.get(name, ())) != 1 or node.input[1:2] != [name]:
+                continue
+            if node.op_type == "MatMul":
+                direct = packs_directly(self.policy, name, self.grids) and packable(array, block)
+            else:
+                trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+                direct = (node.op_type == "Gemm" and trans_b == 1 and len(node.input) == 2
+                          and packs_directly(self.policy, "lm_head", self.grids) and packable(array.T, block))
+            if direct:
+                taken[name] = weights.pop(name)
+        return taken
+
+    def _quantize(self, part: onnx.ModelProto, packed: dict[str, np.ndarray]) -> tuple[onnx.ModelProto, dict[str, str]]:
         try:
-            return part, quantize_model(part, self.policy, strict=False, activation_maxima=self.maxima, grids=self.grids)
+            return part, quantize_model(part, self.policy, strict=False, activation_maxima=self.maxima, grids=self.grids,
+                                        arrays=packed)
         except ValueError as err:
             raise ExportError(str(err)) from err
 

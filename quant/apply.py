@@ -17,7 +17,9 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from . import integer
 from .gguf_grid import BlockGrid, matmul_nbits_inputs
+from .nbits import pack_columns, packable, replacement
 from .offsets import replace_matmul, write_nbits
+from .rewrite import replace_node
 from .schemes import QuantPolicy
 
 
@@ -25,20 +27,40 @@ def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in model.graph.initializer}
 
 
-def untie_head(model: onnx.ModelProto, head_name: str = "lm_head") -> None:
-    """Gemm(x, E, transB=1) -> MatMul(x, E^T): MatMulNBits quantizes MatMul weights only."""
+def untie_head(model: onnx.ModelProto, head_name: str = "lm_head", arrays: dict[str, np.ndarray] | None = None,
+               packed: bool = False) -> None:
+    """Gemm(x, E, transB=1) -> MatMul(x, E^T): MatMulNBits quantizes MatMul weights only. `arrays`: weights
+    held outside the graph (by name; the head's among them when `packed`, for pack_columns to read E^T
+    where it lies instead of a transposed copy in the graph)."""
+    arrays = {} if arrays is None else arrays
     inits = _initializers(model)
     for node in model.graph.node:
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
-        if node.op_type != "Gemm" or trans_b != 1 or node.input[1] not in inits or len(node.input) > 2:
+        if node.op_type != "Gemm" or trans_b != 1 or len(node.input) != 2:
             continue
-        weight = numpy_helper.to_array(inits[node.input[1]])
-        if node.input[1] == head_name:
+        if node.input[1] not in inits and node.input[1] not in arrays:
+            continue
+        weight = arrays.pop(node.input[1]) if node.input[1] in arrays else numpy_helper.to_array(inits[node.input[1]])
+        if node.input[1] == head_name and head_name in inits:
             model.graph.initializer.remove(inits[head_name])
-        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), head_name))
+        if packed:
+            arrays[head_name] = weight.T
+        else:
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), head_name))
         node.op_type = "MatMul"
         node.input[1] = head_name
         del node.attribute[:]
+
+
+def packs_directly(policy: QuantPolicy, name: str, grids: dict | None = None) -> bool:
+    """Whether MatMul weight `name` goes to onnxruntime's n-bit kernel as it is (not a GGUF grid, an integer
+    matmul, float offsets or a float type): what quant/nbits.py packs without the graph holding it."""
+    scheme = policy.scheme_for(name)
+    if scheme.bits is None or name in (grids or {}):
+        return False
+    if scheme.bits == 8 and policy.default.integer_matmul:
+        return False
+    return policy.default.symmetric or policy.default.integer_zero_points
 
 
 def _drop_unused_initializers(model: onnx.ModelProto) -> None:
@@ -50,8 +72,8 @@ def _drop_unused_initializers(model: onnx.ModelProto) -> None:
 EMBEDDING = "embed_tokens"  # the one table a Gather reads that is a weight (exporters/llama.py's name)
 
 
-def _weight_nodes(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
-    inits = _initializers(model)
+def _weight_nodes(model: onnx.ModelProto, arrays: dict | None = None) -> dict[str, list[onnx.NodeProto]]:
+    inits = set(_initializers(model)) | set(arrays or ())
     users: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
         if node.op_type in ("MatMul", "Gemm") and node.input[1] in inits:
@@ -75,18 +97,22 @@ def _store_half(model: onnx.ModelProto, names: list[str]) -> None:
 
 def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = True,
                    activation_maxima: dict[str, np.ndarray] | None = None,
-                   grids: dict[str, BlockGrid] | None = None) -> dict[str, str]:
+                   grids: dict[str, BlockGrid] | None = None, arrays: dict[str, np.ndarray] | None = None) -> dict[str, str]:
     """Quantizes `model` in place; returns {weight name: scheme} for every matmul/embedding weight.
     `strict`: a policy pattern that names no weight of this graph is an error (a stage holds only
     some of the model's weights, so its patterns are checked on the whole model instead).
     `activation_maxima`: calibrate.py's, for integer matmuls (measured on the whole model: a stage
-    cannot measure its own). `grids`: weights that keep a GGUF file's own blocks (gguf_grid.py), by name."""
+    cannot measure its own). `grids`: weights that keep a GGUF file's own blocks (gguf_grid.py), by name.
+    `arrays`: MatMul weights ([K, N] float32, any strides) the graph reads but does not hold, each one
+    that `packs_directly`; they are packed from where they lie and the dict is emptied."""
     grids = grids or {}
+    arrays = {} if arrays is None else arrays
     head, embedding = policy.scheme_for("lm_head"), policy.scheme_for("embed_tokens")
     if head.bits or head.name != embedding.name or "lm_head" in grids:
-        untie_head(model)  # MatMulNBits needs a MatMul; a tied head needs its own copy
+        # MatMulNBits needs a MatMul; a tied head needs its own copy
+        untie_head(model, arrays=arrays, packed=packs_directly(policy, "lm_head", grids))
         _drop_unused_initializers(model)  # a head-only stage no longer needs the embedding table
-    users = _weight_nodes(model)  # before the grids' rewrite: their offsets' small matmuls stay fp32
+    users = _weight_nodes(model, arrays)  # before the grids' rewrite: their offsets' small matmuls stay fp32
     kept = _apply_grids(model, grids, policy.default.accuracy_level)
     users = {name: nodes for name, nodes in users.items() if name not in kept}
     if strict:
@@ -103,7 +129,7 @@ def quantize_model(model: onnx.ModelProto, policy: QuantPolicy, strict: bool = T
         _apply_integer(model, users, applied, activation_maxima or {})
     if not policy.default.symmetric and not policy.default.integer_zero_points:
         _apply_offsets(model, users, applied, policy)
-    _apply_nbits(model, applied, policy)
+    _apply_nbits(model, applied, policy, arrays)
     if "lm_head" not in applied and "lm_head" not in kept and "embed_tokens" in applied:
         applied["lm_head"] = applied["embed_tokens"]  # a tied head reads the embedding table as stored
     return {**kept, **applied}
@@ -158,24 +184,79 @@ def _apply_offsets(model: onnx.ModelProto, users, applied: dict[str, str], polic
             model.graph.initializer.remove(inits[name])
 
 
-def _apply_nbits(model: onnx.ModelProto, applied: dict[str, str], policy: QuantPolicy) -> None:
-    """What is still int8/int4 goes through onnxruntime's own quantizer, one bit width at a time."""
-
+def _apply_nbits(model: onnx.ModelProto, applied: dict[str, str], policy: QuantPolicy,
+                 arrays: dict[str, np.ndarray]) -> None:
+    """What is still int8/int4 goes through onnxruntime's own kernels, one bit width at a time: MatMul
+    weights packed a slice of columns at a time (quant/nbits.py), the rest (the embedding's Gather, a
+    weight the kernel would pad) by its quantizer. The graph's initializers end in the quantizer's order."""
     scheme = policy.default
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     for bits in (8, 4):
         group = {name for name, s in applied.items() if s == f"int{bits}"}
-        remaining = _weight_nodes(model)  # after the offset rewrite: its own small matmuls stay fp32
+        remaining = _weight_nodes(model, arrays)  # after the offset rewrite: its own small matmuls stay fp32
         if not group & set(remaining):
             continue
-        # the quantizer treats nodes_to_include as an addition, not a filter: exclude the rest instead
-        excluded = sorted([node.name for name, nodes in remaining.items() if name not in group for node in nodes]
-                          + [node.name for node in model.graph.node  # tables that are not weights (rotary)
-                             if node.op_type == "Gather" and node.input[0] != EMBEDDING])
-        quantizer = MatMulNBitsQuantizer(
-            model, bits=bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
-            accuracy_level=scheme.accuracy_level, nodes_to_exclude=excluded,
-            op_types_to_quantize=("MatMul", "Gather"), quant_axes=(("MatMul", 0), ("Gather", 1)))
-        quantizer.process()
-        if quantizer.model.model is not model:
-            model.CopyFrom(quantizer.model.model)
+        direct = _packed_here(model, remaining, group, arrays, scheme.block_size)
+        quantized = group - set(direct)
+        if quantized & set(remaining):
+            _quantizer(model, bits, scheme, remaining, quantized)
+        inits = _initializers(model)
+        for node in [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in direct]:
+            name = node.input[1]
+            if name in arrays:
+                weight = arrays.pop(name)
+            else:
+                weight = numpy_helper.to_array(inits[name])
+                model.graph.initializer.remove(inits[name])
+            packed = pack_columns(weight, bits, scheme.block_size, scheme.symmetric)
+            nbits, tensors = replacement(node, name, weight.shape, *packed, bits, scheme.block_size,
+                                         scheme.accuracy_level)
+            del weight, packed
+            replace_node(model.graph, node, [nbits])
+            model.graph.initializer.extend(tensors)
+    if arrays:
+        raise ValueError(f"weights handed in but not packed: {', '.join(sorted(arrays))}")
+
+
+def _packed_here(model: onnx.ModelProto, remaining, group: set[str], arrays: dict, block: int) -> list[str]:
+    """The weights of `group` that quant/nbits.py packs: those only one MatMul reads, when every weight left to
+    onnxruntime's quantizer is read before them in the graph (it appends what it writes in node order, so
+    its own go first either way); a weight handed in as an array is written into the graph otherwise."""
+    inits = _initializers(model)
+
+    def packs(name):
+        nodes = remaining[name]
+        weight = arrays.get(name)
+        return (len(nodes) == 1 and nodes[0].op_type == "MatMul"
+                and (packable(weight, block) if weight is not None else _packable_tensor(inits[name], block)))
+
+    order = [n.input[1] if n.op_type in ("MatMul", "Gemm") else n.input[0] for n in model.graph.node
+             if n.op_type in ("MatMul", "Gemm", "Gather") and len(n.input) > 1]
+    order = [name for name in order if name in group and name in remaining]
+    direct = [name for name in dict.fromkeys(order) if packs(name)]
+    others = [i for i, name in enumerate(order) if name not in direct]
+    first_direct = min((i for i, name in enumerate(order) if name in direct), default=len(order))
+    if others and max(others) > first_direct:
+        direct = []
+    for name in [n for n in list(arrays) if n not in direct]:  # the quantizer reads the graph's own copy
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(arrays.pop(name)), name))
+    return direct
+
+
+def _packable_tensor(tensor: onnx.TensorProto, block: int) -> bool:
+    return (len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT and tensor.dims[0] % block == 0)
+
+
+def _quantizer(model: onnx.ModelProto, bits: int, scheme, remaining, group: set[str]) -> None:
+    """onnxruntime's MatMulNBitsQuantizer over the weights of `group` alone."""
+    # the quantizer treats nodes_to_include as an addition, not a filter: exclude the rest instead
+    excluded = sorted([node.name for name, nodes in remaining.items() if name not in group for node in nodes]
+                      + [node.name for node in model.graph.node  # tables that are not weights (rotary)
+                         if node.op_type == "Gather" and node.input[0] != EMBEDDING])
+    quantizer = MatMulNBitsQuantizer(
+        model, bits=bits, block_size=scheme.block_size, is_symmetric=scheme.symmetric,
+        accuracy_level=scheme.accuracy_level, nodes_to_exclude=excluded,
+        op_types_to_quantize=("MatMul", "Gather"), quant_axes=(("MatMul", 0), ("Gather", 1)))
+    quantizer.process()
+    if quantizer.model.model is not model:
+        model.CopyFrom(quantizer.model.model)

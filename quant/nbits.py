@@ -1,0 +1,73 @@
+"""A MatMul weight packed for MatMulNBits by onnxruntime's own kernel, a slice of output columns at a time.
+
+onnxruntime's MatMulNBitsQuantizer takes a weight as an initializer in MatMul's [K, N] layout: a graph
+builder transposes a checkpoint's [out, in] matrix into it, protobuf copies it, the quantizer copies it
+back out, and its kernel holds the interpreter for the whole matrix. MatMulNBits' blocks run along K
+within one output column, so columns pack independently and their bytes concatenate: here each slice
+of columns is transposed on its own (from whatever layout the array has), packed by the same kernel
+into its rows of the output, and let go. The bytes equal the quantizer's (tests/test_quant.py); the
+peak is the output plus one slice, and the interpreter is free between slices (history.md §86).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+SLICE_VALUES = 1 << 23  # float32 values per slice of columns: 32 MiB
+
+
+def pack_columns(weight: np.ndarray, bits: int, block: int, symmetric: bool):
+    """`weight` [K, N] float32, any strides (a checkpoint's [N, K] matrix seen transposed is read row by
+    row) -> (packed [N, K/block, block*bits/8] uint8, scales [N, K/block] float32, zero points: None when
+    `symmetric`, else [N, ceil(K/block / (8/bits))] uint8), as onnxruntime's quantizer writes them."""
+    k, n = weight.shape
+    blocks = k // block
+    per_byte = 8 // bits
+    packed = np.empty((n, blocks, block // per_byte), np.uint8)
+    scales = np.empty((n, blocks), np.float32)
+    zeros = np.empty((n, -(-blocks // per_byte)), np.uint8)
+    kernel = quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits
+    step = max(1, SLICE_VALUES // k)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        columns = _columns(weight, start, stop)
+        # rows of C-ordered outputs are contiguous: the kernel writes into them in place
+        kernel(packed[start:stop], columns, scales[start:stop], zeros[start:stop], block, stop - start, k, symmetric)
+    return packed, scales, None if symmetric else zeros
+
+
+def _columns(weight: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """weight[:, start:stop] in C order; from a transposed [N, K] matrix torch's blocked copy is the fast one."""
+    part = weight[:, start:stop]
+    if part.flags.f_contiguous and not part.flags.c_contiguous:
+        with warnings.catch_warnings():  # a read-only checkpoint array: torch only reads it here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(part.T).t().contiguous().numpy()
+    return np.ascontiguousarray(part, dtype=np.float32)
+
+
+def packable(weight: np.ndarray, block: int) -> bool:
+    """Whether `weight` packs without padding: a float32 matrix whose K is whole blocks (onnxruntime's
+    quantizer pads the rest, which this leaves to it)."""
+    return weight.ndim == 2 and weight.dtype == np.float32 and weight.shape[0] % block == 0
+
+
+def replacement(node: onnx.NodeProto, name: str, shape: tuple[int, int], packed: np.ndarray, scales: np.ndarray,
+                zeros: np.ndarray | None, bits: int, block: int, accuracy_level: int):
+    """(the MatMulNBits node for MatMul `node` reading weight `name` [K, N], its initializers): named and
+    ordered as onnxruntime's quantizer names and orders them."""
+    k, n = shape
+    tensors = [numpy_helper.from_array(packed, f"{name}_Q{bits}"), numpy_helper.from_array(scales, f"{name}_scales")]
+    if zeros is not None:
+        tensors.append(numpy_helper.from_array(zeros, f"{name}_zero_points"))
+    attributes = {"K": k, "N": n, "bits": bits, "block_size": block}
+    if accuracy_level:  # as the quantizer: an unset level is left out, not written as 0
+        attributes["accuracy_level"] = accuracy_level
+    matmul = helper.make_node("MatMulNBits", [node.input[0]] + [t.name for t in tensors], [node.output[0]],
+                              name=f"{node.name}_Q{bits}" if node.name else "", domain="com.microsoft", **attributes)
+    return matmul, tensors
