@@ -32,9 +32,31 @@ def reference_rows(model: torch.nn.Module, weights: Mapping | None, sequences: l
     """The float32 model's rows over each of `sequences`. `weights`: the state read a tensor at a time where
     `model` is a skeleton (exporters/checkpoint.py); None where the model holds its weights. `taps`
     (exporters/eagle3.py: FeatureTaps): the features are the projection of those layers' residual streams."""
+    found: dict[int, ReferenceRows] = {}
+    for batch in length_batches([len(ids) for ids in sequences]):
+        rows = _batch_rows(model, weights, [sequences[i] for i in batch], features, taps)
+        found.update(zip(batch, rows))
+    return [found[i] for i in range(len(sequences))]
+
+
+def length_batches(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` in forwards of similar lengths, longest first: a row padded to its batch's longest
+    costs as much as a real one, and a further forward costs one more read of the weights, less than the
+    rows padding a short sequence to more than twice its length (history.md §86)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and 2 * lengths[i] >= lengths[batches[-1][0]]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _batch_rows(model, weights, sequences: list[list[int]], features: bool, taps) -> list[ReferenceRows]:
     longest = max(len(ids) for ids in sequences)
-    # one forward over every sequence, right-padded (masked: a row sees only its own sequence's earlier
-    # tokens), so each module's weights are read once
+    # one forward over the batch's sequences, right-padded (masked: a row sees only its own sequence's
+    # earlier tokens), so each module's weights are read once a batch
     batch = torch.tensor([list(ids) + [0] * (longest - len(ids)) for ids in sequences])
     mask = torch.tensor([[1] * len(ids) + [0] * (longest - len(ids)) for ids in sequences])
     captured, streams = [], {}

@@ -10,7 +10,7 @@ from edgespec.exporters.architectures import builder_for
 from edgespec.exporters.bundle_writer import save_graph
 from edgespec.exporters.checkpoint import CheckpointWeights, read_header
 from edgespec.exporters.onnx_builder import GraphBuilder, topological
-from edgespec.exporters.reference import reference_rows
+from edgespec.exporters.reference import length_batches, reference_rows
 from edgespec.exporters.sources import resolve_source
 from edgespec.quant.report import perplexity
 from edgespec.quant.schemes import QuantPolicy, QuantScheme
@@ -86,11 +86,14 @@ def test_reference_a_module_at_a_time_is_the_loaded_model(tie, tmp_path):
     make_model(tmp_path / "m", tie=tie, random_norms=True)
     skeleton, _, weights = resolve_source(str(tmp_path / "m"), tmp_path).load_streamed()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
-    [streamed, short] = reference_rows(skeleton, weights, [IDS, IDS[:30]], features=True)
+    # IDS[:50] padded beside IDS in one forward, IDS[:30] (under half its length) in a forward of its own
+    [streamed, short, shorter] = reference_rows(skeleton, weights, [IDS, IDS[:50], IDS[:30]], features=True)
+    assert length_batches([80, 50, 30]) == [[0, 1], [2]] and length_batches([30, 80, 40, 50]) == [[1, 3, 2], [0]]
     [whole] = reference_rows(loaded, None, [IDS], features=True)
-    [whole_short] = reference_rows(loaded, None, [IDS[:30]], features=True)  # padding beside it changes nothing
-    np.testing.assert_array_equal(short.argmax, whole_short.argmax)
-    np.testing.assert_allclose(short.next_log_prob[:-1], whole_short.next_log_prob[:-1], rtol=1e-6)
+    for rows, length in ((short, 50), (shorter, 30)):  # padding beside it changes nothing
+        [alone] = reference_rows(loaded, None, [IDS[:length]], features=True)
+        np.testing.assert_array_equal(rows.argmax, alone.argmax)
+        np.testing.assert_allclose(rows.next_log_prob[:-1], alone.next_log_prob[:-1], rtol=1e-6)
     np.testing.assert_array_equal(streamed.argmax, whole.argmax)
     np.testing.assert_array_equal(streamed.next_log_prob, whole.next_log_prob)
     np.testing.assert_array_equal(streamed.features, whole.features)
