@@ -17,7 +17,7 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from . import integer
 from .gguf_grid import BlockGrid, matmul_nbits_inputs
-from .nbits import pack_columns, packable, replacement
+from .nbits import pack_columns, pack_table, replacement, table_replacement
 from .offsets import replace_matmul, write_nbits
 from .rewrite import replace_node
 from .schemes import QuantPolicy
@@ -186,9 +186,9 @@ def _apply_offsets(model: onnx.ModelProto, users, applied: dict[str, str], polic
 
 def _apply_nbits(model: onnx.ModelProto, applied: dict[str, str], policy: QuantPolicy,
                  arrays: dict[str, np.ndarray]) -> None:
-    """What is still int8/int4 goes through onnxruntime's own kernels, one bit width at a time: MatMul
-    weights packed a slice of columns at a time (quant/nbits.py), the rest (the embedding's Gather, a
-    weight the kernel would pad) by its quantizer. The graph's initializers end in the quantizer's order."""
+    """What is still int8/int4 goes through onnxruntime's own arithmetic, one bit width at a time: MatMul
+    weights and the embedding table packed a slice at a time (quant/nbits.py), anything else (a weight it
+    would pad) by its quantizer. The graph ends as the quantizer leaves it, initializers in its order."""
     scheme = policy.default
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     for bits in (8, 4):
@@ -196,55 +196,65 @@ def _apply_nbits(model: onnx.ModelProto, applied: dict[str, str], policy: QuantP
         remaining = _weight_nodes(model, arrays)  # after the offset rewrite: its own small matmuls stay fp32
         if not group & set(remaining):
             continue
-        direct = _packed_here(model, remaining, group, arrays, scheme.block_size)
-        quantized = group - set(direct)
+        direct = _packed_here(model, remaining, group, arrays, scheme.block_size, bits)
+        quantized = group - direct
         if quantized & set(remaining):
             _quantizer(model, bits, scheme, remaining, quantized)
         inits = _initializers(model)
-        for node in [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in direct]:
-            name = node.input[1]
+        for node in [n for n in model.graph.node if _weight_of(n) in direct]:
+            name = _weight_of(node)
             if name in arrays:
                 weight = arrays.pop(name)
             else:
                 weight = numpy_helper.to_array(inits[name])
                 model.graph.initializer.remove(inits[name])
-            packed = pack_columns(weight, bits, scheme.block_size, scheme.symmetric)
-            nbits, tensors = replacement(node, name, weight.shape, *packed, bits, scheme.block_size,
-                                         scheme.accuracy_level)
-            del weight, packed
-            replace_node(model.graph, node, [nbits])
+            if node.op_type == "Gather":
+                new, tensors = table_replacement(node, name, weight.shape,
+                                                 *pack_table(weight, scheme.block_size, scheme.symmetric),
+                                                 scheme.block_size)
+            else:
+                new, tensors = replacement(node, name, weight.shape,
+                                           *pack_columns(weight, bits, scheme.block_size, scheme.symmetric),
+                                           bits, scheme.block_size, scheme.accuracy_level)
+            del weight
+            replace_node(model.graph, node, [new])
             model.graph.initializer.extend(tensors)
     if arrays:
         raise ValueError(f"weights handed in but not packed: {', '.join(sorted(arrays))}")
 
 
-def _packed_here(model: onnx.ModelProto, remaining, group: set[str], arrays: dict, block: int) -> list[str]:
-    """The weights of `group` that quant/nbits.py packs: those only one MatMul reads, when every weight left to
-    onnxruntime's quantizer is read before them in the graph (it appends what it writes in node order, so
-    its own go first either way); a weight handed in as an array is written into the graph otherwise."""
+def _weight_of(node: onnx.NodeProto) -> str | None:
+    if node.op_type == "MatMul" and len(node.input) > 1:
+        return node.input[1]
+    if node.op_type == "Gather" and node.input[0] == EMBEDDING:
+        return node.input[0]
+    return None
+
+
+def _packed_here(model: onnx.ModelProto, remaining, group: set[str], arrays: dict, block: int, bits: int) -> set[str]:
+    """The weights of `group` that quant/nbits.py packs (each read by one MatMul or the embedding's Gather,
+    whole blocks), when every weight left to onnxruntime's quantizer is read before them in the graph (it
+    appends what it writes in node order, so its own go first either way); a weight handed in as an array
+    is written into the graph when it is left to the quantizer."""
     inits = _initializers(model)
 
     def packs(name):
         nodes = remaining[name]
         weight = arrays.get(name)
-        return (len(nodes) == 1 and nodes[0].op_type == "MatMul"
-                and (packable(weight, block) if weight is not None else _packable_tensor(inits[name], block)))
+        shape = weight.shape if weight is not None else tuple(inits[name].dims)
+        float32 = weight.dtype == np.float32 if weight is not None else inits[name].data_type == onnx.TensorProto.FLOAT
+        along = {"MatMul": 0, "Gather": 1 if bits == 4 else None}.get(nodes[0].op_type)  # blocks run along it
+        return (len(nodes) == 1 and along is not None and float32 and len(shape) == 2 and shape[along] % block == 0
+                and _weight_of(nodes[0]) == name)
 
-    order = [n.input[1] if n.op_type in ("MatMul", "Gemm") else n.input[0] for n in model.graph.node
-             if n.op_type in ("MatMul", "Gemm", "Gather") and len(n.input) > 1]
-    order = [name for name in order if name in group and name in remaining]
-    direct = [name for name in dict.fromkeys(order) if packs(name)]
-    others = [i for i, name in enumerate(order) if name not in direct]
-    first_direct = min((i for i, name in enumerate(order) if name in direct), default=len(order))
-    if others and max(others) > first_direct:
-        direct = []
+    order = [_weight_of(n) for n in model.graph.node if _weight_of(n) in group and _weight_of(n) in remaining]
+    direct = {name for name in order if packs(name)}
+    left = [i for i, name in enumerate(order) if name not in direct]
+    if left and direct and max(left) > min(i for i, name in enumerate(order) if name in direct):
+        direct = set()
     for name in [n for n in list(arrays) if n not in direct]:  # the quantizer reads the graph's own copy
         model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(arrays.pop(name)), name))
     return direct
-
-
-def _packable_tensor(tensor: onnx.TensorProto, block: int) -> bool:
-    return (len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT and tensor.dims[0] % block == 0)
 
 
 def _quantizer(model: onnx.ModelProto, bits: int, scheme, remaining, group: set[str]) -> None:

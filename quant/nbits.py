@@ -1,12 +1,16 @@
-"""A MatMul weight packed for MatMulNBits by onnxruntime's own kernel, a slice of output columns at a time.
+"""A MatMul weight packed for MatMulNBits by onnxruntime's own kernel, a slice of output columns at a time;
+an embedding table for GatherBlockQuantized, a slice of rows at a time.
 
 onnxruntime's MatMulNBitsQuantizer takes a weight as an initializer in MatMul's [K, N] layout: a graph
 builder transposes a checkpoint's [out, in] matrix into it, protobuf copies it, the quantizer copies it
 back out, and its kernel holds the interpreter for the whole matrix. MatMulNBits' blocks run along K
 within one output column, so columns pack independently and their bytes concatenate: here each slice
 of columns is transposed on its own (from whatever layout the array has), packed by the same kernel
-into its rows of the output, and let go. The bytes equal the quantizer's (tests/test_quant.py); the
+into its rows of the output, and let go. The bytes equal the quantizer's (tests/test_nbits.py); the
 peak is the output plus one slice, and the interpreter is free between slices (history.md §86).
+
+A table's blocks run along each row: the quantizer's own numpy arithmetic, element for element, over
+rows viewed as [rows, blocks, block] instead of its strided walk of one block column at a time.
 """
 from __future__ import annotations
 
@@ -49,6 +53,62 @@ def _columns(weight: np.ndarray, start: int, stop: int) -> np.ndarray:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return torch.from_numpy(part.T).t().contiguous().numpy()
     return np.ascontiguousarray(part, dtype=np.float32)
+
+
+def pack_table(table: np.ndarray, block: int, symmetric: bool):
+    """`table` [V, H] float32 -> (levels packed two a byte [V * H / 2] uint8, scales [V, H/block] float32, zero
+    points packed the same way or None when `symmetric`), as onnxruntime's quantizer writes a 4-bit table
+    for GatherBlockQuantized (quantize axis 1)."""
+    rows, width = table.shape
+    levels = np.empty((rows, width), np.uint8)
+    scales = np.empty((rows, width // block), np.float32)
+    zeros = None if symmetric else np.empty((rows, width // block), np.uint8)
+    step = max(1, SLICE_VALUES // width)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero scale's block: np.where picks its level
+        for start in range(0, rows, step):
+            _table_slice(table, start, step, block, symmetric, levels, scales, zeros)
+    return _two_a_byte(levels), scales, None if zeros is None else _two_a_byte(zeros)
+
+
+def _table_slice(table, start, step, block, symmetric, levels, scales, zeros) -> None:
+    """Rows start..start+step of the table into `levels`, `scales` and `zeros`."""
+    width = table.shape[1]
+    part = table[start : start + step].reshape(-1, width // block, block)
+    high, low = part.max(axis=-1, keepdims=True), part.min(axis=-1, keepdims=True)
+    if symmetric:
+        scale = np.where(np.abs(high) > np.abs(low), high, low) / -8.0
+        q = np.where(scale == 0, 0, part / scale).round().clip(-8, 7).astype(np.int8).view(np.uint8)
+    else:
+        low, high = np.minimum(low, 0), np.maximum(high, 0)
+        scale = (high - low) / 15.0
+        zero = np.where(scale == 0, 8, -low / scale).round().clip(0, 15).astype(np.uint8)
+        q = np.where(scale == 0, 8, part / scale + zero).round().clip(0, 15).astype(np.uint8)
+        zeros[start : start + step] = zero[..., 0]
+    levels[start : start + step] = q.reshape(-1, width)
+    scales[start : start + step] = scale[..., 0]
+
+
+def _two_a_byte(levels: np.ndarray) -> np.ndarray:
+    flat = levels.reshape(-1)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return (flat[0::2] & 0xF) | ((flat[1::2] & 0xF) << 4)
+
+
+def table_replacement(node: onnx.NodeProto, name: str, shape: tuple[int, int], packed: np.ndarray,
+                      scales: np.ndarray, zeros: np.ndarray | None, block: int):
+    """(the GatherBlockQuantized node for Gather `node` over table `name`, its initializers), as onnxruntime's
+    quantizer writes them."""
+    kind = onnx.TensorProto.INT4 if zeros is None else onnx.TensorProto.UINT4
+    tensors = [helper.make_tensor(f"{name}_Q4", kind, shape, packed.tobytes(), True),
+               numpy_helper.from_array(scales, f"{name}_scales")]
+    if zeros is not None:
+        tensors.append(helper.make_tensor(f"{name}_zero_points", kind, scales.shape, zeros.tobytes(), True))
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    inputs = [tensors[0].name, node.input[1]] + [t.name for t in tensors[1:]]
+    gather = helper.make_node("GatherBlockQuantized", inputs, [node.output[0]], name=f"{node.name}_Q4" if node.name else "",
+                              domain="com.microsoft", gather_axis=axis, quantize_axis=1, block_size=block)
+    return gather, tensors
 
 
 def packable(weight: np.ndarray, block: int) -> bool:

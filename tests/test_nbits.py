@@ -52,6 +52,29 @@ def test_columns_packed_in_slices_are_the_quantizers_bytes(bits, symmetric, tran
     assert [t.name for t in initializers] == [n for n in node.input[1:]]
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_table_packed_in_slices_is_the_quantizers(symmetric, monkeypatch):
+    """An embedding table for GatherBlockQuantized, a slice of rows at a time: the quantizer's bytes and node."""
+    monkeypatch.setattr(nbits, "SLICE_VALUES", 64 * 7)
+    rng = np.random.default_rng(5 + symmetric)
+    table = rng.standard_normal((45, 64)).astype(np.float32) * rng.uniform(0.01, 3, (45, 1)).astype(np.float32)
+    table[3, :32] = 0.0
+    table[4, 32:] = 2.5  # a constant block: the asymmetric scale's zero point is its whole value
+    graph = helper.make_graph([helper.make_node("Gather", ["embed_tokens", "ids"], ["y"], name="g")], "g",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 64])],
+                              [numpy_helper.from_array(table, "embed_tokens")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=symmetric, accuracy_level=4,
+                                     op_types_to_quantize=("Gather",), quant_axes=(("Gather", 1),))
+    quantizer.process()
+    theirs = quantizer.model.model.graph
+    node, tensors = nbits.table_replacement(graph.node[0], "embed_tokens", table.shape,
+                                            *nbits.pack_table(table, 32, symmetric), 32)
+    assert node.SerializeToString() == theirs.node[0].SerializeToString()
+    assert [t.SerializeToString() for t in tensors] == [t.SerializeToString() for t in theirs.initializer]
+
+
 def test_a_weight_that_would_need_padding_is_not_packed_here():
     assert nbits.packable(np.zeros((64, 8), np.float32), 32)
     assert not nbits.packable(np.zeros((48, 8), np.float32), 32)  # onnxruntime's quantizer pads it
@@ -78,7 +101,7 @@ def test_an_export_packed_in_place_writes_the_quantizers_bundle(target, policy, 
         if way == "quantizer":
             for module in (weight_stream, apply):  # nothing handed in as an array, nothing packed here
                 monkeypatch.setattr(module, "packs_directly", lambda *args: False)
-            monkeypatch.setattr(apply, "_packed_here", lambda *args: [])
+            monkeypatch.setattr(apply, "_packed_here", lambda *args: set())
         folder = tmp_path / way.replace(" ", "_")
         folder.mkdir()
         save_graph(folder, "target", builder_for(model, 256, weights=weights), POLICIES[policy])
