@@ -1,16 +1,16 @@
-"""A MatMul weight packed for MatMulNBits by onnxruntime's own kernel, a slice of output columns at a time;
-an embedding table for GatherBlockQuantized, a slice of rows at a time.
+"""A MatMul weight packed for MatMulNBits, a slice of output columns at a time; an embedding table for
+GatherBlockQuantized, a slice of rows at a time; each byte for byte as onnxruntime's quantizer writes it.
 
 onnxruntime's MatMulNBitsQuantizer takes a weight as an initializer in MatMul's [K, N] layout: a graph
 builder transposes a checkpoint's [out, in] matrix into it, protobuf copies it, the quantizer copies it
 back out, and its kernel holds the interpreter for the whole matrix. MatMulNBits' blocks run along K
-within one output column, so columns pack independently and their bytes concatenate: here each slice
-of columns is transposed on its own (from whatever layout the array has), packed by the same kernel
-into its rows of the output, and let go. The bytes equal the quantizer's (tests/test_nbits.py); the
-peak is the output plus one slice, and the interpreter is free between slices (history.md §86).
-
-A table's blocks run along each row: the quantizer's own numpy arithmetic, element for element, over
-rows viewed as [rows, blocks, block] instead of its strided walk of one block column at a time.
+within one output column, so columns pack independently and their bytes concatenate: here each slice of
+columns is read from the checkpoint's own rows, packed into its rows of the output, and let go. The
+peak is the output plus one slice (history.md §86). Symmetric levels follow the kernel's arithmetic in
+numpy, which lets go of the interpreter, so the writer's threads pack side by side; asymmetric ones go
+through the kernel itself. A table's blocks run along each row: the quantizer's own numpy arithmetic,
+element for element, over rows viewed as [rows, blocks, block] instead of its strided walk of one block
+column at a time. tests/test_nbits.py holds each against the quantizer.
 """
 from __future__ import annotations
 
@@ -39,15 +39,50 @@ def pack_columns(weight: np.ndarray, bits: int, block: int, symmetric: bool):
     step = max(1, SLICE_VALUES // k)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        columns = _columns(weight, start, stop)
-        # rows of C-ordered outputs are contiguous: the kernel writes into them in place
-        kernel(packed[start:stop], columns, scales[start:stop], zeros[start:stop], block, stop - start, k, symmetric)
+        # rows of C-ordered outputs are contiguous: each slice is written in place
+        if symmetric:
+            _symmetric_rows(_rows(weight, start, stop).reshape(stop - start, blocks, block), bits,
+                            packed[start:stop], scales[start:stop])
+        else:
+            kernel(packed[start:stop], _columns(weight, start, stop), scales[start:stop], zeros[start:stop], block,
+                   stop - start, k, symmetric)
     return packed, scales, None if symmetric else zeros
 
 
+def _symmetric_rows(blocks: np.ndarray, bits: int, packed: np.ndarray, scales: np.ndarray) -> None:
+    """Output columns as [columns, K/block, block] -> their levels and scales, by onnxruntime's kernel's own
+    arithmetic (MLAS's blockwise quantizer: the block's value of largest magnitude over minus the middle
+    level, levels rounded half away from zero from v times the scale's reciprocal, plus the middle level)
+    in numpy, which lets go of the interpreter: the writer's two threads pack at once. The bytes equal the
+    kernel's (tests/test_nbits.py, ties included)."""
+    middle = np.float32(1 << (bits - 1))
+    high, low = blocks.max(axis=-1), blocks.min(axis=-1)
+    scale = np.where(np.abs(high) > np.abs(low), high, low) / -middle
+    with np.errstate(divide="ignore"):
+        reciprocal = np.where(scale != 0, np.float32(1) / scale, np.float32(0))
+    level = blocks * reciprocal[..., None]
+    level += middle  # in [0, 2 * middle] but for a rounding error: floor(x + 1/2) is C's roundf there
+    level += np.float32(0.5)
+    np.floor(level, out=level)
+    np.clip(level, 0, 2 * middle - 1, out=level)
+    q = level.astype(np.uint8)
+    packed[...] = q[..., 0::2] | (q[..., 1::2] << 4) if bits == 4 else q
+    scales[...] = scale
+
+
+def _rows(weight: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Output columns start..stop of `weight` [K, N] as C-ordered rows [stop - start, K]: a checkpoint's own
+    rows where `weight` is its matrix seen transposed."""
+    return _transposed(weight.T[start:stop])
+
+
 def _columns(weight: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """weight[:, start:stop] in C order; from a transposed [N, K] matrix torch's blocked copy is the fast one."""
-    part = weight[:, start:stop]
+    """weight[:, start:stop] in C order."""
+    return _transposed(weight[:, start:stop])
+
+
+def _transposed(part: np.ndarray) -> np.ndarray:
+    """`part` in C order; where it is a C-ordered matrix seen transposed, torch's blocked copy is the fast one."""
     if part.flags.f_contiguous and not part.flags.c_contiguous:
         with warnings.catch_warnings():  # a read-only checkpoint array: torch only reads it here
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

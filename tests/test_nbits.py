@@ -26,15 +26,24 @@ def _quantizer_output(weight: np.ndarray, bits: int, block: int, symmetric: bool
     return out.node[0], {t.name: numpy_helper.to_array(t) for t in out.initializer}
 
 
+def _values(kind: str, shape, seed: int) -> np.ndarray:
+    """A checkpoint-like [N, K] matrix; "ties": values on the halfway points between levels, where rounding
+    half away from zero and half to even part."""
+    rng = np.random.default_rng(seed)
+    if kind == "ties":
+        return (rng.integers(-16, 17, shape) / 2 * 0.37).astype(np.float32)
+    return (rng.standard_normal(shape) * rng.uniform(0.001, 5, (shape[0], 1))).astype(np.float32)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_columns_packed_in_slices_are_the_quantizers_bytes(bits, symmetric, transposed, monkeypatch):
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_columns_packed_in_slices_are_the_quantizers_bytes(bits, symmetric, transposed, kind, monkeypatch):
     """Several slices (the last one short), a checkpoint's [N, K] seen transposed or a C-ordered [K, N]:
     the packed levels, scales and zero points equal onnxruntime's quantizer's, and so does the node."""
     monkeypatch.setattr(nbits, "SLICE_VALUES", 64 * 7)  # 7 columns of K = 64 a slice: 45 columns in 7 slices
-    rng = np.random.default_rng(bits + 2 * symmetric)
-    source = rng.standard_normal((45, 64)).astype(np.float32) * rng.uniform(0.01, 3, (45, 1)).astype(np.float32)
+    source = _values(kind, (45, 64), bits + 2 * symmetric)
     source[3, :32] = 0.0  # an all-zero block
     weight = source.T if transposed else np.ascontiguousarray(source.T)
     assert weight.flags.f_contiguous == transposed
@@ -73,6 +82,17 @@ def test_a_table_packed_in_slices_is_the_quantizers(symmetric, monkeypatch):
                                             *nbits.pack_table(table, 32, symmetric), 32)
     assert node.SerializeToString() == theirs.node[0].SerializeToString()
     assert [t.SerializeToString() for t in tensors] == [t.SerializeToString() for t in theirs.initializer]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_large_matrix_packs_as_the_kernel_does(bits):
+    """Symmetric levels come from numpy's arithmetic, not the kernel's: over millions of values of every
+    magnitude, not one byte differs from onnxruntime's quantizer."""
+    source = _values("random", (1024, 2048), bits)
+    packed, scales, _ = nbits.pack_columns(source.T, bits, 32, True)
+    _, tensors = _quantizer_output(source.T, bits, 32, True)
+    np.testing.assert_array_equal(packed, tensors[f"w_Q{bits}"])
+    np.testing.assert_array_equal(scales.reshape(tensors["w_scales"].shape), tensors["w_scales"])
 
 
 def test_a_weight_that_would_need_padding_is_not_packed_here():
