@@ -9,7 +9,6 @@ layer is written, so an export holds a few layers' weights at a time (IN_FLIGHT)
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,24 +29,29 @@ from .weights import append_external, point_external
 
 @dataclass(frozen=True)
 class Stored:
-    """Where a weight's bytes lie in a bundle's weights file, and their digest."""
+    """Where a weight's bytes lie in a bundle's weights file (`folder`/`location`)."""
+    folder: Path
     location: str
     offset: int
     length: int
-    digest: str
 
     @classmethod
-    def of(cls, tensor: onnx.TensorProto, digest: str) -> Stored:
+    def of(cls, tensor: onnx.TensorProto, folder: Path) -> Stored:
         info = {e.key: e.value for e in tensor.external_data}
-        return cls(info["location"], int(info["offset"]), int(info["length"]), digest)
+        return cls(folder, info["location"], int(info["offset"]), int(info["length"]))
+
+    def holds(self, data: bytes) -> bool:
+        """Whether these are `data`'s bytes: read back only for a weight of the same name, so a graph that
+        reuses nothing pays nothing."""
+        if len(data) != self.length:
+            return False
+        with open(self.folder / self.location, "rb") as f:
+            f.seek(self.offset)
+            return f.read(self.length) == data
 
     def point(self, tensor: onnx.TensorProto) -> None:
         """Makes `tensor` (the same bytes) read them from here instead of carrying its own."""
         point_external(tensor, self.location, self.offset, self.length)
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 class StreamedWeights:
@@ -136,15 +140,15 @@ class StreamedWeights:
         order of the submissions, so the weights file is written in the graph's order."""
         part, applied = job.result()
         self.applied.update(applied)
-        digests = {t.name: _digest(t.raw_data) for t in part.graph.initializer if t.HasField("raw_data")}
+        carried = {t.name for t in part.graph.initializer if t.HasField("raw_data")}
         for tensor in part.graph.initializer:
             stored = self.reuse.get(tensor.name)
-            if stored is not None and stored.digest == digests.get(tensor.name):
+            if stored is not None and tensor.HasField("raw_data") and stored.holds(tensor.raw_data):
                 stored.point(tensor)
         append_external(part, self._file, self.path.name)
         for tensor in part.graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.name in digests:
-                self.index.setdefault(tensor.name, Stored.of(tensor, digests[tensor.name]))
+            if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.name in carried:
+                self.index.setdefault(tensor.name, Stored.of(tensor, self.path.parent))
         # constants a rewrite adds to every part it touches (the offsets' block shapes) are stored once
         stored = [_detached(t) for t in part.graph.initializer if t.name not in self._stored]
         self._stored.update(t.name for t in stored)

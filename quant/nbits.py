@@ -56,7 +56,7 @@ def _symmetric_rows(blocks: np.ndarray, bits: int, packed: np.ndarray, scales: n
     in numpy, which lets go of the interpreter: the writer's two threads pack at once. The bytes equal the
     kernel's (tests/test_nbits.py, ties included)."""
     middle = np.float32(1 << (bits - 1))
-    high, low = blocks.max(axis=-1), blocks.min(axis=-1)
+    low, high = (t.numpy() for t in torch.aminmax(_read_only(blocks), dim=-1))  # numpy's: twice the time
     scale = np.where(np.abs(high) > np.abs(low), high, low) / -middle
     with np.errstate(divide="ignore"):
         reciprocal = np.where(scale != 0, np.float32(1) / scale, np.float32(0))
@@ -84,10 +84,15 @@ def _columns(weight: np.ndarray, start: int, stop: int) -> np.ndarray:
 def _transposed(part: np.ndarray) -> np.ndarray:
     """`part` in C order; where it is a C-ordered matrix seen transposed, torch's blocked copy is the fast one."""
     if part.flags.f_contiguous and not part.flags.c_contiguous:
-        with warnings.catch_warnings():  # a read-only checkpoint array: torch only reads it here
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(part.T).t().contiguous().numpy()
+        return _read_only(part.T).t().contiguous().numpy()
     return np.ascontiguousarray(part, dtype=np.float32)
+
+
+def _read_only(array: np.ndarray) -> torch.Tensor:
+    """`array` as a tensor that is only read (a checkpoint's arrays are read-only maps)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def pack_table(table: np.ndarray, block: int, symmetric: bool):
