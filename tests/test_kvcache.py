@@ -120,3 +120,27 @@ def test_one_token_steps_write_their_inputs_into_the_arrays_bound_before(bundle_
     for a, b in zip(reused, fresh):
         assert np.array_equal(a, b)  # what each step wrote in place is what it would have bound
     assert len({x.tobytes() for x in reused}) == len(reused)  # every step's logits differ: a stale input would show
+
+
+def test_a_request_takes_the_rows_it_can_reach_before_its_first_token(bundle_factory, monkeypatch):
+    """The buffer grows once, at the prompt, to the prompt and the answer's most tokens: not while the
+    answer is timed (each doubling copies every valid row). A fixed-size cache (CoreML's) keeps its size."""
+    from edgespec.runtime.decoding.engine import GenerationConfig
+    from edgespec.runtime.pipeline import Pipeline
+
+    pipeline = Pipeline(bundle_factory(draft="ngram", tree="chain:4", context=512), threads=1)
+    grown, real = [], KVCache.reserve
+
+    def recording(cache, rows):
+        before = cache.data.shape[4]
+        real(cache, rows)
+        if cache.data.shape[4] != before:
+            grown.append((cache.length, cache.data.shape[4] - cache.slack))
+
+    monkeypatch.setattr(KVCache, "reserve", recording)
+    prompt = "one two three four five six seven eight nine ten " * 3  # within the first buffer's rows
+    result = pipeline.generate(prompt, speculate=False,
+                               config=GenerationConfig(max_new_tokens=300, stop_at_eos=False))
+    reach = result.stats.prompt_tokens + 300
+    assert result.stats.new_tokens == 300 and result.stats.prompt_tokens < 256 < reach
+    assert len(grown) == 1 and grown[0][0] == 0 and grown[0][1] >= reach

@@ -341,6 +341,9 @@ def _start(target: Runner, session: Session, context_ids: list[int], config: Gen
     if scores is not None and scores.prompt:  # every row's logits: none of the prompt is kept
         keep = 0
     cache.trim(keep)
+    # the rows this request can reach, taken now: a buffer doubled as the answer grows copies every valid
+    # row while the answer is timed, as the step it grows in
+    cache.reserve(min(len(context_ids) + config.max_new_tokens, cache.capacity))
     session.drafter.rewind(keep)
     stats.cached_tokens = keep
     if sliding:

@@ -146,6 +146,9 @@ class CoreMLCache:
             raise InputError(f"cannot trim a cache of {self.length} rows to {length}")
         self.length = length
 
+    def reserve(self, rows: int) -> None:
+        """The package's cache is its whole context already."""
+
     def evict(self, start: int, count: int, rope_frequencies) -> None:
         """The sliding KV policy's eviction (kvcache.KVCache.evict): an "io" cache's rows are arrays here; a
         state lives inside CoreML, which cannot move its rows."""

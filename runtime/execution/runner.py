@@ -29,6 +29,9 @@ class Cache(Protocol):
 
     def trim(self, length: int) -> None: ...
 
+    def reserve(self, rows: int) -> None:
+        """Holds `rows` rows from now on (a buffer that grows, grown once; one of fixed size, as it is)."""
+
     def evict(self, start: int, count: int, rope_frequencies) -> None: ...
 
 
