@@ -98,6 +98,17 @@ def test_export_loads_the_head_computes_what_training_computes_and_stays_lossles
                               threads=1)
     tree = chain_pipeline.make_drafter(True).propose(session.window, 8, None, session.cache.feature_rows())
     assert [int(t) for t in tree.tokens[1:]] == chain
+    # and the draft graph's logits at every row are what the trained torch module computes
+    logits = _trained_module_logits(head, target[1], session.window)
+    from edgespec.runtime.execution.features import draft_inputs
+    from edgespec.runtime.execution.kvcache import KVCache
+
+    facts, n, committed = pipeline.manifest.draft.facts, len(session.window), session.window
+    out = pipeline.draft.forward(KVCache(facts, 256, facts.hidden_size), committed, range(n),
+                                 np.tril(np.ones((n, n), bool)), range(n),
+                                 features=draft_inputs(session.cache.feature_rows(), 0, n))
+    head_tokens = pipeline.draft.head_tokens
+    assert np.abs(out.logits[:, head_tokens] - logits).max() <= 1e-3
     greedy = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
     sampled = GenerationConfig(max_new_tokens=24, stop_at_eos=False, sampling=SamplingConfig(temperature=0.8, seed=3))
     accepted = 0
@@ -146,3 +157,20 @@ def test_an_eagle_run_s_features_are_not_reused_by_an_eagle3_run(head, tmp_path)
     assert features_made_alike(replace(head, out=tmp_path / "again", data_from=head.out / "data")) is not None
     assert features_made_alike(replace(head, out=tmp_path / "eagle", design="eagle",
                                        data_from=head.out / "data")) is None
+
+
+def _trained_module_logits(head, target, ids) -> np.ndarray:
+    """The head as training computes it (distill/eagle3_head.py), loaded from what distill wrote: logits over its
+    head tokens [len(ids), head tokens], row i reading the target's streams at i - 1 (zeros at row 0)."""
+    from edgespec.distill.draft_model import build_draft, draft_hidden, head_rows
+    from edgespec.distill.train import read_draft
+
+    draft, _ = build_draft(target, "eagle3")
+    head_tokens = torch.from_numpy(read_draft(draft, head.out, "eagle3"))
+    ids = torch.tensor([list(ids)])
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        streams = torch.cat([out.hidden_states[l] for l in default_taps(LAYERS)], dim=-1)
+        features = torch.nn.functional.pad(streams[:, :-1], (0, 0, 1, 0))
+        hidden = draft_hidden(draft.eval(), ids, torch.ones_like(ids), features)
+        return (hidden[0] @ head_rows(draft, head_tokens).T).numpy()
