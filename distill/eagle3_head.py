@@ -27,6 +27,8 @@ from edgespec.exporters.eagle3 import ARCHITECTURE, TAPS, FeatureTaps, default_t
 from edgespec.runtime.contract.errors import InputError
 from safetensors.torch import save_file
 from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 MIN_LAYERS = 4  # the default taps (2, L // 2, L - 3) are three distinct layers from here on
 
@@ -126,9 +128,6 @@ class Eagle3Draft(nn.Module):
                              persistent=False)
         self.register_buffer("vocab_head", target.get_output_embeddings().weight.detach().float().clone(),
                              persistent=False)
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
         # the rotary the exporter builds from the written config (exporters/eagle3_graph.py)
         self.rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in self.config_dict.items()
                                                           if k not in ("architectures", "eagle_config")}))
