@@ -174,3 +174,19 @@ def _trained_module_logits(head, target, ids) -> np.ndarray:
         features = torch.nn.functional.pad(streams[:, :-1], (0, 0, 1, 0))
         hidden = draft_hidden(draft.eval(), ids, torch.ones_like(ids), features)
         return (hidden[0] @ head_rows(draft, head_tokens).T).numpy()
+
+
+def test_the_torch_engine_gives_the_same_streams(target):
+    """`--data-engine torch` (a GPU's path): TorchTarget returns the tapped streams, each row alone or padded."""
+    from edgespec.distill.data import TorchTarget
+    from edgespec.distill.eagle3_head import target_taps
+
+    engine = TorchTarget(target[1], taps=target_taps(target[1].config))
+    rows = [np.array([5, 9, 17, 33, 2]), np.array([8, 3])]
+    got = engine.features(rows)
+    for row, features in zip(rows, got):
+        with torch.no_grad():
+            out = target[1](torch.from_numpy(row.astype(np.int64))[None], output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[l][0] for l in default_taps(LAYERS)], dim=-1).numpy()
+        assert features.shape == (len(row), 3 * target[1].config.hidden_size)
+        assert np.abs(features - expected).max() <= 1e-4
