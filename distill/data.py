@@ -59,8 +59,9 @@ class TorchTarget:
     """data's target operations on the transformers model with torch, on `device` (a GPU where one is
     lent): batches of `batch` prompts through `generate`, left-padded; the whole model's float weights."""
 
-    def __init__(self, model, device: str = "cpu", batch: int = 32, pad_id: int = 0):
+    def __init__(self, model, device: str = "cpu", batch: int = 32, pad_id: int = 0, taps=None):
         self.model, self.device, self.batch, self.pad_id = model.to(device), device, batch, pad_id
+        self.taps = taps  # exporters/eagle3.py: FeatureTaps without fc, or None: the final hidden state
 
     def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int],
                 admit=lambda index: True):
@@ -109,7 +110,8 @@ class TorchTarget:
         return out
 
     def features(self, rows: list[np.ndarray], batch: int = 8) -> list[np.ndarray]:
-        """The final hidden state [len, H] at every token of each row."""
+        """The final hidden state [len, H] at every token of each row; with `taps`, the residual streams entering
+        those layers, concatenated [len, 3H]."""
         out = []
         for at in range(0, len(rows), batch):
             chunk = rows[at:at + batch]
@@ -120,8 +122,12 @@ class TorchTarget:
                 ids[r, :len(row)] = torch.from_numpy(np.asarray(row, np.int64))
                 mask[r, :len(row)] = 1
             with torch.inference_mode():
-                hidden = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
-            hidden = hidden.last_hidden_state.float().cpu().numpy()
+                hidden = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          output_hidden_states=self.taps is not None)
+            if self.taps is None:
+                hidden = hidden.last_hidden_state.float().cpu().numpy()
+            else:  # hidden_states[l] enters layer l (taps stop below the last layer: eagle3_head.target_taps)
+                hidden = torch.cat([hidden.hidden_states[l] for l in self.taps.layers], dim=-1).float().cpu().numpy()
             out += [hidden[r, :len(row)] for r, row in enumerate(chunk)]
         return out
 

@@ -7,7 +7,8 @@ Designs (compared in benchmarks/history.md §17, §19):
     eagle  reads the target's features (EAGLE): `feature_fc` projects [embedding of token i, the target's
            final hidden state at i - 1] to the input of one layer initialised from the target's last;
            the draft's output is trained to be the target's feature at i as well as its next token
-Both keep the target's embedding table and final norm, and predict only `head_tokens`, a subset of the
+    eagle3 the published EAGLE-3 layout over three of the target's layers (eagle3_head.py says where it differs)
+All keep the target's embedding table and final norm, and predict only `head_tokens`, a subset of the
 vocabulary chosen from the target's outputs (vocab.py): the head is most of a tiny draft's cost.
 The embedding and head stay frozen: they are the target's, and the data is too small to improve them.
 """
@@ -16,14 +17,16 @@ from __future__ import annotations
 import copy
 
 import torch
+from edgespec.distill.eagle3_head import Eagle3Draft
 from edgespec.runtime.contract.errors import InputError
 
-DESIGNS = ("cut", "small", "eagle")
-FEATURE_DESIGNS = ("eagle",)  # designs whose draft reads the target's features
-DRAFT_LAYERS = {"cut": 2, "small": 2, "eagle": 1}
+DESIGNS = ("cut", "small", "eagle", "eagle3")
+FEATURE_DESIGNS = ("eagle", "eagle3")  # designs whose draft reads the target's features
+TAPPED_DESIGNS = ("eagle3",)  # designs that read several of the target's layers, not its final hidden state
+DRAFT_LAYERS = {"cut": 2, "small": 2, "eagle": 1, "eagle3": 1}
 # Measured on the reference target (benchmarks/history.md §17, §19): one feature-reading layer learns twice as fast
 # per minute as two, and takes a higher learning rate.
-LEARNING_RATE = {"cut": 5e-4, "small": 5e-4, "eagle": 1e-3}
+LEARNING_RATE = {"cut": 5e-4, "small": 5e-4, "eagle": 1e-3, "eagle3": 1e-3}
 
 
 def draft_config(target_config, design: str):
@@ -44,6 +47,9 @@ def build_draft(target, design: str):
 
     if design not in DESIGNS:
         raise InputError(f"unknown draft design {design!r}; choose one of {', '.join(DESIGNS)}")
+    if design == "eagle3":
+        draft = Eagle3Draft(target)
+        return draft, [name for name, _ in draft.named_parameters()]  # its frozen tables are buffers
     draft = type(target)(draft_config(target.config, design)).float()
     with torch.no_grad():
         head = target.get_output_embeddings().weight
@@ -70,10 +76,24 @@ def build_draft(target, design: str):
     return draft, trainable
 
 
+def head_rows(draft, head_tokens):
+    """The frozen head the draft's final hidden states multiply: the target's rows of the head tokens."""
+    if isinstance(draft, Eagle3Draft):
+        return draft.head_rows(head_tokens)
+    return draft.get_input_embeddings().weight[head_tokens]
+
+
+def regresses_features(draft) -> bool:
+    """Whether training also pulls the draft's output onto the target's feature (EAGLE; EAGLE-3 drops it)."""
+    return not isinstance(draft, Eagle3Draft)
+
+
 def draft_hidden(draft, ids, mask, features=None):
     """The draft's final hidden states [B, T, H]; a feature design mixes `features` [B, T, H] (the
-    target's feature before each token) into its input embeddings."""
+    target's feature before each token; eagle3: [B, T, 3H], its streams) into its input embeddings."""
 
+    if isinstance(draft, Eagle3Draft):
+        return draft.hidden_steps(ids, mask, features, 1, _step_mask)[0]
     if not hasattr(draft, "feature_fc"):
         return draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
     embedded = draft.get_input_embeddings()(ids)
@@ -91,6 +111,8 @@ def draft_hidden_steps(draft, ids, mask, features, steps: int) -> list:
     all rows: its keys are appended to the cache and `_step_mask` lets each row see exactly those keys.
     """
 
+    if isinstance(draft, Eagle3Draft):
+        return draft.hidden_steps(ids, mask, features, steps, _step_mask)
     embedded = draft.get_input_embeddings()(ids)
     positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
     out = draft.model(inputs_embeds=draft.feature_fc(torch.cat([embedded, features], dim=-1)),

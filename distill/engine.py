@@ -31,6 +31,7 @@ from edgespec.runtime.execution.sessions import make_session
 
 DATA_QUANTS = ("int4", "int8", "fp32")
 FACTS_FILE = "facts.json"  # written last: its presence says the graph is complete
+FEATURE_WIDTH = "feature_width"  # beside the facts: how wide the graph's features_out is
 
 
 def data_policy(quant: str) -> QuantPolicy:
@@ -43,20 +44,32 @@ def data_policy(quant: str) -> QuantPolicy:
     return QuantPolicy(QuantScheme(quant))
 
 
-def engine_graph(model, folder: Path, quant: str, context: int) -> tuple[Path, ModelFacts]:
+def engine_graph(model, folder: Path, quant: str, context: int, taps=None) -> tuple[Path, ModelFacts]:
     """The target's `sequences` graph, quantized by `data_policy(quant)`, as folder/target.onnx with its
-    facts beside it; it also returns the final hidden states (a feature-reading draft learns from them).
+    facts beside it (`engine_feature_width`: how wide its features are); it also returns the final hidden states (a
+    feature-reading draft learns from them), or with `taps` (exporters/eagle3.py: FeatureTaps without fc)
+    those residual streams concatenated (an EAGLE-3 head learns its fc over them).
     Written once, whole or not at all: a folder that holds it already is read, not rewritten."""
     if not (folder / FACTS_FILE).is_file():
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        builder = builder_for(model, context, features_out=True)
+        builder = builder_for(model, context, features_out=True, feature_taps=taps)
         save_graph(partial, "target", builder, data_policy(quant), parts=dict(sequences=True))
-        (partial / FACTS_FILE).write_text(json.dumps(builder.facts.to_dict()))
+        width = builder.facts.hidden_size if taps is None else taps.width(builder.facts.hidden_size)
+        (partial / FACTS_FILE).write_text(json.dumps({**builder.facts.to_dict(), FEATURE_WIDTH: width}))
         shutil.rmtree(folder, ignore_errors=True)
         partial.replace(folder)
-    return folder / "target.onnx", ModelFacts.from_dict(json.loads((folder / FACTS_FILE).read_text()))
+    saved = json.loads((folder / FACTS_FILE).read_text())
+    saved.pop(FEATURE_WIDTH, None)
+    return folder / "target.onnx", ModelFacts.from_dict(saved)
+
+
+def engine_feature_width(graph: Path) -> int:
+    """How wide the features of an `engine_graph` graph are (an engine from before EAGLE-3 heads: the final
+    hidden states)."""
+    saved = json.loads((graph.parent / FACTS_FILE).read_text())
+    return int(saved.get(FEATURE_WIDTH, saved["hidden_size"]))
 
 
 def top_k_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -79,8 +92,10 @@ class SequenceEngine:
     """KV buffers for `slots` sequences of up to `capacity` tokens, bound once per layout (all slots
     for a decoding step, one slot for a prefill)."""
 
-    def __init__(self, session: ort.InferenceSession, facts: ModelFacts, slots: int, capacity: int):
+    def __init__(self, session: ort.InferenceSession, facts: ModelFacts, slots: int, capacity: int,
+                 feature_width: int | None = None):
         self.session, self.facts, self.slots, self.capacity = session, facts, slots, capacity
+        self.feature_width = facts.hidden_size if feature_width is None else feature_width
         self.kv = np.zeros((facts.num_layers, 2, slots, facts.num_kv_heads, capacity, facts.head_dim), np.float32)
         self._bindings: dict[int | None, ort.IOBinding] = {}
 
@@ -100,7 +115,7 @@ class SequenceEngine:
             features: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         """S new tokens `ids` [B, S] of B sequences after `past` [B] cached tokens each: every slot
         (slot None, B = slots) or one slot (B = 1). Returns logits [R, V] of `logit_rows` (indices into
-        the B * S tokens, batch-major) and, with `features`, the final hidden states [B * S, H]."""
+        the B * S tokens, batch-major) and, with `features`, the graph's features [B * S, feature width]."""
         batch, new = ids.shape
         if int(past.max()) + new > self.capacity:
             raise ExportError(f"a sequence of {int(past.max()) + new} tokens does not fit the engine's "
@@ -116,7 +131,7 @@ class SequenceEngine:
             binding.bind_cpu_input(name, value)
         logits = np.empty((len(feed["logit_rows"]), self.facts.vocab_size), np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, [1, *logits.shape], logits.ctypes.data)
-        hidden = np.empty((batch * new, self.facts.hidden_size), np.float32)
+        hidden = np.empty((batch * new, self.feature_width), np.float32)
         if features:
             binding.bind_output(FEATURES_OUT, "cpu", 0, np.float32, [1, *hidden.shape], hidden.ctypes.data)
         else:  # onnxruntime allocates it; nothing reads it
@@ -128,16 +143,17 @@ class SequenceEngine:
 class OnnxTarget:
     """data.py's target operations on a SequenceEngine graph (see the module's docstring)."""
 
-    def __init__(self, graph: Path, facts: ModelFacts, slots: int, threads: int):
+    def __init__(self, graph: Path, facts: ModelFacts, slots: int, threads: int, feature_width: int | None = None):
         self.session = make_session(graph, ("CPUExecutionProvider",), threads)
         self.facts, self.slots = facts, slots
+        self.feature_width = facts.hidden_size if feature_width is None else feature_width
         self._engine_now: SequenceEngine | None = None
 
     def _engine(self, capacity: int) -> SequenceEngine:
         """The buffers, kept while they are long enough: binding them is a pass's worth of work."""
         if self._engine_now is None or self._engine_now.capacity < capacity:
             self._engine_now = None  # the old buffers go before the new ones come
-            self._engine_now = SequenceEngine(self.session, self.facts, self.slots, capacity)
+            self._engine_now = SequenceEngine(self.session, self.facts, self.slots, capacity, self.feature_width)
         return self._engine_now
 
     def answers(self, prompts: list[list[int]], max_new_tokens: int, top_k: int, eos_ids: set[int],
@@ -206,7 +222,7 @@ class OnnxTarget:
         return out
 
     def features(self, rows: list[np.ndarray]) -> list[np.ndarray]:
-        """The final hidden state [len, H] at every token of each row, one prefill pass per row."""
+        """The graph's features [len, feature width] at every token of each row, one prefill pass per row."""
         engine = self._engine(max(len(r) for r in rows))
         return [engine.run(np.asarray(row, np.int64)[None, :], np.zeros(1, np.int64), [len(row) - 1], slot=0,
                            features=True)[1] for row in rows]

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from edgespec.distill import data, prompts
 from edgespec.distill.data import DataConfig, feature_file
-from edgespec.distill.draft_model import FEATURE_DESIGNS
-from edgespec.distill.engine import DATA_QUANTS, OnnxTarget, engine_graph
+from edgespec.distill.draft_model import FEATURE_DESIGNS, TAPPED_DESIGNS
+from edgespec.distill.eagle3_head import target_taps
+from edgespec.distill.engine import DATA_QUANTS, OnnxTarget, engine_feature_width, engine_graph
 from edgespec.distill.train import TrainConfig, train
 from edgespec.exporters.drafts import DRAFT_INFO
 from edgespec.exporters.sources import resolve_source
@@ -140,6 +141,8 @@ def features_made_alike(config: DistillConfig) -> Path | None:
         return None  # not a distill run's state: make the features anew
     mine = config.settings()
     same = all(made_by.get(key) == mine[key] for key in ("target", "engine", "data_quant"))
+    # an eagle3 head reads three layers' streams, the other feature designs the final hidden state
+    same = same and (made_by.get("design") in TAPPED_DESIGNS) == (config.design in TAPPED_DESIGNS)
     return source if same else None
 
 
@@ -178,6 +181,8 @@ def distill(config: DistillConfig) -> Path:
     torch.manual_seed(config.seed)
     source = resolve_source(config.target, config.cache_dir)
     model, tokenizer = source.load()
+    if config.design in TAPPED_DESIGNS:
+        target_taps(model.config)  # a target too shallow for the design is refused before any data
     log(f"target {source.description}; budget {config.minutes:g} min; used so far {state.used_s}")
     phases = Phases(config, model, tokenizer, corpus, log)
     if config.data_from is not None:  # its chat and corpus shares are zero: those phases do not run
@@ -221,7 +226,7 @@ def _checked_corpus(config: DistillConfig) -> list[Path]:
         if trained_as != config.design:
             raise ExportError(f"{config.init} holds a {trained_as} draft; it cannot start a {config.design} one")
     if config.training.drafting_steps > 1 and config.design not in FEATURE_DESIGNS:
-        raise ExportError(f"--drafting-steps is for drafts that read the target's features (eagle); "
+        raise ExportError(f"--drafting-steps is for drafts that read the target's features (eagle, eagle3); "
                           f"the {config.design} design drafts every step alike")
     if config.data_from is not None and not data.shard_paths(config.data_from / "chat"):
         raise ExportError(f"{config.data_from} holds no target data: give the `data` folder of an earlier distill run")
@@ -246,10 +251,11 @@ class Phases:
             config = self.config
             if config.data_engine == "torch":
                 pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-                self._target = data.TorchTarget(self.model, config.device, config.data.batch, int(pad))
+                self._target = data.TorchTarget(self.model, config.device, config.data.batch, int(pad), self.taps)
             else:
                 graph, facts = self._engine_graph()
-                self._target = OnnxTarget(graph, facts, config.data.batch, config.threads or default_threads())
+                self._target = OnnxTarget(graph, facts, config.data.batch, config.threads or default_threads(),
+                                          engine_feature_width(graph))
         return self._target
 
     def _engine_graph(self):
@@ -257,7 +263,12 @@ class Phases:
         folder = self.config.out / "engine"
         context = min(getattr(self.model.config, "max_position_embeddings", None) or 8192, 8192)
         self.log(f"engine: the target's {self.config.data_quant} graph for the data in {folder}")
-        return engine_graph(self.model, folder, self.config.data_quant, context)
+        return engine_graph(self.model, folder, self.config.data_quant, context, self.taps)
+
+    @property
+    def taps(self):
+        """The target layers the design reads (exporters/eagle3.py: FeatureTaps); None: its final hidden state."""
+        return target_taps(self.model.config) if self.config.design in TAPPED_DESIGNS else None
 
     def all_shards(self) -> list[Path]:
         """The held-out shard first: training cannot measure itself without it."""

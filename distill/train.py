@@ -25,7 +25,10 @@ from edgespec.distill.draft_model import (
     build_draft,
     draft_hidden,
     draft_hidden_steps,
+    head_rows,
+    regresses_features,
 )
+from edgespec.distill.eagle3_head import Eagle3Draft, write_head
 from edgespec.distill.vocab import choose_head_tokens, coverage
 from edgespec.exporters.drafts import DRAFT_INFO
 from edgespec.runtime.contract.errors import InputError
@@ -176,7 +179,7 @@ def batch_loss(draft, head, batch: Batch, steps: int = 1):
     for step, (rows, logits) in enumerate(draft_outputs(draft, head, batch, steps), start=1):
         keep = batch.where[:, 1] >= step - 1
         step_loss = distill_loss(logits[keep], batch.idx[keep], batch.p[keep])
-        if batch.features_in is not None:
+        if batch.features_in is not None and regresses_features(draft):
             step_loss = step_loss + torch.nn.functional.smooth_l1_loss(rows[keep], batch.features_out[keep])
         loss = loss + LATER_STEP_WEIGHT ** (step - 1) * step_loss
     return loss
@@ -263,7 +266,7 @@ def train(target, tokenizer, shards: list[Path], held_out: list[Path], out: Path
     kept_index[head_tokens] = np.arange(len(head_tokens))
     held_top1 = np.concatenate([s.topk_ids[:, 0] for s in validation])
     draft.to(config.device)
-    head = draft.get_input_embeddings().weight[torch.from_numpy(head_tokens).to(config.device)]
+    head = head_rows(draft, torch.from_numpy(head_tokens).to(config.device))
     parameters = [p for n, p in draft.named_parameters() if n in trainable]
     optimizer = torch.optim.AdamW(parameters, lr=peak_learning_rate(config), weight_decay=config.weight_decay)
     step, used_s = 0, 0.0
@@ -370,6 +373,7 @@ def _trained_state(draft, trainable: list[str]) -> dict:
 
 
 FEATURE_FC_FILE = "feature_fc.safetensors"
+EAGLE3_FIXED = ("lm_head.weight", "d2t", "t2d")  # an eagle3 head's tensors that follow from its head tokens
 
 
 def draft_state(folder: Path) -> tuple[dict, dict]:
@@ -380,6 +384,8 @@ def draft_state(folder: Path) -> tuple[dict, dict]:
     state = {}
     for file in sorted(folder.glob("model*.safetensors")):
         state.update(load_file(file))
+    if info.get("training", {}).get("design") == "eagle3":  # the published layout: keep what training made
+        state = {k: v for k, v in state.items() if k not in EAGLE3_FIXED}
     if info.get("features") is not None:
         state.update({f"feature_fc.{k}": v for k, v in load_file(folder / info["features"]["file"]).items()})
     return info, state
@@ -402,8 +408,12 @@ def write_draft(draft, tokenizer, head_tokens: np.ndarray, report: dict, out: Pa
     """A Hugging Face folder (transformers loads it as is) plus what the exporter needs beyond it: the
     head tokens and, for a feature design, the projection of [embedding, feature] in its own file."""
     info = {"head_tokens": [int(t) for t in head_tokens], "training": report}
-    state = draft.state_dict()
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(draft, Eagle3Draft):  # the published layout, a head without a tokenizer of its own
+        write_head(draft, head_tokens, out)
+        (out / DRAFT_INFO).write_text(json.dumps(info))
+        return
+    state = draft.state_dict()
     if hasattr(draft, "feature_fc"):
 
         save_file({"weight": draft.feature_fc.weight.detach().contiguous(),

@@ -243,10 +243,11 @@ def _add_distill(sub) -> None:
                    help="local text or code (file or folder, repeatable) for prompts and teacher forcing; "
                         "default: this Python's standard library")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--design", default="cut", choices=("cut", "small", "eagle"),
+    p.add_argument("--design", default="cut", choices=("cut", "small", "eagle", "eagle3"),
                    help="cut: the target's first layers plus a trained adapter layer; small: a new narrow decoder; "
                         "eagle: one layer that also reads the target's final hidden state (the target's graph "
-                        "then returns it)")
+                        "then returns it); eagle3: a head in the published EAGLE-3 layout over three of the "
+                        "target's layers (SGLang, vLLM and `export --draft` read it)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--data", default=None, metavar="DIR",
@@ -256,8 +257,8 @@ def _add_distill(sub) -> None:
                    help="start training from a draft that edgespec distill wrote (same design): its weights and "
                         "its head tokens")
     p.add_argument("--drafting-steps", type=int, default=1,
-                   help="eagle design: train each row as the runtime drafts it at steps 1..N, reading the draft's "
-                        "own earlier features (deeper chains and trees accept more; each step costs a pass)")
+                   help="eagle and eagle3 designs: train each row as the runtime drafts it at steps 1..N, reading "
+                        "the draft's own earlier features (deeper chains and trees accept more; each step costs a pass)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the design's)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where torch trains the draft (and makes the data with --data-engine torch)")

@@ -40,10 +40,15 @@ TAPS = 3  # residual streams the published fc reads
 @dataclass(frozen=True)
 class FeatureTaps:
     """What a target graph returns as features for an EAGLE-3 head: the residual stream entering each of
-    `layers` (num_layers: after the last layer, before the final norm), concatenated and projected."""
+    `layers` (num_layers: after the last layer, before the final norm), concatenated and projected; without
+    `fc`, concatenated alone (distill's data engine: the head's fc is what it trains)."""
     layers: tuple[int, ...]
-    fc: np.ndarray  # [len(layers) * H, H], as the graph multiplies
+    fc: np.ndarray | None  # [len(layers) * H, H], as the graph multiplies
     bias: np.ndarray | None = None  # [H]
+
+    def width(self, hidden: int) -> int:
+        """How wide the features the graph returns are."""
+        return hidden if self.fc is not None else len(self.layers) * hidden
 
     def check(self, facts) -> None:
         if not all(0 <= l <= facts.num_layers for l in self.layers):
@@ -51,6 +56,8 @@ class FeatureTaps:
                               f"{facts.num_layers} layers: it was trained for another target")
 
     def project(self, g: GraphBuilder, streams: list[str]) -> str:
+        if self.fc is None:
+            return g.op("Concat", streams, axis=-1)
         out = g.op("MatMul", [g.op("Concat", streams, axis=-1), g.weight("eagle3_fc", self.fc)], "eagle3_fc")
         return out if self.bias is None else g.op("Add", [out, g.weight("eagle3_fc_bias", self.bias)])
 
@@ -81,7 +88,7 @@ class Eagle3Head:
                                   f"{want}: it was trained for another target")
         eagle = self.config.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        taps = tuple(int(i) + 1 for i in ids) if ids else (2, layers // 2, layers - 3)
+        taps = tuple(int(i) + 1 for i in ids) if ids else default_taps(layers)
         tokens = self.head_tokens
         if tokens is not None and (len(np.unique(tokens)) != len(tokens) or tokens.min() < 0
                                    or tokens.max() >= target_config.vocab_size):
@@ -89,6 +96,12 @@ class Eagle3Head:
                               f"{target_config.vocab_size} ids or onto one id twice")
         fc = self.tensors["fc.weight"].T
         return FeatureTaps(taps, np.ascontiguousarray(fc), self.tensors.get("fc.bias"))
+
+
+def default_taps(num_layers: int) -> tuple[int, int, int]:
+    """The residual streams a head without `eagle_aux_hidden_state_layer_ids` reads: the inputs of layers
+    (2, L // 2, L - 3), the default of SGLang, vLLM and EAGLE's own repository."""
+    return 2, num_layers // 2, num_layers - 3
 
 
 def is_eagle3_head(source) -> bool:

@@ -368,7 +368,8 @@ class LlamaBuilder(LayerAttention, Rotary):
         if taps is not None:
             if layers.stop in taps.layers:  # the residual stream after the last layer, before the final norm
                 tapped[layers.stop] = x if branch is None else g.op("Add", [x, branch])
-            g.output(taps.project(g, [tapped[l] for l in taps.layers]), FEATURES_OUT, FLOAT, [1, nodes, f.hidden_size])
+            g.output(taps.project(g, [tapped[l] for l in taps.layers]), FEATURES_OUT, FLOAT,
+                     [1, nodes, taps.width(f.hidden_size)])
         return x, branch
 
     def decoder_layer(self, g: GraphBuilder, x: str, branch: str | None, w: dict, attention) -> tuple[str, str]:
