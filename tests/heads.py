@@ -192,3 +192,24 @@ def medusa_reference(head_folder: Path, target, ids: list[int]) -> list[list[int
                 x = x + torch.nn.functional.silu(x @ w[f"{k}.{j}.linear.weight"].T + w[f"{k}.{j}.linear.bias"])
             ranked.append(torch.argsort(x @ w[f"{k}.{config['medusa_num_layers']}.weight"].T, descending=True).tolist())
     return ranked
+
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "{\"name\": \"edge"]
+
+
+def lossless_accepted(pipeline, prompts=PROMPTS) -> int:
+    """Greedy speculative output equals plain on each prompt, and a seeded sampled run completes; returns the
+    draft tokens the speculative runs accepted (a head whose proposals are never used would pass the rest)."""
+    from edgespec.runtime.decoding.engine import GenerationConfig
+    from edgespec.runtime.decoding.sampling import SamplingConfig
+
+    greedy = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
+    sampled = GenerationConfig(max_new_tokens=24, stop_at_eos=False, sampling=SamplingConfig(temperature=0.8, seed=3))
+    accepted = 0
+    for prompt in prompts:
+        plain = pipeline.generate(prompt, config=greedy, speculate=False)
+        spec = pipeline.generate(prompt, config=greedy, speculate=True)
+        assert spec.token_ids == plain.token_ids
+        accepted += spec.stats.accepted_drafts
+        assert len(pipeline.generate(prompt, config=sampled).token_ids) == 24
+    return accepted
