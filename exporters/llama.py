@@ -205,9 +205,8 @@ class LlamaBuilder(LayerAttention, Rotary):
 
     @property
     def flushes_attention(self) -> bool:
-        """Whether a layer goes to the weight sink in two parts (its attention, then its MLP): a large
-        layer's float32 weights a part at a time, each while the next is read, would hold three layers'
-        worth (IN_FLIGHT; an 8B layer: history.md §80)."""
+        """Whether a layer goes to the weight sink as two parts (attention, then MLP): a large layer's float32
+        weights, held IN_FLIGHT times over while the next is read, would not fit (8B: history.md §80)."""
         return 4 * self.facts.layer_parameters() > LAYER_PART_BYTES
 
     def parameter_count(self) -> int:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 import onnx
-import torch
+from edgespec.quant.nbits import c_order
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 21  # int4 tensors (MatMulNBits weights) need opset 21 and IR version 10
@@ -163,15 +163,7 @@ def _read(value) -> np.ndarray:
 
 
 def _array(value) -> np.ndarray:
-    return contiguous(_read(value))
-
-
-def contiguous(array: np.ndarray) -> np.ndarray:
-    """`array` in C order; a transposed matrix (a checkpoint's [out, in] as a MatMul's [in, out]) is copied by
-    torch, which does it blocked and on every core, several times faster than numpy's strided copy."""
-    if array.ndim == 2 and not array.flags.c_contiguous and array.flags.f_contiguous and array.size > 1 << 16:
-        return torch.from_numpy(array.T).t().contiguous().numpy()
-    return np.ascontiguousarray(array)
+    return c_order(_read(value))
 
 
 def topological(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 from edgespec.quant.apply import check_policy_names, packs_directly, quantize_model
-from edgespec.quant.nbits import packable
+from edgespec.quant.nbits import c_order, packable
 from edgespec.quant.schemes import QuantPolicy
 from edgespec.runtime.contract.errors import ExportError
 from onnx import helper
 from tqdm import tqdm
 
-from .onnx_builder import IN_FLIGHT, OPSET, contiguous
+from .onnx_builder import IN_FLIGHT, OPSET
 from .weights import append_external, point_external
 
 
@@ -92,7 +92,7 @@ class StreamedWeights:
         part.ir_version = 10
         packed = self._packed_in_place(nodes, weights)
         for name in list(weights):  # into the part's own message: one copy of each array, not numpy_helper's two
-            array = contiguous(weights.pop(name))
+            array = c_order(weights.pop(name))
             tensor = part.graph.initializer.add()
             tensor.name, tensor.data_type = name, onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
             tensor.dims.extend(array.shape)

@@ -73,19 +73,20 @@ def _symmetric_rows(blocks: np.ndarray, bits: int, packed: np.ndarray, scales: n
 def _rows(weight: np.ndarray, start: int, stop: int) -> np.ndarray:
     """Output columns start..stop of `weight` [K, N] as C-ordered rows [stop - start, K]: a checkpoint's own
     rows where `weight` is its matrix seen transposed."""
-    return _transposed(weight.T[start:stop])
+    return c_order(weight.T[start:stop])
 
 
 def _columns(weight: np.ndarray, start: int, stop: int) -> np.ndarray:
     """weight[:, start:stop] in C order."""
-    return _transposed(weight[:, start:stop])
+    return c_order(weight[:, start:stop])
 
 
-def _transposed(part: np.ndarray) -> np.ndarray:
-    """`part` in C order; where it is a C-ordered matrix seen transposed, torch's blocked copy is the fast one."""
-    if part.flags.f_contiguous and not part.flags.c_contiguous:
-        return _read_only(part.T).t().contiguous().numpy()
-    return np.ascontiguousarray(part, dtype=np.float32)
+def c_order(array: np.ndarray) -> np.ndarray:
+    """`array` in C order; a C-ordered matrix seen transposed (a checkpoint's [out, in] as MatMul's [in, out])
+    is copied by torch, blocked and on every core, several times faster than numpy's strided copy."""
+    if array.ndim == 2 and array.flags.f_contiguous and not array.flags.c_contiguous and array.size > 1 << 16:
+        return _read_only(array.T).t().contiguous().numpy()
+    return np.ascontiguousarray(array)
 
 
 def _read_only(array: np.ndarray) -> torch.Tensor:
